@@ -1,0 +1,196 @@
+"""``fedskew`` command line: run | methods | report. Thin: parse, validate, call, print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedskew import __version__
+
+# flag name -> config key; every one of these overrides the YAML file
+RUN_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--method": ("method", str, "method or composition (see `fedskew methods`)"),
+    "--dataset": ("dataset", str, "digits (embedded), mnist, ..."),
+    "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
+    "--partition": ("partition", str, "iid | dir | pat | dirfixed | niid2 | quantity"),
+    "--alpha": ("alpha", float, "Dirichlet concentration"),
+    "--classes-per-client": ("classes_per_client", int, "classes per client for pat"),
+    "--min-size": ("min_size", int, "minimum samples per client for dir"),
+    "--clients": ("clients", int, "number of clients"),
+    "--join-ratio": ("join_ratio", float, "share of clients sampled per round"),
+    "--rounds": ("rounds", int, "communication rounds"),
+    "--local-epochs": ("local_epochs", int, "local epochs per round"),
+    "--batch-size": ("batch_size", int, "local batch size"),
+    "--lr": ("lr", float, "local SGD learning rate"),
+    "--momentum": ("momentum", float, "local SGD momentum"),
+    "--weight-decay": ("weight_decay", float, "local SGD weight decay"),
+    "--model": ("model", str, "mlp | cnn | lenet | resnet8/10/18/34 | auto"),
+    "--train-ratio": ("train_ratio", float, "per-client train share (rest = local test)"),
+    "--eval-every": ("eval_every", int, "evaluate every N rounds"),
+    "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
+    "--seed": ("seed", int, "the one seed of the run"),
+    "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
+    "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
+    "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
+}
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"error: --method-arg expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedskew", description="Federated learning under data heterogeneity.")
+    p.add_argument("--version", action="version", version=f"fedskew {__version__}")
+    sub = p.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="run one simulated federation (no arguments: the digits main job)")
+    run.add_argument("--config", help="YAML file of settings; flags override it")
+    for flag, (_, typ, help_) in RUN_FLAGS.items():
+        run.add_argument(flag, type=typ, default=None, help=help_)
+    run.add_argument("--method-arg", "-m", action="append", default=[], metavar="KEY=VALUE",
+                     help="method hyper-parameter, repeatable (e.g. -m weights=uniform)")
+    run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub.add_parser("methods", help="list the available methods and building blocks")
+
+    rep = sub.add_parser("report", help="markdown table of runs grouped by config, mean ± std over seeds")
+    rep.add_argument("--db", default="runs/fedskew.db")
+    rep.add_argument("--metric", default="global_acc", help="global_acc | global_local_acc | personal_acc | ...")
+    return p
+
+
+def _config_from_args(args: argparse.Namespace):
+    from fedskew.config import load_yaml, make_config
+
+    file_values = load_yaml(args.config) if args.config else {}
+    overrides: dict[str, Any] = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    if args.method_arg:
+        overrides["method_args"] = _parse_kv(args.method_arg)
+    if args.no_db:
+        file_values["db"] = None
+        overrides.pop("db", None)
+    return make_config(file_values, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedskew.runner import run_experiment
+
+    console = Console(stderr=True)
+    cfg = _config_from_args(args)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[acc]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.quiet,
+    )
+    with progress:
+        task = progress.add_task(f"{cfg.method} on {cfg.dataset}", total=cfg.rounds, acc="")
+
+        def on_round(result) -> None:
+            rec = result.record
+            acc = f"acc {100 * rec['global_acc']:.2f}%" if "global_acc" in rec else ""
+            progress.update(task, advance=1, acc=acc)
+
+        outcome = run_experiment(cfg, overwrite=args.overwrite, on_round=on_round)
+    print_summary(outcome.summary, outcome.run_dir, cfg)
+    return 0
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fedskew {cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
+                        f"{cfg.rounds} rounds, seed {cfg.seed})")
+    table.add_column("metric")
+    table.add_column("final", justify="right")
+    table.add_column("best (round)", justify="right")
+    table.add_column(f"last {summary['last_n']} mean ± std", justify="right")
+    labels = {
+        "global_acc": "global model, global test",
+        "global_local_acc": "global model, clients' tests (weighted)",
+        "global_local_acc_mean": "global model, clients' tests (mean)",
+        "global_local_acc_worst10": "global model, worst-10% clients",
+        "personal_acc": "personal models (weighted)",
+        "personal_acc_mean": "personal models (mean)",
+        "personal_acc_worst10": "personal models, worst-10% clients",
+    }
+    for key, label in labels.items():
+        if key not in summary:
+            continue
+        s = summary[key]
+        table.add_row(label, f"{100 * s['final']:.2f}%", f"{100 * s['best']:.2f}% ({s['best_round']})",
+                      f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%")
+    console = Console()
+    console.print(table)
+    console.print(f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
+                  f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s")
+    console.print(f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json)"
+                  + (f"; database {cfg.db}" if cfg.db else ""))
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from fedskew.methods import describe_methods
+
+    rows = describe_methods()
+    width = max(len(r[0]) for r in rows)
+    print("Methods compose as CLIENT[+PLUGIN...], e.g. fedavg, fedsa, fedavg+disco.\n")
+    for name, kind, summary in rows:
+        print(f"  {name:<{width}}  [{kind}]  {summary}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedskew.results.report import markdown_report
+    from fedskew.results.store import ResultsDB
+
+    if not Path(args.db).is_file():
+        print(f"error: no results database at {args.db}", file=sys.stderr)
+        return 2
+    with ResultsDB(args.db) as db:
+        print(markdown_report(db.runs(), args.metric))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedskew.config import ConfigError
+    from fedskew.data.partition import PartitionError
+    from fedskew.data.readers import DataError
+    from fedskew.server.api import UpdateError
+
+    args = build_parser().parse_args(argv)
+    command = args.command or "run"
+    if args.command is None:  # `fedskew` alone = the main job
+        args = build_parser().parse_args(["run", *(argv or [])])
+    handlers = {"run": cmd_run, "methods": cmd_methods, "report": cmd_report}
+    try:
+        return handlers[command](args)
+    except (ConfigError, DataError, PartitionError, UpdateError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written for this run", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Client side: the one local-training loop, and the hooks through which local algorithms change it.
+
+A local algorithm never copies the loop. It overrides hooks:
+
+* ``begin``            after the received model is loaded (e.g. keep a frozen copy of the global weights),
+* ``loss``             the local objective from logits and features (FedProx adds a proximal term, MOON a contrastive one),
+* ``after_backward``   gradient corrections before the optimizer step (SCAFFOLD),
+* ``end``              extra tensors to upload with the model (SCAFFOLD's control delta, FedCAC's masks),
+
+and, for algorithms with a server-side part, ``server_init`` / ``broadcast`` / ``server_update``, which the engine
+calls around the server aggregation (SCAFFOLD's global control variate). Everything is seeded by the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedskew.server.api import ClientUpdate, Params, RoundInput, ServerContext, State
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    drop_last: bool = False
+
+
+@dataclass
+class LocalContext:
+    """Everything one client's local training can see; hooks may stash per-call values in ``scratch``."""
+
+    cid: int
+    round: int
+    model: nn.Module
+    received: Params
+    client_state: dict[str, Any]  # persists across rounds for this client
+    broadcast: Params  # extra tensors the server sent (e.g. SCAFFOLD's c)
+    settings: TrainSettings
+    steps: int = 0
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+class LocalAlgorithm:
+    """Plain local SGD on cross-entropy (FedAvg's client). Subclasses override hooks."""
+
+    name = "sgd"
+
+    # client-side hooks
+    def begin(self, ctx: LocalContext) -> None:
+        return None
+
+    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        return F.cross_entropy(logits, y)
+
+    def after_backward(self, ctx: LocalContext) -> None:
+        return None
+
+    def end(self, ctx: LocalContext) -> Params:
+        return {}
+
+    # server-side part
+    def server_init(self, ctx: ServerContext) -> State:
+        return None
+
+    def broadcast(self, state: State) -> Params:
+        return {}
+
+    def server_update(self, rin: RoundInput, state: State) -> State:
+        return state
+
+
+def snapshot(model: nn.Module) -> Params:
+    """A detached copy of the model's full state dict."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def local_train(
+    algo: LocalAlgorithm,
+    ctx: LocalContext,
+    x: Tensor,
+    y: Tensor,
+    generator: torch.Generator,
+) -> ClientUpdate:
+    """Load ``ctx.received`` into ``ctx.model``, train on the resident tensors ``x, y``, return the upload.
+
+    Batches are index slices of a seeded permutation per epoch (no DataLoader); ``generator`` fixes the order.
+    """
+    model, s = ctx.model, ctx.settings
+    model.load_state_dict(ctx.received)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    algo.begin(ctx)
+    n = x.shape[0]
+    bs = min(s.batch_size, n)
+    n_batches = n // bs if s.drop_last else math.ceil(n / bs)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    seen = 0
+    for _ in range(s.epochs):
+        perm = torch.randperm(n, generator=generator).to(x.device)
+        for b in range(n_batches):
+            idx = perm[b * bs : (b + 1) * bs]
+            xb, yb = x[idx], y[idx]
+            opt.zero_grad(set_to_none=True)
+            feats = model.body(xb)
+            logits = model.head(feats)
+            loss = algo.loss(ctx, logits, feats, yb, xb)
+            loss.backward()
+            algo.after_backward(ctx)
+            opt.step()
+            ctx.steps += 1
+            loss_sum += loss.detach() * yb.shape[0]
+            seen += yb.shape[0]
+    extras = algo.end(ctx)
+    train_loss = float(loss_sum) / max(seen, 1)
+    return ClientUpdate(
+        cid=ctx.cid,
+        params=snapshot(model),
+        num_samples=n,
+        extras=extras,
+        metrics={"train_loss": train_loss, "steps": float(ctx.steps)},
+    )

@@ -1,0 +1,142 @@
+"""The run configuration: one validated schema, filled from defaults < YAML file < command-line flags."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value fedskew cannot run with; the message names the key and the value."""
+
+
+PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity"]
+
+
+class RunConfig(BaseModel):
+    """Every setting of one simulated federation. Defaults are the main job on the embedded digits data."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # what to run
+    method: str = Field("fedavg", description="method name or composition, e.g. fedavg, fedsa, fedprox+disco")
+    method_args: dict[str, Any] = Field(default_factory=dict, description="method hyper-parameters")
+    # data
+    dataset: str = "digits"
+    data_dir: str | None = Field(None, description="directory with the dataset files (env FEDSKEW_DATA)")
+    partition: PartitionName = "dir"
+    alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
+    classes_per_client: int = Field(2, ge=1, description="classes per client (pat)")
+    min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
+    samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
+    clients: int = Field(10, ge=1)
+    train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
+    holdout: float = Field(
+        0.2, gt=0, lt=1, description="global test share of the pool, for datasets without an official test split"
+    )
+    # federation
+    rounds: int = Field(40, ge=1)
+    join_ratio: float = Field(1.0, gt=0, le=1, description="share of clients sampled each round")
+    # local training
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(10, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    drop_last: bool = False
+    model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, or auto")
+    norm: Literal["bn", "gn"] = "bn"
+    # evaluation and output
+    eval_every: int = Field(1, ge=1)
+    eval_batch_size: int = Field(2048, ge=1)
+    last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
+    seed: int = Field(0, ge=0)
+    device: str = "cpu"
+    out: str | None = Field(None, description="run directory (default runs/<name>)")
+    db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
+
+    @field_validator("method")
+    @classmethod
+    def _method_known(cls, v: str) -> str:
+        from fedskew.methods import resolve_method
+
+        resolve_method(v, {})  # raises ConfigError naming the unknown part
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, v: str) -> str:
+        import torch
+
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"not a torch device: {v!r}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {v!r} requested but CUDA is not available")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        from fedskew.methods import resolve_method
+
+        resolve_method(self.method, self.method_args)  # validates the hyper-parameters
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that define an experiment (everything except seed and where output goes)."""
+        return self.model_dump(exclude={"seed", "out", "db", "device", "data_dir", "eval_batch_size"})
+
+    def group_key(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{loc}: {err['msg']}{shown}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of settings, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults < file values < overrides (``None`` overrides are ignored), validated as a whole."""
+    values: dict[str, Any] = dict(file_values or {})
+    for k, v in (overrides or {}).items():
+        if v is None:
+            continue
+        if k == "method_args":
+            values["method_args"] = {**values.get("method_args", {}), **v}
+        else:
+            values[k] = v
+    try:
+        return RunConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

@@ -1,0 +1,115 @@
+"""A federation's data, resident on the device: per-client train/test tensors and a global test set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedskew.config import RunConfig
+from fedskew.data.partition import label_histograms, make_partition, train_test_split_clients
+from fedskew.data.readers import ImageDataset, load_dataset
+from fedskew.seeding import Purpose, numpy_rng
+
+
+@dataclass(frozen=True)
+class ClientData:
+    cid: int
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+
+
+@dataclass(frozen=True)
+class FederatedData:
+    name: str
+    num_classes: int
+    in_channels: int
+    image_size: int
+    clients: list[ClientData]
+    x_test: Tensor  # global test set
+    y_test: Tensor
+    train_hists: np.ndarray  # [N, C] per-client training label histogram
+    test_hists: np.ndarray  # [N, C] per-client local-test label histogram
+    # all clients' local test sets concatenated, with the owner of each sample (for one-pass evaluation)
+    local_x: Tensor
+    local_y: Tensor
+    local_owner: Tensor
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    @property
+    def num_train(self) -> np.ndarray:
+        return self.train_hists.sum(1)
+
+
+def to_float(x: np.ndarray, device: torch.device | str) -> Tensor:
+    """uint8 images -> float32 in [-1, 1] ((x/255 - 0.5) / 0.5, as PFLlib stores them)."""
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    return t.float().div_(127.5).sub_(1.0)
+
+
+def split_holdout(labels: np.ndarray, share: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified split of a pool into (rest, holdout) with ``share`` of each class held out."""
+    rest, hold = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        k = int(round(share * len(idx)))
+        hold.append(idx[:k])
+        rest.append(idx[k:])
+    return np.sort(np.concatenate(rest)), np.sort(np.concatenate(hold))
+
+
+def partition_params(cfg: RunConfig) -> dict[str, object]:
+    """The partition's own parameters from the run configuration."""
+    return {
+        "iid": {},
+        "dir": {"alpha": cfg.alpha, "min_size": cfg.min_size},
+        "pat": {"classes_per_client": cfg.classes_per_client},
+        "dirfixed": {"alpha": cfg.alpha, "samples_per_client": cfg.samples_per_client},
+        "niid2": {},
+        "quantity": {"beta": cfg.alpha},
+    }[cfg.partition]
+
+
+def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
+    """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
+    ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir)
+    if ds.x_test is None or ds.y_test is None:
+        pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
+        x_pool, y_pool = ds.x_train[pool_idx], ds.y_train[pool_idx]
+        x_gtest, y_gtest = ds.x_train[hold_idx], ds.y_train[hold_idx]
+    else:
+        x_pool, y_pool, x_gtest, y_gtest = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    parts = make_partition(
+        cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
+    )
+    train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
+    dev = torch.device(cfg.device)
+    x_all = to_float(x_pool, dev)
+    y_all = torch.from_numpy(y_pool.astype(np.int64)).to(dev)
+    clients = []
+    for cid, (tr, te) in enumerate(zip(train_parts, test_parts, strict=True)):
+        tr_t = torch.from_numpy(tr).to(dev)
+        te_t = torch.from_numpy(te).to(dev)
+        clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t]))
+    owner = torch.cat([torch.full((len(te),), cid, dtype=torch.long) for cid, te in enumerate(test_parts)]).to(dev)
+    return FederatedData(
+        name=ds.name,
+        num_classes=ds.num_classes,
+        in_channels=int(ds.x_train.shape[1]),
+        image_size=int(ds.x_train.shape[2]),
+        clients=clients,
+        x_test=to_float(x_gtest, dev),
+        y_test=torch.from_numpy(y_gtest.astype(np.int64)).to(dev),
+        train_hists=label_histograms(y_pool, train_parts, ds.num_classes),
+        test_hists=label_histograms(y_pool, test_parts, ds.num_classes),
+        local_x=torch.cat([c.x_test for c in clients]),
+        local_y=torch.cat([c.y_test for c in clients]),
+        local_owner=owner,
+    )

@@ -1,0 +1,211 @@
+"""The one round loop. Methods plug into it; none copies it.
+
+One round, as a reader should see it::
+
+    participants = sample(round)                       # seeded by (seed, round)
+    for cid in participants:
+        received = personal[cid] or global             # what this client gets (+ server broadcast extras)
+        update   = local_train(method.client, ...)     # one reusable model, resident tensors, seeded order
+    rin      = stack_updates(updates)                  # validated, [K, ...] per tensor
+    server   = method.server.aggregate(rin, state)     # weights -> masks -> combine, or personalized
+    evaluate(global / global_local / personal views)   # on the eval cadence
+    record   -> metrics.jsonl, SQLite, progress bar
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
+from fedskew.config import RunConfig
+from fedskew.data.federated import FederatedData
+from fedskew.engine.evaluate import ClientScores, evaluate_global, predict_scores, summarize
+from fedskew.methods import Method, resolve_method
+from fedskew.models import build_model
+from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
+from fedskew.server.api import Params, ServerContext, stack_updates
+
+TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_round")
+
+
+def payload_bytes(tensors: Params) -> int:
+    """Bytes on the wire: boolean tensors (masks) count 1 bit per element, others their dtype size."""
+    total = 0
+    for t in tensors.values():
+        total += math.ceil(t.numel() / 8) if t.dtype == torch.bool else t.numel() * t.element_size()
+    return total
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> list[int]:
+    """``max(1, round(join_ratio * N))`` distinct clients, drawn from a stream keyed by (seed, round)."""
+    m = max(1, int(round(join_ratio * num_clients)))
+    if m >= num_clients:
+        return list(range(num_clients))
+    rng = numpy_rng(seed, Purpose.SAMPLING, rnd)
+    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+
+
+def resolve_model_name(cfg: RunConfig, data: FederatedData) -> str:
+    if cfg.model != "auto":
+        return cfg.model
+    return "cnn" if data.image_size >= 16 else "mlp"
+
+
+def init_model(cfg: RunConfig, data: FederatedData) -> nn.Module:
+    """Build the model with weights drawn from the run's init stream (global torch RNG left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+        model = build_model(
+            resolve_model_name(cfg, data),
+            in_channels=data.in_channels,
+            image_size=data.image_size,
+            num_classes=data.num_classes,
+            norm=cfg.norm,
+        )
+    return model.to(torch.device(cfg.device))
+
+
+@dataclass
+class RoundResult:
+    record: dict[str, Any]  # one line of metrics.jsonl
+    client_scores: dict[str, ClientScores] = field(default_factory=dict)  # view -> per-client scores
+
+
+class Simulation:
+    """A seeded, single-process simulation of one federation."""
+
+    def __init__(self, cfg: RunConfig, data: FederatedData, method: Method | None = None) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.method = method or resolve_method(cfg.method, cfg.method_args)
+        self.model = init_model(cfg, data)
+        self.global_params: Params = snapshot(self.model)
+        self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
+        self.personal: dict[int, Params] = {}
+        self.client_states: dict[int, dict[str, Any]] = {c: {} for c in range(data.num_clients)}
+        self.settings = TrainSettings(
+            epochs=cfg.local_epochs,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            drop_last=cfg.drop_last,
+        )
+        self.ctx = ServerContext(
+            num_clients=data.num_clients,
+            num_classes=data.num_classes,
+            template=self.global_params,
+            trainable=self.trainable,
+            num_train=data.num_train,
+            label_hists=data.train_hists,
+        )
+        self.server_state = self.method.server.init(self.ctx)
+        self.client_server_state = self.method.client.server_init(self.ctx)
+
+    @property
+    def model_name(self) -> str:
+        return resolve_model_name(self.cfg, self.data)
+
+    # ---- one round ---------------------------------------------------------------------------------------
+    def round(self, rnd: int) -> RoundResult:
+        cfg, data, method = self.cfg, self.data, self.method
+        t0 = time.perf_counter()
+        participants = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
+        broadcast = method.client.broadcast(self.client_server_state)
+        updates, bytes_down = [], 0
+        for cid in participants:
+            received = self.personal.get(cid, self.global_params)
+            bytes_down += payload_bytes(received) + payload_bytes(broadcast)
+            ctx = LocalContext(
+                cid=cid,
+                round=rnd,
+                model=self.model,
+                received=received,
+                client_state=self.client_states[cid],
+                broadcast=broadcast,
+                settings=self.settings,
+            )
+            client = data.clients[cid]
+            gen = torch_generator(cfg.seed, Purpose.SHUFFLE, cid, rnd)
+            updates.append(local_train(method.client, ctx, client.x_train, client.y_train, gen))
+        t1 = time.perf_counter()
+
+        rin = stack_updates(
+            updates,
+            rnd=rnd,
+            global_params=self.global_params,
+            trainable=self.trainable,
+            label_hists=data.train_hists[participants],
+        )
+        self.client_server_state = method.client.server_update(rin, self.client_server_state)
+        out, self.server_state = method.server.aggregate(rin, self.server_state)
+        self.global_params = out.global_params
+        if out.personal:
+            self.personal.update(out.personal)
+        t2 = time.perf_counter()
+
+        n = np.array([u.num_samples for u in updates], dtype=np.float64)
+        losses = np.array([u.metrics.get("train_loss", float("nan")) for u in updates])
+        record: dict[str, Any] = {
+            "round": rnd,
+            "participants": len(participants),
+            "train_loss": float((n * losses).sum() / n.sum()),
+        }
+        scores: dict[str, ClientScores] = {}
+        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+        if evaluated:
+            record_eval, scores = self.evaluate()
+            record.update(record_eval)
+        t3 = time.perf_counter()
+        record.update(
+            {
+                "bytes_up": sum(payload_bytes(u.params) + payload_bytes(u.extras) for u in updates),
+                "bytes_down": bytes_down,
+                "time_train": t1 - t0,
+                "time_aggregate": t2 - t1,
+                "time_eval": t3 - t2,
+                "time_round": t3 - t0,
+                "evaluated": evaluated,
+            }
+        )
+        if out.diagnostics:
+            record["diagnostics"] = out.diagnostics
+        return RoundResult(record, scores)
+
+    # ---- evaluation views --------------------------------------------------------------------------------
+    def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
+        data, bs = self.data, self.cfg.eval_batch_size
+        self.model.load_state_dict(self.global_params)
+        rec = evaluate_global(self.model, data.x_test, data.y_test, bs)
+        scores = {"global_local": predict_scores(self.model, data.local_x, data.local_y, data.local_owner,
+                                                 data.num_clients, bs)}
+        rec.update(summarize("global_local", scores["global_local"]))
+        if self.method.personalized:
+            correct = np.zeros(data.num_clients)
+            loss = np.zeros(data.num_clients)
+            count = np.zeros(data.num_clients)
+            for c in data.clients:
+                self.model.load_state_dict(self.personal.get(c.cid, self.global_params))
+                owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
+                s = predict_scores(self.model, c.x_test, c.y_test, owner, 1, bs)
+                correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
+            scores["personal"] = ClientScores(correct, loss, count)
+            rec.update(summarize("personal", scores["personal"]))
+        return rec, scores
+
+    def run(self, on_round: Callable[[RoundResult], None] | None = None) -> list[dict[str, Any]]:
+        records = []
+        for rnd in range(1, self.cfg.rounds + 1):
+            result = self.round(rnd)
+            records.append(result.record)
+            if on_round is not None:
+                on_round(result)
+        return records

@@ -1,0 +1,231 @@
+"""Where results go: a run directory (config.yaml, metrics.jsonl, summary.json) and an SQLite database.
+
+The run directory is written under a temporary name and renamed into place only when the run finished, and the
+database rows of a run are inserted in one transaction, so an interrupted run leaves neither a half-written
+directory nor half a run in the database.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedskew import __version__
+from fedskew.config import RunConfig, dump_yaml
+from fedskew.engine.evaluate import ClientScores
+from fedskew.engine.loop import TIMING_KEYS
+
+SUMMARY_KEYS = (
+    "global_acc",
+    "global_local_acc",
+    "global_local_acc_mean",
+    "global_local_acc_worst10",
+    "personal_acc",
+    "personal_acc_mean",
+    "personal_acc_worst10",
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    created TEXT NOT NULL,
+    group_key TEXT NOT NULL,
+    method TEXT NOT NULL,
+    dataset TEXT NOT NULL,
+    partition TEXT NOT NULL,
+    seed INTEGER NOT NULL,
+    rounds INTEGER NOT NULL,
+    config TEXT NOT NULL,
+    summary TEXT NOT NULL,
+    run_dir TEXT,
+    version TEXT NOT NULL,
+    wall_time REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    run_id TEXT NOT NULL REFERENCES runs(run_id) ON DELETE CASCADE,
+    round INTEGER NOT NULL,
+    train_loss REAL,
+    global_acc REAL,
+    global_local_acc REAL,
+    personal_acc REAL,
+    metrics TEXT NOT NULL,
+    PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS client_metrics (
+    run_id TEXT NOT NULL REFERENCES runs(run_id) ON DELETE CASCADE,
+    round INTEGER NOT NULL,
+    cid INTEGER NOT NULL,
+    view TEXT NOT NULL,
+    accuracy REAL NOT NULL,
+    loss REAL NOT NULL,
+    n_test INTEGER NOT NULL,
+    PRIMARY KEY (run_id, round, cid, view)
+);
+"""
+
+
+def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
+    """Best round and mean/std of the last ``last_n`` evaluated rounds, for every accuracy key present."""
+    evaluated = [r for r in records if r.get("evaluated")]
+    out: dict[str, Any] = {"rounds": len(records), "evaluated_rounds": len(evaluated), "last_n": last_n}
+    for key in SUMMARY_KEYS:
+        vals = [(r["round"], r[key]) for r in evaluated if key in r]
+        if not vals:
+            continue
+        best_round, best = max(vals, key=lambda t: (t[1], -t[0]))
+        tail = np.array([v for _, v in vals[-last_n:]])
+        out[key] = {
+            "best": best,
+            "best_round": best_round,
+            "last_n_mean": float(tail.mean()),
+            "last_n_std": float(tail.std()),
+            "final": vals[-1][1],
+        }
+    for key in TIMING_KEYS:
+        out[f"mean_{key}"] = float(np.mean([r[key] for r in records]))
+    out["bytes_up_per_round"] = float(np.mean([r["bytes_up"] for r in records]))
+    out["bytes_down_per_round"] = float(np.mean([r["bytes_down"] for r in records]))
+    return out
+
+
+def default_run_dir(cfg: RunConfig, stamp: str) -> Path:
+    safe = cfg.method.replace("+", "_")
+    return Path("runs") / f"{stamp}-{safe}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}"
+
+
+class RunWriter:
+    """Streams a run into a temporary directory; :meth:`commit` moves it into place."""
+
+    def __init__(self, out_dir: Path, cfg: RunConfig, *, overwrite: bool = False) -> None:
+        self.out_dir = out_dir
+        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+            raise FileExistsError(f"run directory {out_dir} exists and is not empty (use --overwrite to replace it)")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        (self.tmp / "config.yaml").write_text(dump_yaml(cfg))
+        self._metrics = (self.tmp / "metrics.jsonl").open("w")
+
+    def write_round(self, record: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(record, sort_keys=True, allow_nan=True) + "\n")
+        self._metrics.flush()
+
+    def write_file(self, name: str, text: str) -> None:
+        (self.tmp / name).write_text(text)
+
+    def commit(self, summary: dict[str, Any]) -> Path:
+        self._metrics.close()
+        (self.tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        if self.out_dir.exists():
+            shutil.rmtree(self.out_dir)
+        self.tmp.rename(self.out_dir)
+        return self.out_dir
+
+    def abort(self) -> None:
+        self._metrics.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+class ResultsDB:
+    """The SQLite store of runs, round metrics and per-client metrics."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(self.path)
+        self.conn.execute("PRAGMA foreign_keys = ON")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ResultsDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_run(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        created: str,
+        summary: dict[str, Any],
+        records: list[dict[str, Any]],
+        client_rows: Iterable[tuple[int, int, str, float, float, int]],
+        run_dir: str | None,
+    ) -> None:
+        """Insert one finished run with all its rows, atomically."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run_id,
+                    created,
+                    cfg.group_key(),
+                    cfg.method,
+                    cfg.dataset,
+                    cfg.partition,
+                    cfg.seed,
+                    cfg.rounds,
+                    json.dumps(cfg.model_dump(), sort_keys=True),
+                    json.dumps(summary, sort_keys=True),
+                    run_dir,
+                    __version__,
+                    float(summary.get("wall_time", 0.0)),
+                ),
+            )
+            self.conn.executemany(
+                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?)",
+                [
+                    (
+                        run_id,
+                        r["round"],
+                        _num(r.get("train_loss")),
+                        _num(r.get("global_acc")),
+                        _num(r.get("global_local_acc")),
+                        _num(r.get("personal_acc")),
+                        json.dumps(r, sort_keys=True),
+                    )
+                    for r in records
+                ],
+            )
+            self.conn.executemany(
+                "INSERT INTO client_metrics VALUES (?,?,?,?,?,?,?)",
+                [(run_id, *row) for row in client_rows],
+            )
+
+    def runs(self) -> list[dict[str, Any]]:
+        cur = self.conn.execute(
+            "SELECT run_id, created, group_key, method, dataset, partition, seed, rounds, config, summary "
+            "FROM runs ORDER BY created"
+        )
+        cols = [d[0] for d in cur.description]
+        out = []
+        for row in cur.fetchall():
+            rec = dict(zip(cols, row, strict=True))
+            rec["config"] = json.loads(rec["config"])
+            rec["summary"] = json.loads(rec["summary"])
+            out.append(rec)
+        return out
+
+
+def client_rows(rnd: int, scores: dict[str, ClientScores]) -> list[tuple[int, int, str, float, float, int]]:
+    rows = []
+    for view, s in scores.items():
+        acc = s.accuracy
+        for cid in np.flatnonzero(s.count > 0):
+            n = int(s.count[cid])
+            rows.append((rnd, int(cid), view, float(acc[cid]), float(s.loss_sum[cid] / n), n))
+    return rows

@@ -1,0 +1,467 @@
+"""FedSA / FedPake server step: parameter-skew-aware aggregation ("The Key of Parameter Skew in Federated
+Learning", arXiv 2408.11278 v1 = FedSA, v2 = FedPake; spec section 1).
+
+FedPake replaces the server's weighted average, independently for every trainable parameter tensor (a
+"layer", flattened to ``M`` positions; spec 1.4 / A9). With the K uploaded copies stacked as ``X`` (``K x M``,
+row k = client k; all statistics in float64, spec 0.3):
+
+1. ``mu`` = client mean, ``D = (X - mu)^2``, ``sigma = sqrt(mean_k D)`` (population std);
+   ``cv = 0`` where the column is constant (min == max over the clients, exactly; spec 7), else
+   ``sigma / max(|mu|, eps)`` (spec 1.3 step 2.3, A1).
+2. Parameter division: min-max normalized cv ``z`` (or ``cv_norm='rank'``: ``rank / (M - 1)``); high-dispersion
+   region ``r^h = {z > lam}``, ``H = |r^h|`` (step 2.4). ``H = 0`` or ``K < 2``: the layer is the low-region
+   mean (step 2.5).
+3. Micro-classes on the ``K x H`` block ``B = D[:, r^h]``, normalized by ``micro_norm`` and binned at ``i / C``
+   (upper-inclusive, zeros in class 1, values above 1 clamped to class C; step 2.6, A3, A4, spec 7).
+4. ``SIM(a, b) = 1 - #{m in r^h: E_am != E_bm} / H`` (step 2.7, A5), then the deterministic capped
+   agglomerative :func:`cluster` (v1 Steps 1-3, A6) into at most ``S`` macro-classes plus unclustered clients.
+5. Per cluster: modal class ``Q_j`` (ties -> smallest), ``f_j(c)`` = share of high positions with modal class c,
+   ``alpha_jm = f_j(Q_jm) / S`` (v2 Eq. 11), normalized per position over the clusters (``alpha_norm=
+   'per_position'``, A8) or used as written (``'literal'``); cluster means ``wbar_j`` (unweighted).
+6. Output: ``r^l`` -> mean over **all** K participants (``low_weighting='uniform'``) or the sample-weighted mean
+   (``'samples'``, A10); ``r^h`` -> ``sum_j alpha_j * wbar_j`` (unclustered clients do not contribute).
+
+Deviations from the paper (all from the spec, which documents the reasons):
+
+- ``|mu|`` in cv with an ``eps`` guard, and cv = 0 for constant columns (A1, spec 7); v2 writes the signed mean.
+- Squared deviations are min-max normalized over the layer's high block before binning (``micro_norm=
+  'layer_minmax'``, A3); ``'raw'`` is the literal rule, which degenerates to one cluster on real weights.
+- Similarity counted over ``r^h`` only (A5); clustering per v1 Steps 1-3 with average linkage over all members,
+  no cluster-cluster merges, ``delta`` applied only once S clusters exist, strict ``>`` (A6).
+- Similarity comparisons use an absolute tolerance of ``1e-12`` (spec 7): candidates within ``1e-12`` of the best
+  are ties (JOIN before PAIR, then lower cluster index, then lower client ids), and a similarity within
+  ``1e-12`` of ``delta`` does not "exceed" it. Class bins use ``ceil(C * b' - 1e-12)`` so a value that lands a
+  rounding error above an edge ``i / C`` stays in class i (A4).
+- alpha renormalized per position (A8); v1 Eq. 14 and v2 Eq. 11 weights do not sum to 1.
+- Buffers are not covered by the paper: ``buffers='mean'`` (float buffers plain mean, integer buffers max) or
+  ``'local'`` (the combine returns the broadcast value; the engine keeps each client's buffers; step 3).
+- ``cv_norm='rank'`` is our ablation (A2). In both cv modes a layer whose cv is constant (``max cv == min cv``,
+  which includes ``M = 1`` and ``K = 1``) has an empty high region.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedskew.server.api import Params, RoundInput
+
+MICRO_NORMS = ("layer_minmax", "position_max", "raw")
+ALPHA_NORMS = ("per_position", "literal")
+LOW_WEIGHTINGS = ("uniform", "samples")
+BUFFER_MODES = ("mean", "local")
+CV_NORMS = ("minmax", "rank")
+
+EPS = 1e-12
+SIM_TOL = 1e-12  # absolute tolerance for similarity ties (spec 7)
+BIN_TOL = 1e-12  # C * b' within this of an integer i counts as the edge i / C (upper-inclusive bins, A4)
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class ColumnStats:
+    """Per-position statistics of a ``K x M`` client matrix over the client axis (float64, length M)."""
+
+    mean: Tensor
+    var: Tensor  # population variance (divisor K)
+    constant: Tensor  # bool: all K values equal (exact test, spec 7)
+    skew: Tensor  # Fisher-Pearson g1 = m3 / m2^1.5 across clients; 0 where constant
+
+
+def column_stats(X: Tensor, *, want_skew: bool = True) -> tuple[ColumnStats, Tensor]:
+    """Mean, population variance, constancy and skewness of every column of ``X`` (``K x M``).
+
+    Returns the stats and ``dev = X - mean`` (``K x M`` float64). Only two ``K x M`` float64 buffers are
+    allocated: ``dev`` (the float64 copy of ``X``, centred in place) and a scratch buffer for the powers.
+    """
+    if X.ndim != 2 or X.shape[0] < 1:
+        raise ValueError(f"expected a K x M matrix with K >= 1, got shape {tuple(X.shape)}")
+    lo, hi = torch.aminmax(X, dim=0)
+    constant = lo == hi
+    dev = X.to(torch.float64, copy=True)
+    mean = dev.mean(0)
+    dev.sub_(mean)
+    scratch = dev.square()
+    var = scratch.mean(0)
+    if want_skew:
+        m3 = scratch.mul_(dev).mean(0)
+        denom = var.pow(1.5)
+        ok = ~constant & (denom > 0)
+        skew = torch.where(ok, m3 / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(m3))
+    else:
+        skew = torch.zeros_like(mean)
+    del scratch
+    return ColumnStats(mean, var, constant, skew), dev
+
+
+def coefficient_of_variation(X: Tensor, eps: float = EPS) -> Tensor:
+    """Per-column cv of ``X`` (``K x M``): ``sigma / max(|mu|, eps)``, exactly 0 on constant columns (A1, spec 7)."""
+    stats, _ = column_stats(torch.as_tensor(X), want_skew=False)
+    return _cv(stats, eps)
+
+
+def _cv(stats: ColumnStats, eps: float) -> Tensor:
+    cv = stats.var.sqrt() / stats.mean.abs().clamp_min(eps)
+    return torch.where(stats.constant, torch.zeros_like(cv), cv)
+
+
+def high_dispersion(cv: Tensor, lam: float, cv_norm: str = "minmax") -> Tensor:
+    """Bool mask of the high-dispersion positions ``r^h`` (spec 1.3 step 2.4; ``rank``: spec 7 / A2).
+
+    ``minmax``: ``z = (cv - min) / (max - min) > lam``. ``rank``: ``z = r / (M - 1) > lam`` with 0-based ranks of
+    a stable ascending sort (ties by position). Empty when ``max cv == min cv`` (includes ``M = 1``).
+    """
+    if cv_norm not in CV_NORMS:
+        raise ValueError(f"unknown cv_norm {cv_norm!r}; expected one of {CV_NORMS}")
+    cv = torch.as_tensor(cv, dtype=torch.float64)
+    m = cv.numel()
+    empty = torch.zeros(m, dtype=torch.bool, device=cv.device)
+    if m < 2:
+        return empty
+    cmin, cmax = torch.aminmax(cv)
+    span = float(cmax - cmin)
+    if not span > 0:
+        return empty
+    if cv_norm == "minmax":
+        z = (cv - cmin) / span
+    else:
+        order = torch.sort(cv, stable=True).indices
+        ranks = torch.empty(m, dtype=torch.float64, device=cv.device)
+        ranks[order] = torch.arange(m, dtype=torch.float64, device=cv.device)
+        z = ranks / (m - 1)
+    return z > lam
+
+
+def micro_classes(B: Tensor, C: int, micro_norm: str = "layer_minmax") -> Tensor:
+    """Micro-class ``E`` in ``1..C`` (int64, ``K x H``) of each squared deviation in ``B`` (step 2.6).
+
+    ``layer_minmax``: min-max over the whole block (constant block -> 0); ``position_max``: divide each column
+    by its largest entry (0/0 -> 0); ``raw``: no normalization. Class ``i`` <=> ``(i-1)/C < b' <= i/C``; ``b' <= 0``
+    -> class 1, ``b' > 1`` -> class C.
+    """
+    if micro_norm not in MICRO_NORMS:
+        raise ValueError(f"unknown micro_norm {micro_norm!r}; expected one of {MICRO_NORMS}")
+    B = torch.as_tensor(B, dtype=torch.float64)
+    if B.numel() == 0:
+        return torch.ones(B.shape, dtype=torch.int64, device=B.device)
+    if micro_norm == "layer_minmax":
+        bmin, bmax = torch.aminmax(B)
+        span = float(bmax - bmin)
+        Bn = (B - bmin) / span if span > 0 else torch.zeros_like(B)
+    elif micro_norm == "position_max":
+        colmax = B.amax(0, keepdim=True)
+        Bn = torch.where(colmax > 0, B / torch.where(colmax > 0, colmax, torch.ones_like(colmax)), 0.0)
+    else:
+        Bn = B
+    return torch.ceil(Bn * C - BIN_TOL).clamp_(1, C).to(torch.int64)
+
+
+def similarity(E: Tensor, C: int) -> Tensor:
+    """``SIM`` (``K x K`` float64): share of the H columns of ``E`` (classes ``1..C``) where two clients agree.
+
+    Computed as ``sum_c A_c A_c^T`` with ``A_c = (E == c)`` (C matmuls of ``K x H``; no loop over positions).
+    """
+    E = torch.as_tensor(E)
+    k, h = E.shape
+    if h == 0:
+        return torch.ones((k, k), dtype=torch.float64, device=E.device)
+    counts = torch.zeros((k, k), dtype=torch.float64, device=E.device)
+    for c in range(1, C + 1):
+        A = (E == c).to(torch.float64)
+        counts += A @ A.T
+    sim = counts / h
+    sim.fill_diagonal_(1.0)
+    return sim
+
+
+# ----------------------------------------------------------------------------------------------- clustering
+
+
+def cluster(
+    sim: Tensor | np.ndarray | Sequence[Sequence[float]], S: int, delta: float, tol: float = SIM_TOL
+) -> tuple[list[list[int]], list[int]]:
+    """CLUSTER(SIM, S, delta) of spec 1.3 (v1 Steps 1-3, deterministic).
+
+    Repeatedly takes the most similar candidate among JOIN(cluster g, free client k) with average linkage
+    ``mean_{a in g} SIM[a, k]`` and, while fewer than ``S`` clusters exist, PAIR(free a < free b) with
+    ``SIM[a, b]``. Candidates within ``tol`` of the best are ties, broken by JOIN before PAIR, then lower cluster
+    index, then lower client ids. A PAIR opens a cluster; a JOIN before the cap is always accepted; once ``S``
+    clusters exist a JOIN needs ``similarity > delta`` (strict, with ``tol``), otherwise every remaining client
+    is unclustered. Returns ``(clusters, unclustered)``: member lists in joining order, and sorted client ids.
+    """
+    if isinstance(S, bool) or not isinstance(S, numbers.Integral) or S < 1:
+        raise ValueError(f"S must be an integer >= 1, got {S!r}")
+    if isinstance(sim, Tensor):
+        sim = sim.detach().cpu().numpy()
+    s = np.asarray(sim, dtype=np.float64)
+    if s.ndim != 2 or s.shape[0] != s.shape[1]:
+        raise ValueError(f"SIM must be a square matrix, got shape {s.shape}")
+    k = s.shape[0]
+    free = list(range(k))
+    groups: list[list[int]] = []
+    sums: list[np.ndarray] = []  # per cluster: sum over members of SIM[a, :]
+    unclustered: list[int] = []
+    while free:
+        fa = np.asarray(free)
+        join = np.stack([sums[j][fa] / len(groups[j]) for j in range(len(groups))]) if groups else None
+        pairs = None
+        if len(groups) < S and len(free) >= 2:
+            iu, ju = np.triu_indices(len(free), 1)  # row-major: lexicographic (a, b) with a < b
+            pairs = (iu, ju, s[fa[iu], fa[ju]])
+        best = -math.inf
+        if join is not None:
+            best = max(best, float(join.max()))
+        if pairs is not None:
+            best = max(best, float(pairs[2].max()))
+        if join is None and pairs is None:  # only when K = 1
+            unclustered.extend(free)
+            break
+        cut = best - tol
+        if join is not None and float(join.max()) >= cut:
+            j, i = (int(v) for v in np.argwhere(join >= cut)[0])  # row-major: lowest cluster, then lowest client
+            value, client = float(join[j, i]), free[i]
+            if len(groups) < S or value > delta + tol:
+                groups[j].append(client)
+                sums[j] = sums[j] + s[client]
+                free.remove(client)
+            else:
+                unclustered.extend(free)
+                break
+        else:
+            assert pairs is not None
+            p = int(np.flatnonzero(pairs[2] >= cut)[0])
+            a, b = free[int(pairs[0][p])], free[int(pairs[1][p])]
+            groups.append([a, b])
+            sums.append(s[a] + s[b])
+            free.remove(a)
+            free.remove(b)
+    return groups, sorted(unclustered)
+
+
+# ----------------------------------------------------------------------------------------------- one layer
+
+
+def modal_classes(E: Tensor, C: int) -> Tensor:
+    """Most frequent class per column of ``E`` (``n x H``, classes ``1..C``); ties -> smallest class (A7)."""
+    E = torch.as_tensor(E, dtype=torch.int64)
+    counts = torch.zeros((C, E.shape[1]), dtype=torch.int64, device=E.device)
+    counts.scatter_add_(0, E - 1, torch.ones_like(E))
+    return counts.argmax(0) + 1  # argmax returns the first maximal index
+
+
+@dataclass(frozen=True)
+class LayerDiagnostics:
+    """What FedSA did on one layer.
+
+    ``skew`` is the mean over the layer's non-constant positions of the absolute Fisher-Pearson skewness
+    ``|g1|``, ``g1 = m3 / m2^1.5`` with population central moments taken across the K clients' values at that
+    position (the paper's "parameter skew": the distribution of one parameter over client models is skewed);
+    ``skew_signed`` is the mean of ``g1`` itself. Both are 0 when every position is constant (e.g. K = 1);
+    ``|g1| <= (K - 2) / sqrt(K - 1)``. The remaining fields are intermediates for tests and inspection.
+    """
+
+    M: int
+    H: int
+    macro: int
+    unclustered: int
+    skew: float
+    skew_signed: float
+    high_index: Tensor | None = field(default=None, repr=False)  # [H] positions of r^h
+    classes: Tensor | None = field(default=None, repr=False)  # [K, H] micro-classes E
+    clusters: list[list[int]] = field(default_factory=list)
+    unclustered_ids: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int | float]:
+        d = asdict(self)
+        return {key: d[key] for key in ("M", "H", "macro", "unclustered", "skew", "skew_signed")}
+
+
+def fedsa_layer(
+    X: Tensor,
+    *,
+    lam: float = 0.2,
+    delta: float = 0.2,
+    C: int = 4,
+    S: int = 4,
+    micro_norm: str = "layer_minmax",
+    alpha_norm: str = "per_position",
+    cv_norm: str = "minmax",
+    low_weights: Tensor | None = None,
+    eps: float = EPS,
+) -> tuple[Tensor, LayerDiagnostics]:
+    """FedSA on one flattened layer ``X`` (``K x M``, row = client): returns the ``[M]`` float64 aggregate.
+
+    ``low_weights`` (``[K]``, non-negative, normalized here): the low-dispersion region takes this weighted mean
+    instead of the plain mean (``low_weighting='samples'``, A10); the statistics, the cluster means and the
+    layer output when ``H = 0`` use the same rule as the low region (spec 1.3 step 2.5).
+    """
+    if alpha_norm not in ALPHA_NORMS:
+        raise ValueError(f"unknown alpha_norm {alpha_norm!r}; expected one of {ALPHA_NORMS}")
+    X = torch.as_tensor(X)
+    if not X.is_floating_point():
+        raise ValueError(f"FedSA needs a floating-point matrix, got {X.dtype}")
+    k, m = X.shape
+    stats, dev = column_stats(X)
+    nonconst = ~stats.constant
+    n_nonconst = int(nonconst.sum())
+    if n_nonconst:
+        skew = float(stats.skew[nonconst].abs().mean())
+        skew_signed = float(stats.skew[nonconst].mean())
+    else:
+        skew = skew_signed = 0.0
+
+    if low_weights is None:
+        low = stats.mean
+    else:
+        w = torch.as_tensor(low_weights, dtype=torch.float64, device=X.device).reshape(-1)
+        if w.numel() != k or bool((w < 0).any()) or not float(w.sum()) > 0:
+            raise ValueError(f"low_weights must be {k} non-negative numbers with a positive sum, got {w.tolist()}")
+        low = stats.mean + (w / w.sum()) @ dev  # = sum_k w_k X_k without another K x M float64 copy
+
+    if k >= 2:
+        high = high_dispersion(_cv(stats, eps), lam, cv_norm)
+    else:
+        high = torch.zeros(m, dtype=torch.bool, device=X.device)
+    high_index = torch.nonzero(high).reshape(-1)
+    h = int(high_index.numel())
+    if h == 0:
+        return low.clone(), LayerDiagnostics(m, 0, 0, 0, skew, skew_signed, high_index)
+
+    B = dev[:, high_index].square()
+    del dev
+    E = micro_classes(B, C, micro_norm)
+    groups, uncl = cluster(similarity(E, C), S, delta)
+    Xh = X[:, high_index].to(torch.float64)
+    alphas, means = [], []
+    for g in groups:
+        idx = torch.tensor(g, dtype=torch.int64, device=X.device)
+        q = modal_classes(E[idx], C)  # [H]
+        f = torch.bincount(q - 1, minlength=C).to(torch.float64) / h  # f_j(c), c = 1..C
+        alphas.append(f[q - 1] / S)
+        means.append(Xh[idx].mean(0))
+    alpha = torch.stack(alphas)  # [J, H]
+    if alpha_norm == "per_position":
+        alpha = alpha / alpha.sum(0, keepdim=True)  # > 0: f_j(Q_jm) >= 1/H
+    out = low.clone()
+    out[high_index] = (alpha * torch.stack(means)).sum(0)
+    diag = LayerDiagnostics(m, h, len(groups), len(uncl), skew, skew_signed, high_index, E, groups, uncl)
+    return out, diag
+
+
+# ----------------------------------------------------------------------------------------------- combine
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class FedSACombine:
+    """FedSA / FedPake as a :class:`~fedskew.server.api.Combine` (spec 1.3-1.6).
+
+    Every **trainable** tensor (``rin.trainable``) goes through :func:`fedsa_layer`, flattened. Buffers
+    (spec 1.3 step 3): ``'mean'`` -> float buffers plain mean over the participants, integer buffers
+    (``num_batches_tracked``) max; ``'local'`` -> the broadcast value ``rin.global_params[name]`` is returned
+    unchanged, and the engine is expected to keep each client's own buffers (PFLlib behaviour, spec 1.7).
+
+    ``low_weighting='samples'`` takes the low-dispersion mean with the ``weights`` handed to the combine (the
+    engine passes sample shares); ``'uniform'`` ignores them (the paper's equations). Element ``masks`` are not
+    supported. Defaults are the paper's CIFAR-10 values ``lam = delta = 0.2``, ``C = S = 4`` (spec 1.6).
+
+    Diagnostics: ``{"fedsa": {name: LayerDiagnostics.as_dict()}, "fedsa_high_frac": sum H / sum M,
+    "fedsa_skew": M-weighted mean of the layers' skew}`` (JSON-serializable).
+    """
+
+    lam: float = 0.2
+    delta: float = 0.2
+    C: int = 4
+    S: int = 4
+    micro_norm: str = "layer_minmax"
+    alpha_norm: str = "per_position"
+    low_weighting: str = "uniform"
+    buffers: str = "mean"
+    cv_norm: str = "minmax"
+    eps: float = EPS
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.lam) or not 0.0 <= float(self.lam) <= 1.0:
+            raise ValueError(f"FedSA lam must be a number in [0, 1], got {self.lam!r}")
+        if not _is_real(self.delta) or math.isnan(float(self.delta)):
+            raise ValueError(f"FedSA delta must be a number (-inf allowed), got {self.delta!r}")
+        if not _is_int(self.C) or self.C < 1:
+            raise ValueError(f"FedSA C (number of micro-classes) must be an integer >= 1, got {self.C!r}")
+        if not _is_int(self.S) or self.S < 1:
+            raise ValueError(f"FedSA S (max number of macro-classes) must be an integer >= 1, got {self.S!r}")
+        if not _is_real(self.eps) or not float(self.eps) > 0:
+            raise ValueError(f"FedSA eps must be a positive number, got {self.eps!r}")
+        for fname, allowed in (
+            ("micro_norm", MICRO_NORMS),
+            ("alpha_norm", ALPHA_NORMS),
+            ("low_weighting", LOW_WEIGHTINGS),
+            ("buffers", BUFFER_MODES),
+            ("cv_norm", CV_NORMS),
+        ):
+            value = getattr(self, fname)
+            if value not in allowed:
+                raise ValueError(f"FedSA {fname} must be one of {allowed}, got {value!r}")
+
+    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+        if masks is not None:
+            raise ValueError("FedSACombine does not support element masks (FedSA is not combined with masking)")
+        k = rin.num_participants
+        low_weights = None
+        if self.low_weighting == "samples":
+            low_weights = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+            if low_weights.numel() != k:
+                raise ValueError(f"expected {k} client weights, got {low_weights.numel()}")
+        out: Params = {}
+        layers: dict[str, dict[str, int | float]] = {}
+        total_m = total_h = 0
+        skew_sum = 0.0
+        for name, stacked in rin.params.items():
+            if name in rin.trainable:
+                if not stacked.is_floating_point():
+                    raise ValueError(f"trainable tensor '{name}' is not floating point ({stacked.dtype})")
+                lw = None if low_weights is None else low_weights.to(stacked.device)
+                vec, diag = fedsa_layer(
+                    stacked.reshape(k, -1),
+                    lam=self.lam,
+                    delta=self.delta,
+                    C=self.C,
+                    S=self.S,
+                    micro_norm=self.micro_norm,
+                    alpha_norm=self.alpha_norm,
+                    cv_norm=self.cv_norm,
+                    low_weights=lw,
+                    eps=self.eps,
+                )
+                out[name] = vec.reshape(stacked.shape[1:]).to(stacked.dtype)
+                layers[name] = diag.as_dict()
+                total_m += diag.M
+                total_h += diag.H
+                skew_sum += diag.skew * diag.M
+            elif self.buffers == "local":
+                out[name] = rin.global_params[name].clone()
+            elif stacked.is_floating_point():
+                out[name] = stacked.to(torch.float64).mean(0).to(stacked.dtype)
+            else:
+                out[name] = stacked.max(0).values
+        diagnostics: dict[str, Any] = {
+            "fedsa": layers,
+            "fedsa_high_frac": float(total_h / total_m) if total_m else 0.0,
+            "fedsa_skew": float(skew_sum / total_m) if total_m else 0.0,
+        }
+        return out, diagnostics

@@ -1,0 +1,254 @@
+"""FedHEAL server step: FPHL consistency masks + FAEL momentum weights (Chen et al., CVPR 2024; spec 4).
+
+**FPHL** (paper Eq. 5-9, :class:`HealMasks`): for each client the server keeps, per element of every floating
+state-dict tensor, how many of that client's past updates ``Δ = w_k - W`` were non-negative. An element of
+this round's update is kept when its direction agrees with the client's history often enough: consistency
+``c = L`` if ``Δ >= 0`` else ``1 - L`` (``L`` = fraction of non-negative past updates, before this round's
+update), mask ``c > tau``.
+
+**FAEL** (paper Eq. 11-12, :class:`FaelWeights`): ``d_k`` = size of the masked update,
+``dp_k <- (1 - beta)·dp_k + beta·d_k / Σ_j d_j``, ``p_k <- p_k + dp_k`` (carried unnormalized), weight
+``p_k / Σ_{participants} p_j``. The elementwise renormalization over the clients that keep an element (Eq. 9)
+and the "nobody keeps it: unchanged" rule are :class:`~fedskew.server.combine.WeightedMean` with masks.
+
+Paper-vs-code switches (default: official code; spec 4.4 N1-N8 and section 7):
+
+- ``strict``: ``True`` (code) keeps ``c > tau``; ``False`` (paper Eq. 9) keeps ``c >= tau``.
+- ``distance``: ``'l2_per_tensor'`` (code) Σ over tensors of ‖Δ̃‖₂; ``'squared'`` (paper Eq. 11) ‖Δ̃‖₂².
+- ``fael_init``: ``'uniform'`` (code) ``p⁰ = 1/N``; ``'datasize'`` (paper: beta = 0 equals FedAvg)
+  ``p⁰ = N_k / Σ N``.
+
+Zero updates count as non-negative (paper convention, N1). Both pieces key their state on the client id and
+only advance a client's entry when it participates (N5, N8): a client's first participation is unmasked, the
+distance share is normalized over the round's participants, and FAEL weights are normalized over the
+participants. Integer buffers (``num_batches_tracked``) are not tracked and always unmasked; the combine takes
+their max (the official code masks them too, but their update is always positive, so their mask is 1 anyway,
+N7). ``tau < 0`` disables FPHL (every mask True, no tables kept); with ``beta = 0`` FAEL keeps ``p⁰``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedskew.server.api import Aggregation, Params, RoundInput, ServerContext
+from fedskew.server.combine import WeightedMean
+from fedskew.server.weights import normalize
+
+DISTANCES = ("l2_per_tensor", "squared")
+FAEL_INITS = ("uniform", "datasize")
+_TAU_MAX_DENOMINATOR = 10**6
+
+
+def _finite_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _float_names(rin: RoundInput) -> list[str]:
+    return [name for name, stacked in rin.params.items() if stacked.is_floating_point()]
+
+
+# ----------------------------------------------------------------------------------------------------- FPHL
+
+
+@dataclass(frozen=True)
+class SignHistory:
+    """One client's FPHL table: per element, how many of its ``rounds`` updates were non-negative (int32)."""
+
+    nonneg: dict[str, Tensor]
+    rounds: int
+
+    def proportion(self, name: str) -> Tensor:
+        """The paper's ``l_m`` (Eq. 5) for one tensor, as float64."""
+        return self.nonneg[name].to(torch.float64) / self.rounds
+
+
+HealMaskState = dict[int, SignHistory]
+
+
+@dataclass(frozen=True)
+class HealMasks:
+    """FPHL (paper Eq. 5-9): keep an element of client k's update when its sign agrees with k's history.
+
+    ``tau`` (default 0.3, Digits; 0.4 Office-Caltech) is read as the nearest fraction with denominator <= 10^6
+    and compared with the integer counts exactly, so ``c = 3/10`` versus ``tau = 0.3`` is a tie (kept only
+    when ``strict=False``). State: ``dict[cid, SignHistory]``; a new dict is returned each round and the
+    previous state's tensors are never modified.
+    """
+
+    tau: float = 0.3
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if not _finite_real(self.tau):
+            raise ValueError(f"FedHEAL tau must be a finite number, got {self.tau!r}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"FedHEAL strict must be a bool, got {self.strict!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tau >= 0
+
+    def _tau_fraction(self) -> tuple[int, int]:
+        frac = Fraction(repr(float(self.tau))).limit_denominator(_TAU_MAX_DENOMINATOR)
+        # c <= 1, so every tau > 1 behaves alike; capping keeps the integer products small
+        frac = min(frac, Fraction(2))
+        return frac.numerator, frac.denominator
+
+    def init(self, ctx: ServerContext | None) -> HealMaskState:
+        return {}
+
+    def __call__(self, rin: RoundInput, state: HealMaskState) -> tuple[Params, HealMaskState]:
+        k = rin.num_participants
+        masks: Params = {
+            name: torch.ones((k, *stacked.shape[1:]), dtype=torch.bool, device=stacked.device)
+            for name, stacked in rin.params.items()
+        }
+        if not self.enabled:
+            return masks, state
+        num, den = self._tau_fraction()
+        names = _float_names(rin)
+        new_state = dict(state)
+        for i, cid in enumerate(rin.cids):
+            # w >= W is exactly the sign test of w - W (no rounding in a comparison)
+            nonneg_now = {name: rin.params[name][i] >= rin.global_params[name] for name in names}
+            history = state.get(cid)
+            if history is None:  # first participation: unmasked, the table starts from this update
+                counts = {name: up.to(torch.int32) for name, up in nonneg_now.items()}
+                new_state[cid] = SignHistory(counts, 1)
+                continue
+            if sorted(history.nonneg) != sorted(names):
+                raise ValueError(
+                    f"client {cid}: FedHEAL history covers tensors {sorted(history.nonneg)}, "
+                    f"upload has {sorted(names)}"
+                )
+            n = history.rounds
+            counts = {}
+            for name, up in nonneg_now.items():
+                past = history.nonneg[name]
+                if past.shape != up.shape:
+                    raise ValueError(
+                        f"client {cid}: tensor '{name}' changed shape since its last participation"
+                    )
+                # agreeing past rounds: non-negative count where this update is >= 0, the rest where it is < 0
+                agree = torch.where(up, past.to(torch.int64), n - past.to(torch.int64))
+                lhs, rhs = agree * den, num * n  # c > tau  <=>  agree·den > num·n  (exact integers)
+                masks[name][i] = lhs > rhs if self.strict else lhs >= rhs
+                counts[name] = past + up.to(torch.int32)
+            new_state[cid] = SignHistory(counts, n + 1)
+        return masks, new_state
+
+
+# ----------------------------------------------------------------------------------------------------- FAEL
+
+
+def fael_distances(rin: RoundInput, masks: Params | None, distance: str = "l2_per_tensor") -> np.ndarray:
+    """``[K]`` float64 size of each client's masked update over the trainable float tensors (paper Eq. 11).
+
+    ``'l2_per_tensor'`` (code): Σ over tensors of the Euclidean norm; ``'squared'`` (paper): squared norm of
+    the whole masked update. Buffers are excluded in both forms (spec section 7).
+    """
+    if distance not in DISTANCES:
+        raise ValueError(f"unknown FAEL distance {distance!r}; expected one of {DISTANCES}")
+    d = torch.zeros(rin.num_participants, dtype=torch.float64)
+    for name, stacked in rin.params.items():
+        if name not in rin.trainable or not stacked.is_floating_point():
+            continue
+        delta = stacked.to(torch.float64) - rin.global_params[name].to(torch.float64).unsqueeze(0)
+        if masks is not None and name in masks:
+            delta = delta * masks[name].to(torch.float64)
+        flat = delta.reshape(delta.shape[0], -1)
+        part = flat.norm(dim=1) if distance == "l2_per_tensor" else (flat * flat).sum(dim=1)
+        d += part.cpu()
+    return d.numpy()
+
+
+@dataclass(frozen=True)
+class FaelMomentum:
+    """One client's FAEL state: cumulative unnormalized weight ``p`` and momentum ``dp`` (paper Eq. 12)."""
+
+    p: float
+    dp: float
+
+
+@dataclass(frozen=True)
+class FaelState:
+    clients: dict[int, FaelMomentum]  # only clients that have participated
+    p0: tuple[float, ...]  # [N] initial p of every client
+
+
+@dataclass(frozen=True)
+class FaelWeights:
+    """FAEL (paper Eq. 11-12): momentum-smoothed share of the masked-update distance, accumulated per client.
+
+    Per round, for the participants only: ``share = d / Σ d`` (all zero: ``1/K``), ``dp <- (1 - beta)·dp +
+    beta·share``, ``p <- p + dp`` (stored unnormalized, N6), weights ``p / Σ_participants p``. A client's
+    first participation starts from ``dp = 0`` and ``p = p⁰``: ``fael_init='uniform'`` (code) ``1/N``, or
+    ``'datasize'`` (paper, makes beta = 0 equal FedAvg) ``num_train[cid] / Σ num_train``. (The field is called
+    ``fael_init`` because ``init`` is the protocol method.)
+    """
+
+    beta: float = 0.4
+    distance: str = "l2_per_tensor"
+    fael_init: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if not _finite_real(self.beta) or not 0 <= self.beta <= 1:
+            raise ValueError(f"FedHEAL beta must be in [0, 1], got {self.beta!r}")
+        if self.distance not in DISTANCES:
+            raise ValueError(f"unknown FAEL distance {self.distance!r}; expected one of {DISTANCES}")
+        if self.fael_init not in FAEL_INITS:
+            raise ValueError(f"unknown FAEL init {self.fael_init!r}; expected one of {FAEL_INITS}")
+
+    def init(self, ctx: ServerContext | None) -> FaelState:
+        if ctx is None:
+            raise ValueError("FaelWeights needs a ServerContext (number of clients, training-set sizes)")
+        n = int(ctx.num_clients)
+        if n <= 0:
+            raise ValueError(f"num_clients must be positive, got {n}")
+        if self.fael_init == "uniform":
+            return FaelState({}, tuple([1.0 / n] * n))
+        sizes = np.asarray(ctx.num_train, dtype=np.float64)
+        if sizes.shape != (n,) or not np.all(np.isfinite(sizes)) or np.any(sizes <= 0):
+            raise ValueError(
+                f"fael_init='datasize' needs num_train of {n} positive sizes, got {sizes.tolist()}"
+            )
+        return FaelState({}, tuple((sizes / sizes.sum()).tolist()))
+
+    def __call__(self, rin: RoundInput, masks: Params | None, state: FaelState) -> tuple[Tensor, FaelState]:
+        d = fael_distances(rin, masks, self.distance)
+        total = d.sum()
+        share = d / total if total > 0 else np.full(len(d), 1.0 / len(d))
+        clients = dict(state.clients)
+        p_now = []
+        for i, cid in enumerate(rin.cids):
+            if not 0 <= cid < len(state.p0):
+                raise ValueError(f"client id {cid} outside [0, {len(state.p0)})")
+            prev = clients.get(cid, FaelMomentum(state.p0[cid], 0.0))
+            dp = (1.0 - self.beta) * prev.dp + self.beta * float(share[i])
+            clients[cid] = FaelMomentum(prev.p + dp, dp)
+            p_now.append(prev.p + dp)
+        weights = normalize(torch.tensor(p_now, dtype=torch.float64))
+        return weights, FaelState(clients, state.p0)
+
+
+def heal_aggregation(
+    tau: float = 0.3,
+    beta: float = 0.4,
+    *,
+    strict: bool = True,
+    distance: str = "l2_per_tensor",
+    fael_init: str = "uniform",
+) -> Aggregation:
+    """FedHEAL's server step (FPHL masks -> FAEL weights -> masked weighted mean), for any client method."""
+    return Aggregation(
+        weighting=FaelWeights(beta=beta, distance=distance, fael_init=fael_init),
+        combine=WeightedMean(),
+        masking=HealMasks(tau=tau, strict=strict),
+    )

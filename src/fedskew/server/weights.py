@@ -1,0 +1,41 @@
+"""Client weightings: ``[K]`` float64 weights summing to 1 (see :class:`fedskew.server.api.Weighting`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedskew.server.api import Params, RoundInput, ServerContext, State
+
+
+def normalize(raw: Tensor) -> Tensor:
+    """Scale non-negative weights to sum to 1."""
+    total = raw.sum()
+    if not bool(total > 0):
+        raise ValueError(f"weights must have a positive sum, got {raw.tolist()}")
+    return raw / total
+
+
+@dataclass(frozen=True)
+class SampleWeights:
+    """FedAvg's weights: each participant's share of the round's training samples."""
+
+    def init(self, ctx: ServerContext) -> State:
+        return None
+
+    def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
+        return normalize(rin.num_samples.to(torch.float64)), state
+
+
+@dataclass(frozen=True)
+class UniformWeights:
+    """Unweighted averaging: 1/K each (the control for every re-weighting method)."""
+
+    def init(self, ctx: ServerContext) -> State:
+        return None
+
+    def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
+        k = rin.num_participants
+        return torch.full((k,), 1.0 / k, dtype=torch.float64), state

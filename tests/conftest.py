@@ -1,0 +1,25 @@
+"""Shared fixtures: small configs, and the offline data directory when present."""
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def shared_dataset_dir(name: str) -> Path:
+    d = SHARED_DATA / name
+    if not d.is_dir():
+        pytest.skip(f"offline dataset {name!r} not present at {d} (only in the developers' checkout)")
+    return d
+
+
+@pytest.fixture
+def tiny_digits_config(tmp_path):
+    """A fast digits federation: 5 clients, 3 rounds, MLP."""
+    from fedskew.config import make_config
+
+    return make_config(
+        None,
+        {"clients": 5, "rounds": 3, "out": str(tmp_path / "run"), "db": str(tmp_path / "fedskew.db"), "seed": 3},
+    )

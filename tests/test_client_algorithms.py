@@ -1,0 +1,124 @@
+"""Client-side algorithms are hooks on one loop: check each against its definition on a tiny model."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedskew.client.algorithms import FedProx, Moon, Scaffold
+from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
+from fedskew.server.api import ServerContext, stack_updates
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = Tiny()
+    x = torch.randn(23, 4)
+    y = torch.randint(0, 3, (23,))
+    return model, snapshot(model), x, y
+
+
+def _train(algo, model, received, x, y, state=None, broadcast=None, epochs=2):
+    ctx = LocalContext(0, 1, model, received, {} if state is None else state, broadcast or {},
+                       TrainSettings(epochs=epochs, batch_size=5, lr=0.1))
+    upd = local_train(algo, ctx, x, y, torch.Generator().manual_seed(7))
+    return upd, ctx
+
+
+def _close(a, b):
+    return all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_local_train_is_deterministic_and_counts_steps():
+    model, g, x, y = _setup()
+    u1, c1 = _train(LocalAlgorithm(), model, g, x, y)
+    u2, _ = _train(LocalAlgorithm(), model, g, x, y)
+    assert _close(u1.params, u2.params)
+    assert c1.steps == 2 * math.ceil(23 / 5) and u1.num_samples == 23
+    assert not _close(u1.params, g)
+
+
+def test_drop_last():
+    model, g, x, y = _setup()
+    ctx = LocalContext(0, 1, model, g, {}, {}, TrainSettings(epochs=1, batch_size=5, lr=0.1, drop_last=True))
+    local_train(LocalAlgorithm(), ctx, x, y, torch.Generator().manual_seed(0))
+    assert ctx.steps == 4
+
+
+def test_fedprox_mu0_is_sgd_and_mu_pulls_toward_global():
+    model, g, x, y = _setup()
+    sgd, _ = _train(LocalAlgorithm(), model, g, x, y)
+    prox0, _ = _train(FedProx(mu=0.0), model, g, x, y)
+    assert _close(sgd.params, prox0.params)
+    prox, _ = _train(FedProx(mu=5.0), model, g, x, y)
+    dist = lambda p: sum(((p[k] - g[k]) ** 2).sum() for k in g)  # noqa: E731
+    assert dist(prox.params) < dist(sgd.params)
+
+
+def test_fedprox_loss_value():
+    model, g, x, y = _setup()
+    with torch.no_grad():
+        model.head.bias.add_(1.0)  # move away from the anchor by exactly 1 in 3 coordinates
+    ctx = LocalContext(0, 1, model, g, {}, {}, TrainSettings(1, 5, 0.1))
+    algo = FedProx(mu=0.2)
+    algo.begin(ctx)
+    feats = model.body(x)
+    logits = model.head(feats)
+    expected = F.cross_entropy(logits, y) + 0.5 * 0.2 * 3.0
+    assert algo.loss(ctx, logits, feats, y, x).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_moon_mu0_is_sgd_and_first_round_contrastive_is_log2():
+    model, g, x, y = _setup()
+    sgd, _ = _train(LocalAlgorithm(), model, g, x, y)
+    m0, _ = _train(Moon(mu=0.0), model, g, x, y)
+    assert _close(sgd.params, m0.params)
+    algo = Moon(mu=1.0, tau=0.5)
+    model.load_state_dict(g)
+    ctx = LocalContext(0, 1, model, g, {}, {}, TrainSettings(1, 5, 0.1))
+    algo.begin(ctx)
+    feats = model.body(x)
+    logits = model.head(feats)
+    extra = algo.loss(ctx, logits, feats, y, x) - F.cross_entropy(logits, y)
+    assert extra.item() == pytest.approx(math.log(2), abs=1e-5)  # global == previous model: pos == neg
+    state: dict = {}
+    upd, _ = _train(algo, model, g, x, y, state=state)
+    assert _close(state["moon_prev"], upd.params)  # the previous model is remembered per client
+
+
+def test_scaffold_first_round_is_sgd_and_control_update():
+    model, g, x, y = _setup()
+    sgd, c_sgd = _train(LocalAlgorithm(), model, g, x, y)
+    algo = Scaffold()
+    state: dict = {}
+    upd, ctx = _train(algo, model, g, x, y, state=state)
+    assert _close(sgd.params, upd.params)  # c = c_i = 0
+    scale = 1.0 / (ctx.steps * 0.1)
+    for n in ("head.bias", "body.0.weight"):
+        expected = (g[n] - upd.params[n]) * scale
+        assert torch.allclose(upd.extras[f"scaffold_dc/{n}"], expected, atol=1e-6)
+        assert torch.allclose(state["scaffold_ci"][n], expected, atol=1e-6)
+    # server: c <- c + sum(dc)/N over all N clients
+    trainable = frozenset(n for n, _ in model.named_parameters())
+    sctx = ServerContext(4, 3, g, trainable, np.ones(4), np.ones((4, 3)))
+    s0 = algo.server_init(sctx)
+    rin = stack_updates([upd, upd], rnd=1, global_params=g, trainable=trainable, label_hists=np.ones((2, 3)))
+    s1 = algo.server_update(rin, s0)
+    assert torch.allclose(s1["c"]["head.bias"], 2 * upd.extras["scaffold_dc/head.bias"] / 4)
+    # a non-zero correction changes the trajectory in its direction
+    bc = algo.broadcast(s1)
+    upd2, _ = _train(Scaffold(), model, g, x, y, state={}, broadcast=bc)
+    assert not _close(upd2.params, sgd.params)

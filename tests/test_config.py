@@ -1,0 +1,66 @@
+"""Every value is validated with an error that names the key and the bad value; flags override the file."""
+
+import pytest
+
+from fedskew.cli import main
+from fedskew.config import ConfigError, load_yaml, make_config
+
+
+def test_defaults_are_the_digits_main_job():
+    cfg = make_config()
+    assert (cfg.dataset, cfg.partition, cfg.alpha, cfg.clients, cfg.method) == ("digits", "dir", 0.1, 10, "fedavg")
+
+
+def test_flags_override_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rounds: 7\nclients: 4\nlocal-epochs: 2\n")
+    cfg = make_config(load_yaml(f), {"rounds": 3, "clients": None})
+    assert (cfg.rounds, cfg.clients, cfg.local_epochs) == (3, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"alpha": -1.0}, "alpha"),
+        ({"join_ratio": 1.5}, "join_ratio"),
+        ({"rounds": 0}, "rounds"),
+        ({"partition": "weird"}, "partition"),
+        ({"method": "nosuch"}, "nosuch"),
+        ({"method": "fedavg", "method_args": {"weights": "heavy"}}, "weights"),
+        ({"method": "fedavg", "method_args": {"mu": 0.1}}, "mu"),
+        ({"device": "quantum"}, "device"),
+        ({"lr": 0}, "lr"),
+        ({"not_a_key": 1}, "not_a_key"),
+    ],
+)
+def test_bad_values_are_named(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make_config(None, overrides)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_yaml(listy)
+
+
+def test_cli_reports_config_errors_without_writing(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["run", "--alpha", "-3", "--out", str(out), "--no-db", "--quiet"])
+    assert code == 2
+    assert "alpha" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_group_key_ignores_seed_and_output():
+    a = make_config(None, {"seed": 1, "out": "x"})
+    b = make_config(None, {"seed": 2, "out": "y"})
+    c = make_config(None, {"seed": 1, "alpha": 0.5})
+    assert a.group_key() == b.group_key() != c.group_key()
