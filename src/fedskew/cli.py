@@ -34,6 +34,7 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
     "--seed": ("seed", int, "the one seed of the run"),
     "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
+    "--threads": ("threads", int, "torch CPU threads (default 1; 0 = torch's default)"),
     "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
     "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
 }

@@ -57,6 +57,9 @@ class RunConfig(BaseModel):
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
     seed: int = Field(0, ge=0)
     device: str = "cpu"
+    threads: int = Field(
+        1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"
+    )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
 
@@ -90,7 +93,7 @@ class RunConfig(BaseModel):
 
     def identity(self) -> dict[str, Any]:
         """The settings that define an experiment (everything except seed and where output goes)."""
-        return self.model_dump(exclude={"seed", "out", "db", "device", "data_dir", "eval_batch_size"})
+        return self.model_dump(exclude={"seed", "out", "db", "device", "threads", "data_dir", "eval_batch_size"})
 
     def group_key(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)

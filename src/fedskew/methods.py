@@ -20,6 +20,7 @@ from fedskew.client.local import LocalAlgorithm
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights
+from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import FaelWeights, HealMasks
 from fedskew.server.weights import SampleWeights, UniformWeights
 
@@ -68,7 +69,7 @@ class ServerPlugin:
     paper: str
     params: type[BaseModel]
     roles: tuple[str, ...]  # subset of ("weighting", "masking", "combine")
-    build: Callable[[Any], dict[str, Any]]  # params -> {role: piece}
+    build: Callable[[Any], dict[str, Any]]  # params -> {role: piece}; optional "local": state kept on clients
 
 
 CLIENTS: dict[str, ClientPart] = {
@@ -119,12 +120,34 @@ class HealParams(BaseModel):
     fael_init: Literal["uniform", "datasize"] = "uniform"
 
 
+class FedSAParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lam: float = Field(0.2, ge=0, le=1)
+    delta: float = 0.2
+    C: int = Field(4, ge=1)
+    S: int = Field(4, ge=1)
+    micro_norm: Literal["layer_minmax", "position_max", "raw"] = "layer_minmax"
+    alpha_norm: Literal["per_position", "literal"] = "per_position"
+    low_weighting: Literal["uniform", "samples"] = "uniform"
+    buffers: Literal["mean", "local"] = "mean"
+    cv_norm: Literal["minmax", "rank"] = "minmax"
+
+
+def _fedsa(p: FedSAParams) -> dict[str, Any]:
+    pieces: dict[str, Any] = {"combine": FedSACombine(**p.model_dump())}
+    if p.buffers == "local":
+        pieces["local"] = frozenset({"buffers"})
+    return pieces
+
+
 def _heal(p: HealParams) -> dict[str, Any]:
     return {
         "masking": HealMasks(tau=p.tau, strict=p.strict),
         "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init),
     }
 
+
+ALIASES = {"fedpake": "fedsa"}
 
 SERVER_PLUGINS: dict[str, ServerPlugin] = {
     "disco": ServerPlugin(
@@ -134,6 +157,14 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         DiscoParams,
         ("weighting",),
         lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target)},
+    ),
+    "fedsa": ServerPlugin(
+        "fedsa",
+        "parameter-skew-aware aggregation: CV split, Micro/Macro-Class clustering (lam=delta=0.2, C=S=4)",
+        "The Key of Parameter Skew in Federated Learning (FedSA, arXiv 2408.11278 v1; FedPake, v2)",
+        FedSAParams,
+        ("combine",),
+        _fedsa,
     ),
     "heal": ServerPlugin(
         "heal",
@@ -154,6 +185,7 @@ class Method:
     server: ServerStrategy
     args: dict[str, Any]  # the resolved hyper-parameters, defaults included
     personalized: bool = False
+    local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
 
 
 def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any], method: str) -> list[BaseModel]:
@@ -185,7 +217,7 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
 
 def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
-    tokens = [t.strip().lower() for t in name.split("+")]
+    tokens = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in name.split("+")]
     if not all(tokens):
         raise _config_error(f"method {name!r}: empty part in composition")
     client_name = tokens[0] if tokens[0] in CLIENTS else "fedavg"
@@ -204,8 +236,11 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     base_params, client_params, plugin_params = parsed[0], parsed[1], parsed[2:]
 
     roles: dict[str, Any] = {}
+    local: frozenset[str] = frozenset()
     for plugin, params in zip(plugins, plugin_params, strict=True):
-        for role, piece in plugin.build(params).items():
+        pieces = plugin.build(params)
+        local |= pieces.pop("local", frozenset())
+        for role, piece in pieces.items():
             if role in roles:
                 raise _config_error(f"method {name!r}: two plug-ins both set the server's {role}")
             roles[role] = piece
@@ -214,11 +249,12 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
     server = Aggregation(weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking"))
     resolved = {k: v for p in parsed for k, v in p.model_dump().items()}
-    return Method("+".join(tokens), client.build(client_params), server, resolved)
+    return Method("+".join(tokens), client.build(client_params), server, resolved, local=local)
 
 
 def describe_methods() -> list[tuple[str, str, str]]:
     """(name, kind, one-line summary) for ``fedskew methods``."""
     rows = [(c.name, "client", c.summary) for c in CLIENTS.values()]
     rows += [(p.name, f"server: {'/'.join(p.roles)}", p.summary) for p in SERVER_PLUGINS.values()]
+    rows += [(alias, "alias", f"= {target}") for alias, target in ALIASES.items()]
     return rows

@@ -48,6 +48,10 @@ def run_experiment(
     """Build the federation, run every round, write the run directory and (if configured) the database rows."""
     import json
 
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
     now = datetime.now(UTC)
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"

@@ -48,7 +48,7 @@ __all__ = [
 
 
 class PartitionError(ValueError):
-    """The requested partition is impossible, or its bounded retries ran out; the message names the parameters."""
+    """The partition is impossible or its bounded retries ran out; the message names the parameters."""
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -93,7 +93,9 @@ def _check_positive(name: str, value: object) -> float:
 
 def _check_rng(rng: object) -> np.random.Generator:
     if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator (e.g. np.random.default_rng(seed)), got {type(rng)}")
+        raise TypeError(
+            f"rng must be a numpy.random.Generator (e.g. np.random.default_rng(seed)), got {type(rng)}"
+        )
     return rng
 
 
@@ -106,7 +108,7 @@ def _check_clients(n_samples: int, num_clients: object, per_client: int = 1) -> 
 
 
 def _dirichlet(rng: np.random.Generator, alpha: float, k: int, size: int | None = None) -> np.ndarray:
-    """Dir(alpha * 1_k) draws; a degenerate draw (all-zero or non-finite at tiny alpha) becomes a random one-hot."""
+    """Dir(alpha * 1_k) draws; a degenerate draw (all-zero or NaN at tiny alpha) becomes a random one-hot."""
     p = rng.dirichlet(np.full(k, alpha), size)
     flat = p.reshape(-1, k)
     bad = ~np.isfinite(flat).all(axis=1) | (flat.sum(axis=1) <= 0)
@@ -158,10 +160,11 @@ def iid(
     balanced: bool = True,
     sigma: float = 1.0,
 ) -> list[np.ndarray]:
-    """IID split: a random permutation of the pool cut into ``num_clients`` disjoint pieces covering every sample.
+    """IID split: a random permutation cut into ``num_clients`` disjoint pieces covering every sample.
 
-    ``balanced=True``: sizes differ by at most one. ``balanced=False``: sizes proportional to LogNormal(0, sigma)
-    draws (the "unbalanced IID" of FedLab / LEAF-style quantity variation), every client keeping >= 1 sample.
+    ``balanced=True``: sizes differ by at most one. ``balanced=False``: sizes proportional to LogNormal(0,
+    sigma) draws (the "unbalanced IID" of FedLab / LEAF-style quantity variation), every client keeping >= 1
+    sample.
     """
     y = _as_labels(labels)
     n = len(y)
@@ -205,7 +208,9 @@ def quantity_skew(
     return _split_sizes(perm, sizes)
 
 
-def pfllib_least_samples(n_samples: int, num_clients: int, batch_size: int = 10, train_ratio: float = 0.75) -> int:
+def pfllib_least_samples(
+    n_samples: int, num_clients: int, batch_size: int = 10, train_ratio: float = 0.75
+) -> int:
     """PFLlib's ``least_samples = int(min(batch_size / (1 - train_ratio), N / num_clients / 2))``."""
     return int(min(batch_size / (1 - train_ratio), n_samples / num_clients / 2))
 
@@ -220,18 +225,19 @@ def pathological(
     balanced: bool = True,
     least_samples: int | None = None,
 ) -> list[np.ndarray]:
-    """Pathological non-IID: each client holds (at most) ``classes_per_client`` classes; disjoint, covers every sample.
+    """Pathological non-IID: each client holds <= ``classes_per_client`` classes; disjoint and complete.
 
-    ``scheme="pfllib"`` reproduces PFLlib's ``pat`` (FedSA/FedPake experiments): classes are visited in order and
-    each goes to the first ``ceil(K / C * k)`` clients that still have a free class slot, so the assignment is
-    blocked and deterministic (20 clients, 10 classes, k=2: clients 0-3 {0,1}, 4-7 {2,3}, ..., 16-19 {8,9}).
-    A class's samples are taken in pool order (PFLlib does not shuffle them); ``balanced=True`` gives the first m-1
-    holders ``int(n_c/m)`` each and the last holder the remainder; ``balanced=False`` draws those sizes uniformly
-    from ``[max(n_c/m/10, least_samples/C), n_c/m)`` (``least_samples`` defaults to :func:`pfllib_least_samples`).
+    ``scheme="pfllib"`` reproduces PFLlib's ``pat`` (FedSA/FedPake experiments): classes are visited in order
+    and each goes to the first ``ceil(K / C * k)`` clients that still have a free class slot, so the
+    assignment is blocked and deterministic (20 clients, 10 classes, k=2: clients 0-3 {0,1}, 4-7 {2,3}, ...,
+    16-19 {8,9}). A class's samples are taken in pool order (PFLlib does not shuffle them); ``balanced=True``
+    gives the first m-1 holders ``int(n_c/m)`` each and the last holder the remainder; ``balanced=False``
+    draws those sizes uniformly from ``[max(n_c/m/10, least_samples/C), n_c/m)`` (``least_samples`` defaults
+    to :func:`pfllib_least_samples`).
 
     ``scheme="random"`` (FedCAC: "each client gets k random classes"): clients, in random order, pick the k
-    distinct classes held by the fewest clients so far (random tie-breaks), so every class gets a holder and holder
-    counts differ by at most one. Each class's shuffled samples are split among its holders, equally
+    distinct classes held by the fewest clients so far (random tie-breaks), so every class gets a holder and
+    holder counts differ by at most one. Each class's shuffled samples are split among its holders, equally
     (``balanced=True``) or with Dir(1) proportions (``balanced=False``); every holder gets >= 1 sample.
     """
     y = _as_labels(labels)
@@ -252,7 +258,8 @@ def pathological(
     if k_clients * k < n_cls:
         raise PartitionError(
             "pathological (random): not every class can get a holder "
-            f"{_fmt(n_clients=k_clients, classes_per_client=k, num_classes=n_cls)}; need n_clients*k >= classes"
+            f"{_fmt(n_clients=k_clients, classes_per_client=k, num_classes=n_cls)}; "
+            "need n_clients*k >= classes"
         )
     holders: list[list[int]] = [[] for _ in range(n_cls)]
     held = np.zeros(n_cls, dtype=np.int64)
@@ -266,7 +273,8 @@ def pathological(
         h = holders[c]
         if len(pool) < len(h):
             raise PartitionError(
-                f"pathological (random): class {int(classes[c])} has {len(pool)} samples but {len(h)} holders "
+                f"pathological (random): class {int(classes[c])} has {len(pool)} samples "
+                f"but {len(h)} holders "
                 f"{_fmt(n_samples=n, n_clients=k_clients, classes_per_client=k)}"
             )
         if balanced:
@@ -299,7 +307,8 @@ def _pat_pfllib(
         if not chosen:
             raise PartitionError(
                 f"pfllib pat: class index {c} has no client with a free class slot "
-                f"{_fmt(n_clients=num_clients, classes_per_client=k, num_classes=n_cls)}; need n_clients*k >= classes"
+                f"{_fmt(n_clients=num_clients, classes_per_client=k, num_classes=n_cls)}; "
+                "need n_clients*k >= classes"
             )
         m = len(chosen)
         per = len(pool) / m
@@ -339,12 +348,13 @@ def dirichlet(
     balance: bool = True,
     max_retries: int = 100,
 ) -> list[np.ndarray]:
-    """Dirichlet label skew ("practical non-IID"; PFLlib ``dir``, NIID-Bench, FedDisco NIID-1); covers every sample.
+    """Dirichlet label skew ("practical non-IID": PFLlib ``dir``, NIID-Bench, FedDisco NIID-1).
 
-    For each class: shuffle its samples, draw p ~ Dir(alpha * 1_K); with ``balance`` zero p_j for clients already
-    holding >= N/K samples (the self-balancing trick) and renormalise; cut at ``int(cumsum(p) * n_c)``. The whole
-    draw is repeated until every client has >= ``min_size`` samples (PFLlib uses its ``least_samples`` here,
-    NIID-Bench/FedDisco 10), at most ``max_retries`` times, then :class:`PartitionError`.
+    For each class: shuffle its samples, draw p ~ Dir(alpha * 1_K); with ``balance`` zero p_j for clients
+    already holding >= N/K samples (the self-balancing trick) and renormalise; cut at ``int(cumsum(p) *
+    n_c)``. The whole draw is repeated until every client has >= ``min_size`` samples (PFLlib uses its
+    ``least_samples`` here, NIID-Bench/FedDisco 10), at most ``max_retries`` times, then
+    :class:`PartitionError`.
     """
     y = _as_labels(labels)
     n = len(y)
@@ -370,7 +380,9 @@ def dirichlet(
             if balance:
                 open_ = sizes < cap
                 p = p * open_
-                if p.sum() <= 0:  # all mass on full clients (degenerate tiny-alpha draw): spread over open ones
+                if (
+                    p.sum() <= 0
+                ):  # all mass on full clients (degenerate tiny-alpha draw): spread over open ones
                     p = open_.astype(np.float64) if open_.any() else np.ones(k)
                 p = p / p.sum()
             cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
@@ -393,7 +405,7 @@ def dirichlet(
 def client_class_proportions(
     num_clients: int, num_classes: int, alpha: float, rng: np.random.Generator
 ) -> np.ndarray:
-    """Per-client class proportions q_i ~ Dir(alpha * 1_C), shape [num_clients, num_classes] (Fling / FedCAC)."""
+    """Per-client class proportions q_i ~ Dir(alpha * 1_C), shape [num_clients, num_classes] (FedCAC)."""
     k = _check_int("num_clients", num_clients, 1)
     c = _check_int("num_classes", num_classes, 1)
     return _dirichlet(_check_rng(rng), _check_positive("alpha", alpha), c, size=k)
@@ -411,15 +423,16 @@ def dirichlet_fixed(
 ) -> list[np.ndarray]:
     """Client-wise Dirichlet with a fixed size (FedCAC, Fling ``dirichlet_sampling``).
 
-    Each client draws q_i ~ Dir(alpha * 1_C) over the classes present (or uses row i of ``proportions``, e.g. the
-    same q for a train and a test pool, see :func:`client_class_proportions`); its per-class counts are
-    ``samples_per_client * q_i`` rounded by largest remainder, so every client has exactly ``samples_per_client``.
+    Each client draws q_i ~ Dir(alpha * 1_C) over the classes present (or uses row i of ``proportions``, e.g.
+    the same q for a train and a test pool, see :func:`client_class_proportions`); its per-class counts are
+    ``samples_per_client * q_i`` rounded by largest remainder, so every client has exactly
+    ``samples_per_client``.
 
     ``disjoint=False`` (Fling/FedCAC): each client samples its count of class c *without replacement* from the
     whole class pool, independently of the other clients, so samples may be shared across clients but never
-    repeat within one. ``disjoint=True``: samples are dealt without replacement across clients (each used at most
-    once). If a class pool is too small for the demand, :class:`PartitionError` (Fling would silently switch to
-    sampling with replacement; we refuse instead).
+    repeat within one. ``disjoint=True``: samples are dealt without replacement across clients (each used at
+    most once). If a class pool is too small for the demand, :class:`PartitionError` (Fling would silently
+    switch to sampling with replacement; we refuse instead).
     """
     y = _as_labels(labels)
     n = len(y)
@@ -443,7 +456,8 @@ def dirichlet_fixed(
         if short.size:
             c = short[0]
             raise PartitionError(
-                f"dirichlet_fixed: class {int(classes[c])} needs {int(demand[c])} samples but has {len(pools[c])} "
+                f"dirichlet_fixed: class {int(classes[c])} needs {int(demand[c])} samples "
+                f"but has {len(pools[c])} "
                 f"{params}; use disjoint=False, fewer clients or fewer samples_per_client"
             )
         parts: list[list[np.ndarray]] = [[] for _ in range(k)]
@@ -458,7 +472,8 @@ def dirichlet_fixed(
         for c in np.flatnonzero(counts[j]):
             if counts[j, c] > len(pools[c]):
                 raise PartitionError(
-                    f"dirichlet_fixed: client {j} needs {int(counts[j, c])} samples of class {int(classes[c])} "
+                    f"dirichlet_fixed: client {j} needs {int(counts[j, c])} samples "
+                    f"of class {int(classes[c])} "
                     f"but the class has {len(pools[c])} {params}"
                 )
             chunks.append(rng.choice(pools[c], size=int(counts[j, c]), replace=False))
@@ -472,13 +487,14 @@ def niid2(
     num_unbiased: int,
     rng: np.random.Generator,
 ) -> list[np.ndarray]:
-    """FedDisco NIID-2: ``num_biased`` clients with 2 classes each, then ``num_unbiased`` with every class; equal sizes.
+    """FedDisco NIID-2: ``num_biased`` 2-class clients, then ``num_unbiased`` all-class clients; equal sizes.
 
     Classes sorted; biased client i gets classes (2i, 2i+1) mod C. Samples are dealt in shards of s samples: a
     biased client takes C/2 shards of each of its 2 classes, an unbiased client 1 shard of every class, so all
     clients hold C*s samples (for odd C: C and 2 shards, 2*C*s samples). The shard size is the largest s every
-    class can supply, ``min_c floor(n_c / demand_c)``; for FedDisco's setting (5 biased + 1 unbiased, 10 balanced
-    classes) that is their ``n / (10 * 6)``, e.g. 833 on CIFAR-10 (8,330 per client). Unused samples are dropped.
+    class can supply, ``min_c floor(n_c / demand_c)``; for FedDisco's setting (5 biased + 1 unbiased, 10
+    balanced classes) that is their ``n / (10 * 6)``, e.g. 833 on CIFAR-10 (8,330 per client). Unused samples
+    are dropped.
     """
     y = _as_labels(labels)
     n = len(y)
@@ -524,11 +540,11 @@ def long_tail(
     *,
     n_max: int | None = None,
 ) -> np.ndarray:
-    """Long-tailed subset (CIFAR-10-LT style): sorted indices keeping n_c = n_max * ratio^(-r/(C-1)) of class c.
+    """Long-tailed subset (CIFAR-10-LT style): sorted indices keeping n_max * ratio^(-r/(C-1)) of class c.
 
-    r is the class's rank in sorted label order: the smallest label is the head (n_max samples), the largest the
-    tail (n_max / ratio). ``n_max`` defaults to the largest value every class can supply. Samples within a class
-    are chosen at random. Partition the result with any scheme (index it into the labels first).
+    r is the class's rank in sorted label order: the smallest label is the head (n_max samples), the largest
+    the tail (n_max / ratio). ``n_max`` defaults to the largest value every class can supply. Samples within a
+    class are chosen at random. Partition the result with any scheme (index it into the labels first).
     """
     y = _as_labels(labels)
     ratio = _check_positive("imbalance_ratio", imbalance_ratio)
@@ -561,13 +577,14 @@ def domain_skew(
 ) -> list[tuple[int, np.ndarray]]:
     """Domain skew (FedHEAL): each client of domain d gets a random ``fraction`` of d's training set.
 
-    Client size is ``int(fraction * domain_size)`` (1% of MNIST = 600, of USPS = 72); clients of one domain are
-    disjoint (requires ``clients_per_domain[d] * fraction <= 1``). Returns ``(domain, indices)`` pairs, domain by
-    domain, indices into that domain's own training set. With ``labels`` (one label array per domain), each
-    client is repaired so that it holds every class of its domain, by swapping in unused samples of the missing
-    classes (FedHEAL does this for Office-Caltech); impossible repairs raise :class:`PartitionError`.
+    Client size is ``int(fraction * domain_size)`` (1% of MNIST = 600, of USPS = 72); clients of one domain
+    are disjoint (requires ``clients_per_domain[d] * fraction <= 1``). Returns ``(domain, indices)`` pairs,
+    domain by domain, indices into that domain's own training set. With ``labels`` (one label array per
+    domain), each client is repaired so that it holds every class of its domain, by swapping in unused samples
+    of the missing classes (FedHEAL does this for Office-Caltech); impossible repairs raise
+    :class:`PartitionError`.
     """
-    sizes = [_check_int("domain_sizes[]", int(s) if isinstance(s, np.integer) else s, 1) for s in domain_sizes]
+    sizes = [_check_int("domain_sizes[]", s, 1) for s in domain_sizes]
     counts = [_check_int("clients_per_domain[]", c, 0) for c in clients_per_domain]
     if len(sizes) != len(counts):
         raise PartitionError(f"{len(sizes)} domain sizes but {len(counts)} clients_per_domain entries")
@@ -581,7 +598,9 @@ def domain_skew(
     for d, (size, count) in enumerate(zip(sizes, counts, strict=True)):
         params = _fmt(domain=d, domain_size=size, clients=count, fraction=f)
         if count * f > 1 + 1e-9:
-            raise PartitionError(f"domain_skew: clients_per_domain * fraction > 1, clients cannot be disjoint {params}")
+            raise PartitionError(
+                f"domain_skew: clients_per_domain * fraction > 1, clients cannot be disjoint {params}"
+            )
         m = int(f * size + 1e-9)
         if count and m < 1:
             raise PartitionError(f"domain_skew: fraction of the domain is below one sample {params}")
@@ -602,11 +621,15 @@ def _repair_classes(
     classes = np.unique(y)
     for j, chunk in enumerate(chunks):
         if len(chunk) < len(classes):
-            raise PartitionError(f"domain_skew: a client of {len(chunk)} samples cannot hold {len(classes)} classes {params}")
+            raise PartitionError(
+                f"domain_skew: a client of {len(chunk)} samples cannot hold {len(classes)} classes {params}"
+            )
         for c in np.setdiff1d(classes, y[chunk]):
             spare = [i for i, s in enumerate(unused) if y[s] == c]
             if not spare:
-                raise PartitionError(f"domain_skew: no unused sample of class {int(c)} left for client {j} {params}")
+                raise PartitionError(
+                    f"domain_skew: no unused sample of class {int(c)} left for client {j} {params}"
+                )
             pick = spare[int(rng.integers(len(spare)))]
             vals, cnt = np.unique(y[chunk], return_counts=True)
             big = vals[np.argmax(cnt)]  # most frequent class: it keeps >= 1 sample after the swap
@@ -622,8 +645,9 @@ def train_test_split_clients(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-client random train/test split (PFLlib: 75/25 of each client's samples, not stratified).
 
-    A client of n samples gets ``floor(ratio * n)`` train samples (sklearn's rounding), clipped so that it keeps
-    >= 1 train and >= 1 test sample; a client with fewer than 2 samples is an error naming it. ``rng`` is required.
+    A client of n samples gets ``floor(ratio * n)`` train samples (sklearn's rounding), clipped so that it
+    keeps >= 1 train and >= 1 test sample; a client with fewer than 2 samples is an error naming it. ``rng``
+    is required.
     """
     if rng is None:
         raise TypeError("train_test_split_clients needs rng (a seeded numpy.random.Generator)")
@@ -663,32 +687,77 @@ def label_histograms(
 Partitioner = Callable[..., list[np.ndarray]]
 
 
-def _p_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, balanced: bool = True,
-           sigma: float = 1.0) -> list[np.ndarray]:
+def _p_iid(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    balanced: bool = True,
+    sigma: float = 1.0,
+) -> list[np.ndarray]:
     return iid(labels, num_clients, rng, balanced=balanced, sigma=sigma)
 
 
-def _p_dir(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, alpha: float, min_size: int = 10,
-           balance: bool = True, max_retries: int = 100) -> list[np.ndarray]:
-    return dirichlet(labels, num_clients, alpha, rng, min_size=min_size, balance=balance, max_retries=max_retries)
+def _p_dir(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float,
+    min_size: int = 10,
+    balance: bool = True,
+    max_retries: int = 100,
+) -> list[np.ndarray]:
+    return dirichlet(
+        labels, num_clients, alpha, rng, min_size=min_size, balance=balance, max_retries=max_retries
+    )
 
 
-def _p_pat(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, classes_per_client: int = 2,
-           scheme: Literal["random", "pfllib"] = "random", balanced: bool = True,
-           least_samples: int | None = None) -> list[np.ndarray]:
-    return pathological(labels, num_clients, classes_per_client, rng, scheme=scheme, balanced=balanced,
-                        least_samples=least_samples)
+def _p_pat(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    classes_per_client: int = 2,
+    scheme: Literal["random", "pfllib"] = "random",
+    balanced: bool = True,
+    least_samples: int | None = None,
+) -> list[np.ndarray]:
+    return pathological(
+        labels,
+        num_clients,
+        classes_per_client,
+        rng,
+        scheme=scheme,
+        balanced=balanced,
+        least_samples=least_samples,
+    )
 
 
-def _p_dirfixed(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, alpha: float,
-                samples_per_client: int, disjoint: bool = False,
-                proportions: np.ndarray | None = None) -> list[np.ndarray]:
-    return dirichlet_fixed(labels, num_clients, alpha, rng, samples_per_client=samples_per_client,
-                           disjoint=disjoint, proportions=proportions)
+def _p_dirfixed(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float,
+    samples_per_client: int,
+    disjoint: bool = False,
+    proportions: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    return dirichlet_fixed(
+        labels,
+        num_clients,
+        alpha,
+        rng,
+        samples_per_client=samples_per_client,
+        disjoint=disjoint,
+        proportions=proportions,
+    )
 
 
-def _p_niid2(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-             num_unbiased: int = 1) -> list[np.ndarray]:
+def _p_niid2(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, num_unbiased: int = 1
+) -> list[np.ndarray]:
     u = _check_int("num_unbiased", num_unbiased, 0)
     k = _check_int("num_clients", num_clients, 1)
     if u > k:
@@ -696,8 +765,9 @@ def _p_niid2(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
     return niid2(labels, k - u, u, rng)
 
 
-def _p_quantity(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, beta: float,
-                min_size: int = 1) -> list[np.ndarray]:
+def _p_quantity(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, beta: float, min_size: int = 1
+) -> list[np.ndarray]:
     return quantity_skew(labels, num_clients, rng, beta=beta, min_size=min_size)
 
 
@@ -721,9 +791,9 @@ def make_partition(
 ) -> list[np.ndarray]:
     """Partition ``labels`` among ``num_clients`` with the scheme ``name`` (a key of :data:`PARTITIONS`).
 
-    Parameters: iid(balanced, sigma); dir(alpha, min_size, balance, max_retries); pat(classes_per_client, scheme,
-    balanced, least_samples); dirfixed(alpha, samples_per_client, disjoint, proportions); niid2(num_unbiased=1:
-    the other num_clients - num_unbiased clients are biased); quantity(beta, min_size).
+    Parameters: iid(balanced, sigma); dir(alpha, min_size, balance, max_retries); pat(classes_per_client,
+    scheme, balanced, least_samples); dirfixed(alpha, samples_per_client, disjoint, proportions);
+    niid2(num_unbiased=1: the other num_clients - num_unbiased clients are biased); quantity(beta, min_size).
     """
     fn = PARTITIONS.get(name)
     if fn is None:
@@ -733,7 +803,9 @@ def make_partition(
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise PartitionError(f"partition {name!r} does not take {unknown}; it accepts {accepted}")
-    missing = [p for p in accepted if sig.parameters[p].default is inspect.Parameter.empty and p not in params]
+    missing = [
+        p for p in accepted if sig.parameters[p].default is inspect.Parameter.empty and p not in params
+    ]
     if missing:
         raise PartitionError(f"partition {name!r} needs parameter(s) {missing}")
     return fn(labels, num_clients, rng, **params)

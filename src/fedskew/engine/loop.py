@@ -73,6 +73,17 @@ def init_model(cfg: RunConfig, data: FederatedData) -> nn.Module:
     return model.to(torch.device(cfg.device))
 
 
+def local_state_names(groups: frozenset[str], template: Params, trainable: frozenset[str]) -> frozenset[str]:
+    """State-dict names behind the groups a method keeps on the clients (``"buffers"``: non-trainable entries)."""
+    names: set[str] = set()
+    for group in groups:
+        if group == "buffers":
+            names |= {n for n in template if n not in trainable}
+        else:
+            raise ValueError(f"unknown client-local group {group!r}")
+    return frozenset(names)
+
+
 @dataclass
 class RoundResult:
     record: dict[str, Any]  # one line of metrics.jsonl
@@ -107,6 +118,7 @@ class Simulation:
             num_train=data.num_train,
             label_hists=data.train_hists,
         )
+        self.local_names = local_state_names(self.method.local, self.global_params, self.trainable)
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
 
@@ -122,7 +134,7 @@ class Simulation:
         broadcast = method.client.broadcast(self.client_server_state)
         updates, bytes_down = [], 0
         for cid in participants:
-            received = self.personal.get(cid, self.global_params)
+            received = self.params_for(cid)
             bytes_down += payload_bytes(received) + payload_bytes(broadcast)
             ctx = LocalContext(
                 cid=cid,
@@ -135,7 +147,10 @@ class Simulation:
             )
             client = data.clients[cid]
             gen = torch_generator(cfg.seed, Purpose.SHUFFLE, cid, rnd)
-            updates.append(local_train(method.client, ctx, client.x_train, client.y_train, gen))
+            update = local_train(method.client, ctx, client.x_train, client.y_train, gen)
+            if self.local_names:
+                self.client_states[cid]["local_params"] = {k: update.params[k] for k in self.local_names}
+            updates.append(update)
         t1 = time.perf_counter()
 
         rin = stack_updates(
@@ -180,24 +195,36 @@ class Simulation:
             record["diagnostics"] = out.diagnostics
         return RoundResult(record, scores)
 
+    def params_for(self, cid: int, base: Params | None = None) -> Params:
+        """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),
+        with the state-dict entries it keeps for itself (``method.local``) overlaid."""
+        params = base if base is not None else self.personal.get(cid, self.global_params)
+        own = self.client_states[cid].get("local_params")
+        return {**params, **own} if own else params
+
     # ---- evaluation views --------------------------------------------------------------------------------
+    def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
+        data, bs = self.data, self.cfg.eval_batch_size
+        correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
+        for c in data.clients:
+            self.model.load_state_dict(params_of(c.cid))
+            owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
+            s = predict_scores(self.model, c.x_test, c.y_test, owner, 1, bs)
+            correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
+        return ClientScores(correct, loss, count)
+
     def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
         data, bs = self.data, self.cfg.eval_batch_size
         self.model.load_state_dict(self.global_params)
         rec = evaluate_global(self.model, data.x_test, data.y_test, bs)
-        scores = {"global_local": predict_scores(self.model, data.local_x, data.local_y, data.local_owner,
-                                                 data.num_clients, bs)}
+        if self.local_names:  # each client evaluates the global model with the entries it keeps locally
+            scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
+        else:  # one pass over all clients' test sets
+            scores = {"global_local": predict_scores(self.model, data.local_x, data.local_y, data.local_owner,
+                                                     data.num_clients, bs)}
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
-            correct = np.zeros(data.num_clients)
-            loss = np.zeros(data.num_clients)
-            count = np.zeros(data.num_clients)
-            for c in data.clients:
-                self.model.load_state_dict(self.personal.get(c.cid, self.global_params))
-                owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
-                s = predict_scores(self.model, c.x_test, c.y_test, owner, 1, bs)
-                correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
-            scores["personal"] = ClientScores(correct, loss, count)
+            scores["personal"] = self._per_client_scores(self.params_for)
             rec.update(summarize("personal", scores["personal"]))
         return rec, scores
 

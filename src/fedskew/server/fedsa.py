@@ -2,41 +2,46 @@
 Learning", arXiv 2408.11278 v1 = FedSA, v2 = FedPake; spec section 1).
 
 FedPake replaces the server's weighted average, independently for every trainable parameter tensor (a
-"layer", flattened to ``M`` positions; spec 1.4 / A9). With the K uploaded copies stacked as ``X`` (``K x M``,
-row k = client k; all statistics in float64, spec 0.3):
+"layer", flattened to ``M`` positions; spec 1.4 / A9). With the K uploaded copies stacked as ``X``
+(``K x M``, row k = client k; all statistics in float64, spec 0.3):
 
-1. ``mu`` = client mean, ``D = (X - mu)^2``, ``sigma = sqrt(mean_k D)`` (population std);
-   ``cv = 0`` where the column is constant (min == max over the clients, exactly; spec 7), else
-   ``sigma / max(|mu|, eps)`` (spec 1.3 step 2.3, A1).
-2. Parameter division: min-max normalized cv ``z`` (or ``cv_norm='rank'``: ``rank / (M - 1)``); high-dispersion
-   region ``r^h = {z > lam}``, ``H = |r^h|`` (step 2.4). ``H = 0`` or ``K < 2``: the layer is the low-region
-   mean (step 2.5).
-3. Micro-classes on the ``K x H`` block ``B = D[:, r^h]``, normalized by ``micro_norm`` and binned at ``i / C``
-   (upper-inclusive, zeros in class 1, values above 1 clamped to class C; step 2.6, A3, A4, spec 7).
+1. ``mu`` = client mean, ``D = (X - mu)^2``, ``sigma = sqrt(mean_k D)`` (population std); ``cv = 0`` where
+   the column is constant (min == max over the clients, exactly; spec 7), else ``sigma / max(|mu|, eps)``
+   (spec 1.3 step 2.3, A1).
+2. Parameter division: min-max normalized cv ``z`` (or ``cv_norm='rank'``: ``rank / (M - 1)``);
+   high-dispersion region ``r^h = {z > lam}``, ``H = |r^h|`` (step 2.4). ``H = 0`` or ``K < 2``: the layer
+   is the low-region mean (step 2.5).
+3. Micro-classes on the ``K x H`` block ``B = D[:, r^h]``, normalized by ``micro_norm`` and binned at
+   ``i / C`` (upper-inclusive, zeros in class 1, values above 1 clamped to class C; step 2.6, A3, A4,
+   spec 7).
 4. ``SIM(a, b) = 1 - #{m in r^h: E_am != E_bm} / H`` (step 2.7, A5), then the deterministic capped
-   agglomerative :func:`cluster` (v1 Steps 1-3, A6) into at most ``S`` macro-classes plus unclustered clients.
-5. Per cluster: modal class ``Q_j`` (ties -> smallest), ``f_j(c)`` = share of high positions with modal class c,
-   ``alpha_jm = f_j(Q_jm) / S`` (v2 Eq. 11), normalized per position over the clusters (``alpha_norm=
-   'per_position'``, A8) or used as written (``'literal'``); cluster means ``wbar_j`` (unweighted).
-6. Output: ``r^l`` -> mean over **all** K participants (``low_weighting='uniform'``) or the sample-weighted mean
-   (``'samples'``, A10); ``r^h`` -> ``sum_j alpha_j * wbar_j`` (unclustered clients do not contribute).
+   agglomerative :func:`cluster` (v1 Steps 1-3, A6) into at most ``S`` macro-classes plus unclustered
+   clients.
+5. Per cluster: modal class ``Q_j`` (ties -> smallest), ``f_j(c)`` = share of high positions with modal
+   class c, ``alpha_jm = f_j(Q_jm) / S`` (v2 Eq. 11), normalized per position over the clusters
+   (``alpha_norm='per_position'``, A8) or used as written (``'literal'``); cluster means ``wbar_j``
+   (unweighted).
+6. Output: ``r^l`` -> mean over **all** K participants (``low_weighting='uniform'``) or the sample-weighted
+   mean (``'samples'``, A10); ``r^h`` -> ``sum_j alpha_j * wbar_j`` (unclustered clients do not contribute).
 
 Deviations from the paper (all from the spec, which documents the reasons):
 
-- ``|mu|`` in cv with an ``eps`` guard, and cv = 0 for constant columns (A1, spec 7); v2 writes the signed mean.
-- Squared deviations are min-max normalized over the layer's high block before binning (``micro_norm=
-  'layer_minmax'``, A3); ``'raw'`` is the literal rule, which degenerates to one cluster on real weights.
-- Similarity counted over ``r^h`` only (A5); clustering per v1 Steps 1-3 with average linkage over all members,
-  no cluster-cluster merges, ``delta`` applied only once S clusters exist, strict ``>`` (A6).
-- Similarity comparisons use an absolute tolerance of ``1e-12`` (spec 7): candidates within ``1e-12`` of the best
-  are ties (JOIN before PAIR, then lower cluster index, then lower client ids), and a similarity within
-  ``1e-12`` of ``delta`` does not "exceed" it. Class bins use ``ceil(C * b' - 1e-12)`` so a value that lands a
-  rounding error above an edge ``i / C`` stays in class i (A4).
+- ``|mu|`` in cv with an ``eps`` guard, and cv = 0 for constant columns (A1, spec 7); v2 writes the signed
+  mean.
+- Squared deviations are min-max normalized over the layer's high block before binning
+  (``micro_norm='layer_minmax'``, A3); ``'raw'`` is the literal rule, which degenerates to one cluster
+  on real weights.
+- Similarity counted over ``r^h`` only (A5); clustering per v1 Steps 1-3 with average linkage over all
+  members, no cluster-cluster merges, ``delta`` applied only once S clusters exist, strict ``>`` (A6).
+- Similarity comparisons use an absolute tolerance of ``1e-12`` (spec 7): candidates within ``1e-12`` of the
+  best are ties (JOIN before PAIR, then lower cluster index, then lower client ids), and a similarity within
+  ``1e-12`` of ``delta`` does not "exceed" it. Class bins use ``ceil(C * b' - 1e-12)`` so a value that lands
+  a rounding error above an edge ``i / C`` stays in class i (A4).
 - alpha renormalized per position (A8); v1 Eq. 14 and v2 Eq. 11 weights do not sum to 1.
-- Buffers are not covered by the paper: ``buffers='mean'`` (float buffers plain mean, integer buffers max) or
-  ``'local'`` (the combine returns the broadcast value; the engine keeps each client's buffers; step 3).
-- ``cv_norm='rank'`` is our ablation (A2). In both cv modes a layer whose cv is constant (``max cv == min cv``,
-  which includes ``M = 1`` and ``K = 1``) has an empty high region.
+- Buffers are not covered by the paper: ``buffers='mean'`` (float buffers plain mean, integer buffers max)
+  or ``'local'`` (the combine returns the broadcast value; the engine keeps each client's buffers; step 3).
+- ``cv_norm='rank'`` is our ablation (A2). In both cv modes a layer whose cv is constant
+  (``max cv == min cv``, which includes ``M = 1`` and ``K = 1``) has an empty high region.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,38 +80,61 @@ class ColumnStats:
     var: Tensor  # population variance (divisor K)
     constant: Tensor  # bool: all K values equal (exact test, spec 7)
     skew: Tensor  # Fisher-Pearson g1 = m3 / m2^1.5 across clients; 0 where constant
+    weighted_mean: Tensor | None = None  # sum_k w_k X_k when weights were given
 
 
-def column_stats(X: Tensor, *, want_skew: bool = True) -> tuple[ColumnStats, Tensor]:
-    """Mean, population variance, constancy and skewness of every column of ``X`` (``K x M``).
+CHUNK_ELEMENTS = 1 << 20  # float64 scratch per column block on CPU (8 MiB): cache-friendly, no page faults
 
-    Returns the stats and ``dev = X - mean`` (``K x M`` float64). Only two ``K x M`` float64 buffers are
-    allocated: ``dev`` (the float64 copy of ``X``, centred in place) and a scratch buffer for the powers.
+
+def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = True) -> ColumnStats:
+    """Mean, population variance, constancy, skewness (and a weighted mean) of every column of ``X``.
+
+    ``X`` is ``K x M`` in any float dtype; the statistics are computed in float64 over blocks of columns
+    (one reused ``K x block`` float64 buffer pair; on CUDA a single block), so no ``K x M`` float64 copy of a
+    large layer is ever materialized. ``weights`` (``[K]``, already normalized) adds ``weighted_mean``.
     """
     if X.ndim != 2 or X.shape[0] < 1:
         raise ValueError(f"expected a K x M matrix with K >= 1, got shape {tuple(X.shape)}")
-    lo, hi = torch.aminmax(X, dim=0)
-    constant = lo == hi
-    dev = X.to(torch.float64, copy=True)
-    mean = dev.mean(0)
-    dev.sub_(mean)
-    scratch = dev.square()
-    var = scratch.mean(0)
-    if want_skew:
-        m3 = scratch.mul_(dev).mean(0)
-        denom = var.pow(1.5)
-        ok = ~constant & (denom > 0)
-        skew = torch.where(ok, m3 / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(m3))
-    else:
-        skew = torch.zeros_like(mean)
-    del scratch
-    return ColumnStats(mean, var, constant, skew), dev
+    k, m = X.shape
+    dev_kw = {"dtype": torch.float64, "device": X.device}
+    mean, var = torch.empty(m, **dev_kw), torch.empty(m, **dev_kw)
+    skew = torch.zeros(m, **dev_kw)
+    constant = torch.empty(m, dtype=torch.bool, device=X.device)
+    wmean = None
+    if weights is not None:
+        wmean = torch.empty(m, **dev_kw)
+        weights = torch.as_tensor(weights).to(**dev_kw).reshape(-1)
+    block = m if X.device.type != "cpu" else max(1, min(m, CHUNK_ELEMENTS // k))
+    buf = torch.empty((k, block), **dev_kw)
+    scratch = torch.empty((k, block), **dev_kw)
+    for s in range(0, m, block):
+        e = min(s + block, m)
+        xb = X[:, s:e]
+        constant[s:e] = xb.amax(0) == xb.amin(0)
+        d = buf[:, : e - s]
+        d.copy_(xb)
+        if wmean is not None:
+            wmean[s:e] = weights @ d
+        mu = d.mean(0)
+        mean[s:e] = mu
+        d.sub_(mu)
+        q = torch.mul(d, d, out=scratch[:, : e - s])
+        m2 = q.mean(0)
+        var[s:e] = m2
+        if want_skew:
+            m3 = q.mul_(d).mean(0)
+            denom = m2.pow(1.5)
+            ok = ~constant[s:e] & (denom > 0)
+            skew[s:e] = torch.where(ok, m3 / torch.where(ok, denom, torch.ones_like(denom)), 0.0)
+    return ColumnStats(mean, var, constant, skew, wmean)
 
 
 def coefficient_of_variation(X: Tensor, eps: float = EPS) -> Tensor:
-    """Per-column cv of ``X`` (``K x M``): ``sigma / max(|mu|, eps)``, exactly 0 on constant columns (A1, spec 7)."""
-    stats, _ = column_stats(torch.as_tensor(X), want_skew=False)
-    return _cv(stats, eps)
+    """Per-column cv of ``X`` (``K x M``): ``sigma / max(|mu|, eps)``; exactly 0 on constant columns.
+
+    Spec 1.5 A1 and section 7.
+    """
+    return _cv(column_stats(torch.as_tensor(X), want_skew=False), eps)
 
 
 def _cv(stats: ColumnStats, eps: float) -> Tensor:
@@ -117,8 +145,8 @@ def _cv(stats: ColumnStats, eps: float) -> Tensor:
 def high_dispersion(cv: Tensor, lam: float, cv_norm: str = "minmax") -> Tensor:
     """Bool mask of the high-dispersion positions ``r^h`` (spec 1.3 step 2.4; ``rank``: spec 7 / A2).
 
-    ``minmax``: ``z = (cv - min) / (max - min) > lam``. ``rank``: ``z = r / (M - 1) > lam`` with 0-based ranks of
-    a stable ascending sort (ties by position). Empty when ``max cv == min cv`` (includes ``M = 1``).
+    ``minmax``: ``z = (cv - min) / (max - min) > lam``. ``rank``: ``z = r / (M - 1) > lam`` with 0-based
+    ranks of a stable ascending sort (ties by position). Empty when ``max cv == min cv`` (includes ``M = 1``).
     """
     if cv_norm not in CV_NORMS:
         raise ValueError(f"unknown cv_norm {cv_norm!r}; expected one of {CV_NORMS}")
@@ -145,8 +173,8 @@ def micro_classes(B: Tensor, C: int, micro_norm: str = "layer_minmax") -> Tensor
     """Micro-class ``E`` in ``1..C`` (int64, ``K x H``) of each squared deviation in ``B`` (step 2.6).
 
     ``layer_minmax``: min-max over the whole block (constant block -> 0); ``position_max``: divide each column
-    by its largest entry (0/0 -> 0); ``raw``: no normalization. Class ``i`` <=> ``(i-1)/C < b' <= i/C``; ``b' <= 0``
-    -> class 1, ``b' > 1`` -> class C.
+    by its largest entry (0/0 -> 0); ``raw``: no normalization. Class ``i`` <=> ``(i-1)/C < b' <= i/C``;
+    ``b' <= 0`` -> class 1, ``b' > 1`` -> class C.
     """
     if micro_norm not in MICRO_NORMS:
         raise ValueError(f"unknown micro_norm {micro_norm!r}; expected one of {MICRO_NORMS}")
@@ -166,7 +194,7 @@ def micro_classes(B: Tensor, C: int, micro_norm: str = "layer_minmax") -> Tensor
 
 
 def similarity(E: Tensor, C: int) -> Tensor:
-    """``SIM`` (``K x K`` float64): share of the H columns of ``E`` (classes ``1..C``) where two clients agree.
+    """``SIM`` (``K x K`` float64): share of the H columns of ``E`` (classes ``1..C``) where 2 clients agree.
 
     Computed as ``sum_c A_c A_c^T`` with ``A_c = (E == c)`` (C matmuls of ``K x H``; no loop over positions).
     """
@@ -176,7 +204,7 @@ def similarity(E: Tensor, C: int) -> Tensor:
         return torch.ones((k, k), dtype=torch.float64, device=E.device)
     counts = torch.zeros((k, k), dtype=torch.float64, device=E.device)
     for c in range(1, C + 1):
-        A = (E == c).to(torch.float64)
+        A = E.eq(c).to(torch.float64)
         counts += A @ A.T
     sim = counts / h
     sim.fill_diagonal_(1.0)
@@ -193,10 +221,11 @@ def cluster(
 
     Repeatedly takes the most similar candidate among JOIN(cluster g, free client k) with average linkage
     ``mean_{a in g} SIM[a, k]`` and, while fewer than ``S`` clusters exist, PAIR(free a < free b) with
-    ``SIM[a, b]``. Candidates within ``tol`` of the best are ties, broken by JOIN before PAIR, then lower cluster
-    index, then lower client ids. A PAIR opens a cluster; a JOIN before the cap is always accepted; once ``S``
-    clusters exist a JOIN needs ``similarity > delta`` (strict, with ``tol``), otherwise every remaining client
-    is unclustered. Returns ``(clusters, unclustered)``: member lists in joining order, and sorted client ids.
+    ``SIM[a, b]``. Candidates within ``tol`` of the best are ties, broken by JOIN before PAIR, then lower
+    cluster index, then lower client ids. A PAIR opens a cluster; a JOIN before the cap is always accepted;
+    once ``S`` clusters exist a JOIN needs ``similarity > delta`` (strict, with ``tol``), otherwise every
+    remaining client is unclustered. Returns ``(clusters, unclustered)``: member lists in joining order, and
+    sorted client ids.
     """
     if isinstance(S, bool) or not isinstance(S, numbers.Integral) or S < 1:
         raise ValueError(f"S must be an integer >= 1, got {S!r}")
@@ -206,44 +235,41 @@ def cluster(
     if s.ndim != 2 or s.shape[0] != s.shape[1]:
         raise ValueError(f"SIM must be a square matrix, got shape {s.shape}")
     k = s.shape[0]
-    free = list(range(k))
+    is_free = np.ones(k, dtype=bool)
+    upper = np.triu(np.ones((k, k), dtype=bool), 1)
     groups: list[list[int]] = []
-    sums: list[np.ndarray] = []  # per cluster: sum over members of SIM[a, :]
+    sums = np.zeros((0, k))  # row j: sum over the members of cluster j of SIM[a, :]
+    sizes = np.zeros(0)
     unclustered: list[int] = []
-    while free:
-        fa = np.asarray(free)
-        join = np.stack([sums[j][fa] / len(groups[j]) for j in range(len(groups))]) if groups else None
+    while is_free.any():
+        join = np.where(is_free, sums / sizes[:, None], -np.inf) if groups else None
         pairs = None
-        if len(groups) < S and len(free) >= 2:
-            iu, ju = np.triu_indices(len(free), 1)  # row-major: lexicographic (a, b) with a < b
-            pairs = (iu, ju, s[fa[iu], fa[ju]])
-        best = -math.inf
-        if join is not None:
-            best = max(best, float(join.max()))
-        if pairs is not None:
-            best = max(best, float(pairs[2].max()))
+        if len(groups) < S and int(is_free.sum()) >= 2:
+            pairs = np.where(upper & is_free[:, None] & is_free[None, :], s, -np.inf)
         if join is None and pairs is None:  # only when K = 1
-            unclustered.extend(free)
+            unclustered.extend(np.flatnonzero(is_free).tolist())
             break
+        best_join = float(join.max()) if join is not None else -math.inf
+        best = max(best_join, float(pairs.max()) if pairs is not None else -math.inf)
         cut = best - tol
-        if join is not None and float(join.max()) >= cut:
-            j, i = (int(v) for v in np.argwhere(join >= cut)[0])  # row-major: lowest cluster, then lowest client
-            value, client = float(join[j, i]), free[i]
-            if len(groups) < S or value > delta + tol:
-                groups[j].append(client)
-                sums[j] = sums[j] + s[client]
-                free.remove(client)
+        if join is not None and best_join >= cut:
+            # first in row-major order: lowest cluster index, then lowest client id
+            j, c = (int(v) for v in np.argwhere(join >= cut)[0])
+            if len(groups) < S or float(join[j, c]) > delta + tol:
+                groups[j].append(c)
+                sums[j] += s[c]
+                sizes[j] += 1
+                is_free[c] = False
             else:
-                unclustered.extend(free)
+                unclustered.extend(np.flatnonzero(is_free).tolist())
                 break
         else:
             assert pairs is not None
-            p = int(np.flatnonzero(pairs[2] >= cut)[0])
-            a, b = free[int(pairs[0][p])], free[int(pairs[1][p])]
+            a, b = (int(v) for v in np.argwhere(pairs >= cut)[0])  # lexicographic (a, b), a < b
             groups.append([a, b])
-            sums.append(s[a] + s[b])
-            free.remove(a)
-            free.remove(b)
+            sums = np.vstack([sums, s[a] + s[b]])
+            sizes = np.append(sizes, 2.0)
+            is_free[a] = is_free[b] = False
     return groups, sorted(unclustered)
 
 
@@ -281,8 +307,15 @@ class LayerDiagnostics:
     unclustered_ids: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int | float]:
-        d = asdict(self)
-        return {key: d[key] for key in ("M", "H", "macro", "unclustered", "skew", "skew_signed")}
+        """The JSON-serializable summary (python ints and floats)."""
+        return {
+            "M": int(self.M),
+            "H": int(self.H),
+            "macro": int(self.macro),
+            "unclustered": int(self.unclustered),
+            "skew": float(self.skew),
+            "skew_signed": float(self.skew_signed),
+        }
 
 
 def fedsa_layer(
@@ -300,17 +333,28 @@ def fedsa_layer(
 ) -> tuple[Tensor, LayerDiagnostics]:
     """FedSA on one flattened layer ``X`` (``K x M``, row = client): returns the ``[M]`` float64 aggregate.
 
-    ``low_weights`` (``[K]``, non-negative, normalized here): the low-dispersion region takes this weighted mean
-    instead of the plain mean (``low_weighting='samples'``, A10); the statistics, the cluster means and the
-    layer output when ``H = 0`` use the same rule as the low region (spec 1.3 step 2.5).
+    ``low_weights`` (``[K]``, non-negative, normalized here): the low-dispersion region takes this weighted
+    mean instead of the plain mean (``low_weighting='samples'``, A10), and so does the whole layer when
+    ``H = 0`` (spec 1.3 step 2.5); the statistics and the cluster means stay unweighted.
     """
     if alpha_norm not in ALPHA_NORMS:
         raise ValueError(f"unknown alpha_norm {alpha_norm!r}; expected one of {ALPHA_NORMS}")
     X = torch.as_tensor(X)
-    if not X.is_floating_point():
-        raise ValueError(f"FedSA needs a floating-point matrix, got {X.dtype}")
+    if X.ndim != 2 or X.shape[0] < 1 or not X.is_floating_point():
+        raise ValueError(f"FedSA needs a floating-point K x M matrix, got {X.dtype} {tuple(X.shape)}")
+    for hp_name, hp in (("C", C), ("S", S)):
+        if isinstance(hp, bool) or not isinstance(hp, numbers.Integral) or hp < 1:
+            raise ValueError(f"{hp_name} must be an integer >= 1, got {hp!r}")
     k, m = X.shape
-    stats, dev = column_stats(X)
+    w = None
+    if low_weights is not None:
+        w = torch.as_tensor(low_weights, dtype=torch.float64, device=X.device).reshape(-1)
+        if w.numel() != k or bool((w < 0).any()) or not float(w.sum()) > 0:
+            raise ValueError(
+                f"low_weights must be {k} non-negative numbers with a positive sum, got {w.tolist()}"
+            )
+        w = w / w.sum()
+    stats = column_stats(X, weights=w)
     nonconst = ~stats.constant
     n_nonconst = int(nonconst.sum())
     if n_nonconst:
@@ -318,14 +362,7 @@ def fedsa_layer(
         skew_signed = float(stats.skew[nonconst].mean())
     else:
         skew = skew_signed = 0.0
-
-    if low_weights is None:
-        low = stats.mean
-    else:
-        w = torch.as_tensor(low_weights, dtype=torch.float64, device=X.device).reshape(-1)
-        if w.numel() != k or bool((w < 0).any()) or not float(w.sum()) > 0:
-            raise ValueError(f"low_weights must be {k} non-negative numbers with a positive sum, got {w.tolist()}")
-        low = stats.mean + (w / w.sum()) @ dev  # = sum_k w_k X_k without another K x M float64 copy
+    low = stats.mean if stats.weighted_mean is None else stats.weighted_mean
 
     if k >= 2:
         high = high_dispersion(_cv(stats, eps), lam, cv_norm)
@@ -336,11 +373,9 @@ def fedsa_layer(
     if h == 0:
         return low.clone(), LayerDiagnostics(m, 0, 0, 0, skew, skew_signed, high_index)
 
-    B = dev[:, high_index].square()
-    del dev
-    E = micro_classes(B, C, micro_norm)
+    Xh = X[:, high_index].to(torch.float64)  # K x H
+    E = micro_classes((Xh - stats.mean[high_index]).square(), C, micro_norm)
     groups, uncl = cluster(similarity(E, C), S, delta)
-    Xh = X[:, high_index].to(torch.float64)
     alphas, means = [], []
     for g in groups:
         idx = torch.tensor(g, dtype=torch.int64, device=X.device)
@@ -377,9 +412,9 @@ class FedSACombine:
     (``num_batches_tracked``) max; ``'local'`` -> the broadcast value ``rin.global_params[name]`` is returned
     unchanged, and the engine is expected to keep each client's own buffers (PFLlib behaviour, spec 1.7).
 
-    ``low_weighting='samples'`` takes the low-dispersion mean with the ``weights`` handed to the combine (the
-    engine passes sample shares); ``'uniform'`` ignores them (the paper's equations). Element ``masks`` are not
-    supported. Defaults are the paper's CIFAR-10 values ``lam = delta = 0.2``, ``C = S = 4`` (spec 1.6).
+    ``low_weighting='samples'`` takes the low-dispersion mean with the ``weights`` handed to the combine
+    (the engine passes sample shares); ``'uniform'`` ignores them (the paper's equations). Element ``masks``
+    are not supported. Defaults: the paper's CIFAR-10 values ``lam = delta = 0.2``, ``C = S = 4`` (spec 1.6).
 
     Diagnostics: ``{"fedsa": {name: LayerDiagnostics.as_dict()}, "fedsa_high_frac": sum H / sum M,
     "fedsa_skew": M-weighted mean of the layers' skew}`` (JSON-serializable).
@@ -418,9 +453,11 @@ class FedSACombine:
             if value not in allowed:
                 raise ValueError(f"FedSA {fname} must be one of {allowed}, got {value!r}")
 
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None
+    ) -> tuple[Params, dict[str, Any]]:
         if masks is not None:
-            raise ValueError("FedSACombine does not support element masks (FedSA is not combined with masking)")
+            raise ValueError("FedSACombine does not support element masks (FedSA is not used with masking)")
         k = rin.num_participants
         low_weights = None
         if self.low_weighting == "samples":
