@@ -162,9 +162,13 @@ def main() -> None:
         if s.model not in wanted:
             continue
         torch.manual_seed(0)
-        model = build_model(
-            s.model, in_channels=s.in_channels, image_size=s.image_size, num_classes=s.num_classes
-        )
+        try:
+            model = build_model(
+                s.model, in_channels=s.in_channels, image_size=s.image_size, num_classes=s.num_classes
+            )
+        except ValueError as err:  # a model zoo without this architecture
+            print(f"skipped: {s.label} ({err})")
+            continue
         n_params = sum(p.numel() for p in model.parameters())
         rin = to_device(client_round(model, args.clients, seed=1), device)
         t_avg = timed(lambda rin=rin: fedavg.aggregate(rin, fedavg.init(None)), device, repeats)

@@ -24,7 +24,9 @@ from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation, init_model
 
 
-def plain_round(model: torch.nn.Module, global_sd: dict, data, batch_size: int, lr: float, seed: int) -> tuple[float, dict]:
+def plain_round(
+    model: torch.nn.Module, global_sd: dict, data, batch_size: int, lr: float, seed: int
+) -> tuple[float, dict]:
     """The reference: the simplest correct FedAvg round in plain PyTorch."""
     g = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
@@ -44,8 +46,10 @@ def plain_round(model: torch.nn.Module, global_sd: dict, data, batch_size: int, 
         sizes.append(x.shape[0])
     t_train = time.perf_counter() - t0
     total = sum(sizes)
-    new = {k: sum(s[k].double() * (n / total) for s, n in zip(states, sizes, strict=True)).to(v.dtype)
-           for k, v in global_sd.items()}
+    new = {
+        k: sum(s[k].double() * (n / total) for s, n in zip(states, sizes, strict=True)).to(v.dtype)
+        for k, v in global_sd.items()
+    }
     if x.is_cuda:
         torch.cuda.synchronize()
     return t_train, new
@@ -69,26 +73,41 @@ def main() -> None:
     fallback = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
     if data_dir is None and args.dataset == "mnist" and fallback.is_dir():
         data_dir = str(fallback)
-    cfg = make_config(None, {
-        "dataset": args.dataset, "data_dir": data_dir, "partition": "dir", "alpha": 0.1, "clients": args.clients,
-        "rounds": args.rounds, "model": args.model, "batch_size": args.batch_size, "lr": args.lr,
-        "device": args.device, "db": None,
-    })
+    cfg = make_config(
+        None,
+        {
+            "dataset": args.dataset,
+            "data_dir": data_dir,
+            "partition": "dir",
+            "alpha": 0.1,
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "model": args.model,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "device": args.device,
+            "db": None,
+        },
+    )
     data = build_federated(cfg)
     sim = Simulation(cfg, data)
     ref = init_model(cfg, data)  # same architecture and initial weights, a separate instance
     ref_sd = {k: v.clone() for k, v in sim.global_params.items()}
     n_train = sum(len(c.y_train) for c in data.clients)
-    print(f"{args.dataset}: {args.clients} clients, {n_train} training samples, model {sim.model_name}, "
-          f"batch {args.batch_size}, device {args.device}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.dataset}: {args.clients} clients, {n_train} training samples, model {sim.model_name}, "
+        f"batch {args.batch_size}, device {args.device}, torch threads {torch.get_num_threads()}"
+    )
     rows = []
     for rnd in range(1, args.rounds + 1):
         rec = sim.round(rnd).record
         t_plain, ref_sd = plain_round(ref, ref_sd, data, args.batch_size, args.lr, seed=rnd)
         rows.append((rec["time_train"], t_plain, rec["time_aggregate"], rec["time_eval"], rec.get("global_acc")))
-        print(f"round {rnd}: fedskew train {rec['time_train']:.2f}s | plain train {t_plain:.2f}s | "
-              f"aggregate {rec['time_aggregate']:.3f}s | eval {rec['time_eval']:.3f}s | "
-              f"global acc {100 * rec['global_acc']:.2f}%")
+        print(
+            f"round {rnd}: fedskew train {rec['time_train']:.2f}s | plain train {t_plain:.2f}s | "
+            f"aggregate {rec['time_aggregate']:.3f}s | eval {rec['time_eval']:.3f}s | "
+            f"global acc {100 * rec['global_acc']:.2f}%"
+        )
     med = [statistics.median(col) for col in list(zip(*rows, strict=True))[:4]]
     print()
     print("| phase (median over rounds) | seconds |")

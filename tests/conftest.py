@@ -15,6 +15,12 @@ def shared_dataset_dir(name: str) -> Path:
 
 
 @pytest.fixture
+def shared_data():
+    """``shared_data("mnist")`` -> the offline dataset folder, or skip with the reason."""
+    return shared_dataset_dir
+
+
+@pytest.fixture
 def tiny_digits_config(tmp_path):
     """A fast digits federation: 5 clients, 3 rounds, MLP."""
     from fedskew.config import make_config

@@ -32,8 +32,15 @@ def _setup(seed=0):
 
 
 def _train(algo, model, received, x, y, state=None, broadcast=None, epochs=2):
-    ctx = LocalContext(0, 1, model, received, {} if state is None else state, broadcast or {},
-                       TrainSettings(epochs=epochs, batch_size=5, lr=0.1))
+    ctx = LocalContext(
+        0,
+        1,
+        model,
+        received,
+        {} if state is None else state,
+        broadcast or {},
+        TrainSettings(epochs=epochs, batch_size=5, lr=0.1),
+    )
     upd = local_train(algo, ctx, x, y, torch.Generator().manual_seed(7))
     return upd, ctx
 

@@ -14,8 +14,6 @@ from fedskew.data.federated import build_federated
 from fedskew.engine.loop import TIMING_KEYS, Simulation, payload_bytes, sample_clients
 from fedskew.runner import run_experiment
 
-from .conftest import shared_dataset_dir
-
 
 def _strip_timing(line: str) -> dict:
     rec = json.loads(line)
@@ -27,8 +25,9 @@ def _strip_timing(line: str) -> dict:
 def test_two_runs_same_config_are_identical_except_timing(tmp_path):
     lines = []
     for i in range(2):
-        cfg = make_config(None, {"clients": 6, "rounds": 3, "join_ratio": 0.5, "seed": 11,
-                                 "out": str(tmp_path / f"r{i}"), "db": None})
+        cfg = make_config(
+            None, {"clients": 6, "rounds": 3, "join_ratio": 0.5, "seed": 11, "out": str(tmp_path / f"r{i}"), "db": None}
+        )
         run_experiment(cfg)
         lines.append((tmp_path / f"r{i}" / "metrics.jsonl").read_text().splitlines())
     assert len(lines[0]) == 3
@@ -124,11 +123,39 @@ def test_failed_run_leaves_nothing(tiny_digits_config, monkeypatch):
 def test_cli_run_methods_and_report(tmp_path, capsys):
     db = str(tmp_path / "r.db")
     for seed in (0, 1):
-        code = main(["run", "--clients", "4", "--rounds", "2", "--seed", str(seed), "--quiet",
-                     "--out", str(tmp_path / f"s{seed}"), "--db", db])
+        code = main(
+            [
+                "run",
+                "--clients",
+                "4",
+                "--rounds",
+                "2",
+                "--seed",
+                str(seed),
+                "--quiet",
+                "--out",
+                str(tmp_path / f"s{seed}"),
+                "--db",
+                db,
+            ]
+        )
         assert code == 0
-    code = main(["run", "--clients", "4", "--rounds", "2", "-m", "weights=uniform", "--quiet",
-                 "--out", str(tmp_path / "u"), "--db", db])
+    code = main(
+        [
+            "run",
+            "--clients",
+            "4",
+            "--rounds",
+            "2",
+            "-m",
+            "weights=uniform",
+            "--quiet",
+            "--out",
+            str(tmp_path / "u"),
+            "--db",
+            db,
+        ]
+    )
     assert code == 0
     capsys.readouterr()
     assert main(["report", "--db", db]) == 0
@@ -140,11 +167,32 @@ def test_cli_run_methods_and_report(tmp_path, capsys):
     assert "fedavg" in capsys.readouterr().out
 
 
-def test_mnist_dirichlet_run(tmp_path):
-    d = shared_dataset_dir("mnist")
+def test_mnist_dirichlet_run(tmp_path, shared_data):
+    d = shared_data("mnist")
     out = tmp_path / "mnist"
-    code = main(["run", "--dataset", "mnist", "--data-dir", str(d), "--partition", "dir", "--alpha", "0.1",
-                 "--clients", "20", "--rounds", "1", "--out", str(out), "--no-db", "--quiet"])
+    code = main(
+        [
+            "run",
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            str(d),
+            "--partition",
+            "dir",
+            "--alpha",
+            "0.1",
+            "--clients",
+            "20",
+            "--rounds",
+            "1",
+            "--model",
+            "mlp",
+            "--out",
+            str(out),
+            "--no-db",
+            "--quiet",
+        ]
+    )
     assert code == 0
     assert {"config.yaml", "metrics.jsonl", "summary.json"} <= {p.name for p in out.iterdir()}
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -11,7 +11,10 @@ from fedskew.server.weights import SampleWeights, UniformWeights
 
 def _rin(updates, global_params):
     return stack_updates(
-        updates, rnd=1, global_params=global_params, trainable=frozenset({"w", "b"}),
+        updates,
+        rnd=1,
+        global_params=global_params,
+        trainable=frozenset({"w", "b"}),
         label_hists=np.zeros((len(updates), 2)),
     )
 

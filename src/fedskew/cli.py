@@ -59,8 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="YAML file of settings; flags override it")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         run.add_argument(flag, type=typ, default=None, help=help_)
-    run.add_argument("--method-arg", "-m", action="append", default=[], metavar="KEY=VALUE",
-                     help="method hyper-parameter, repeatable (e.g. -m weights=uniform)")
+    run.add_argument(
+        "--method-arg",
+        "-m",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="method hyper-parameter, repeatable (e.g. -m weights=uniform)",
+    )
     run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
     run.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -77,7 +83,9 @@ def _config_from_args(args: argparse.Namespace):
     from fedskew.config import load_yaml, make_config
 
     file_values = load_yaml(args.config) if args.config else {}
-    overrides: dict[str, Any] = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+    overrides: dict[str, Any] = {
+        key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
+    }
     if args.method_arg:
         overrides["method_args"] = _parse_kv(args.method_arg)
     if args.no_db:
@@ -120,8 +128,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fedskew {cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
-                        f"{cfg.rounds} rounds, seed {cfg.seed})")
+    table = Table(
+        title=f"fedskew {cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
+        f"{cfg.rounds} rounds, seed {cfg.seed})"
+    )
     table.add_column("metric")
     table.add_column("final", justify="right")
     table.add_column("best (round)", justify="right")
@@ -139,14 +149,21 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         if key not in summary:
             continue
         s = summary[key]
-        table.add_row(label, f"{100 * s['final']:.2f}%", f"{100 * s['best']:.2f}% ({s['best_round']})",
-                      f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%")
+        table.add_row(
+            label,
+            f"{100 * s['final']:.2f}%",
+            f"{100 * s['best']:.2f}% ({s['best_round']})",
+            f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%",
+        )
     console = Console()
     console.print(table)
-    console.print(f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
-                  f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s")
-    console.print(f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json)"
-                  + (f"; database {cfg.db}" if cfg.db else ""))
+    console.print(
+        f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
+        f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s"
+    )
+    console.print(
+        f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json)" + (f"; database {cfg.db}" if cfg.db else "")
+    )
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ class RunConfig(BaseModel):
         0.2, gt=0, lt=1, description="global test share of the pool, for datasets without an official test split"
     )
     # federation
-    rounds: int = Field(40, ge=1)
+    rounds: int = Field(100, ge=1)
     join_ratio: float = Field(1.0, gt=0, le=1, description="share of clients sampled each round")
     # local training
     local_epochs: int = Field(1, ge=1)

@@ -103,6 +103,7 @@ CLIENTS: dict[str, ClientPart] = {
     ),
 }
 
+
 class DiscoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     a: float = Field(0.5, ge=0)
@@ -169,8 +170,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
     "heal": ServerPlugin(
         "heal",
         "FPHL update-consistency masks (tau=0.3) + FAEL momentum distance weights (beta=0.4)",
-        "Chen et al., Fair Federated Learning under Domain Skew with Local Consistency and Domain Diversity, "
-        "CVPR 2024",
+        "Chen et al., Fair Federated Learning under Domain Skew with Local Consistency and Domain Diversity, CVPR 2024",
         HealParams,
         ("masking", "weighting"),
         _heal,
@@ -210,7 +210,9 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
         try:
             out.append(model(**mine))
         except ValidationError as exc:
-            detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors())
+            detail = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+            )
             raise _config_error(f"method {method!r}, part {name!r}: {detail}") from None
     return out
 
@@ -247,7 +249,9 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     if "weighting" in roles and "weights" in args:
         raise _config_error(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
-    server = Aggregation(weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking"))
+    server = Aggregation(
+        weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking")
+    )
     resolved = {k: v for p in parsed for k, v in p.model_dump().items()}
     return Method("+".join(tokens), client.build(client_params), server, resolved, local=local)
 

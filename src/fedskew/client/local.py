@@ -3,7 +3,7 @@
 A local algorithm never copies the loop. It overrides hooks:
 
 * ``begin``            after the received model is loaded (e.g. keep a frozen copy of the global weights),
-* ``loss``             the local objective from logits and features (FedProx adds a proximal term, MOON a contrastive one),
+* ``loss``             the local objective from logits and features (FedProx: a proximal term; MOON: a contrastive one),
 * ``after_backward``   gradient corrections before the optimizer step (SCAFFOLD),
 * ``end``              extra tensors to upload with the model (SCAFFOLD's control delta, FedCAC's masks),
 

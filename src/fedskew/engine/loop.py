@@ -220,8 +220,11 @@ class Simulation:
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
             scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
         else:  # one pass over all clients' test sets
-            scores = {"global_local": predict_scores(self.model, data.local_x, data.local_y, data.local_owner,
-                                                     data.num_clients, bs)}
+            scores = {
+                "global_local": predict_scores(
+                    self.model, data.local_x, data.local_y, data.local_owner, data.num_clients, bs
+                )
+            }
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
             scores["personal"] = self._per_client_scores(self.params_for)

@@ -15,7 +15,9 @@ def _expand(weights: Tensor, ndim: int) -> Tensor:
     return weights.reshape(-1, *([1] * (ndim - 1)))
 
 
-def weighted_mean(stacked: Tensor, weights: Tensor, mask: Tensor | None = None, fallback: Tensor | None = None) -> Tensor:
+def weighted_mean(
+    stacked: Tensor, weights: Tensor, mask: Tensor | None = None, fallback: Tensor | None = None
+) -> Tensor:
     """Weighted mean over the client axis of ``stacked`` ([K, ...]), computed in float64.
 
     With a boolean ``mask`` ([K, ...]) the weights are renormalized per element over the clients whose mask is True;
@@ -34,13 +36,6 @@ def weighted_mean(stacked: Tensor, weights: Tensor, mask: Tensor | None = None, 
             raise ValueError("a masked mean needs the broadcast value for elements no client keeps")
         out = torch.where(kept, out, fallback.to(device=x.device, dtype=torch.float64))
     return out.to(stacked.dtype)
-
-
-def combine_buffer(stacked: Tensor, weights: Tensor) -> Tensor:
-    """Buffers: float ones are averaged like parameters; integer ones (BatchNorm's ``num_batches_tracked``) take the max."""
-    if stacked.is_floating_point():
-        return weighted_mean(stacked, weights)
-    return stacked.max(0).values
 
 
 @dataclass(frozen=True)
