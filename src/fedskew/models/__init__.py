@@ -1,37 +1,160 @@
-"""Temporary minimal model zoo (mlp, cnn) so the engine can run; the full zoo replaces this file."""
+"""The model zoo. Every model is ``body`` (features, flattened) + ``head`` (classifier).
+
+State-dict names therefore start with ``body.`` or ``head.``, which is what personalized methods split on (FedPer,
+FedRep: local head), and :func:`norm_keys` names the normalization layers' entries (FedBN). No model uses dropout,
+so forward passes are deterministic given the weights (the engine relies on it for reproducibility).
+"""
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
+
+MODELS: dict[str, str] = {
+    "mlp": "2-hidden-layer MLP 200-200 (McMahan et al. 2017, '2NN')",
+    "cnn": "PFLlib's FedAvgCNN: conv5x5 32, pool, conv5x5 64, pool, FC 512, FC classes (FedSA/FedPake experiments)",
+    "lenet": "FedDisco's simple CNN: conv5x5 6, pool, conv5x5 16, pool, FC 120, FC 84, FC classes",
+    "resnet8": "CIFAR ResNet-8: 3x3 stem 16, three stages of one basic block (16/32/64), global pool",
+    "resnet10": "CIFAR ResNet-10: 3x3 stem 64, four stages of one basic block (64/128/256/512)",
+    "resnet18": "CIFAR ResNet-18: 3x3 stem 64, no max-pool, basic blocks [2,2,2,2]",
+    "resnet34": "CIFAR ResNet-34: 3x3 stem 64, no max-pool, basic blocks [3,4,6,3]",
+}
 
 
-class _Net(nn.Module):
+class FedModel(nn.Module):
+    """``forward(x) = head(body(x))``; ``features(x) = body(x)`` (flattened)."""
+
     def __init__(self, body: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.body = body
         self.head = head
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return self.head(self.body(x))
 
-    def features(self, x):
+    def features(self, x: Tensor) -> Tensor:
         return self.body(x)
 
 
-def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn") -> nn.Module:
+def _conv_out(size: int, kernel: int, padding: int) -> int:
+    return size + 2 * padding - kernel + 1
+
+
+def mlp(in_channels: int, image_size: int, num_classes: int) -> FedModel:
+    d = in_channels * image_size * image_size
+    body = nn.Sequential(nn.Flatten(), nn.Linear(d, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU())
+    return FedModel(body, nn.Linear(200, num_classes))
+
+
+def _two_conv(in_channels: int, image_size: int, widths: tuple[int, int], name: str) -> tuple[nn.Sequential, int]:
+    """conv5x5 -> ReLU -> pool2, twice. Images under 16 px get padding 2 so 8x8 digits still fit."""
+    pad = 2 if image_size < 16 else 0
+    s = _conv_out(image_size, 5, pad) // 2
+    s = _conv_out(s, 5, pad) // 2
+    if s < 1:
+        raise ValueError(f"model {name!r}: images of {image_size} px are too small for two 5x5 conv + pool stages")
+    layers = nn.Sequential(
+        nn.Conv2d(in_channels, widths[0], 5, padding=pad),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(widths[0], widths[1], 5, padding=pad),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    return layers, widths[1] * s * s
+
+
+def cnn(in_channels: int, image_size: int, num_classes: int) -> FedModel:
+    convs, flat = _two_conv(in_channels, image_size, (32, 64), "cnn")
+    body = nn.Sequential(*convs, nn.Linear(flat, 512), nn.ReLU())
+    return FedModel(body, nn.Linear(512, num_classes))
+
+
+def lenet(in_channels: int, image_size: int, num_classes: int) -> FedModel:
+    convs, flat = _two_conv(in_channels, image_size, (6, 16), "lenet")
+    body = nn.Sequential(*convs, nn.Linear(flat, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
+    return FedModel(body, nn.Linear(84, num_classes))
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    # GroupNorm with 2 groups, as FedDisco's ResNet-18 (spec 2.6)
+    return nn.BatchNorm2d(channels) if kind == "bn" else nn.GroupNorm(2, channels)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = _norm(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = _norm(norm, cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(norm, cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.bn1(self.conv1(x)).relu()
+        out = self.bn2(self.conv2(out))
+        return (out + self.shortcut(x)).relu()
+
+
+def resnet(blocks: list[int], widths: list[int], in_channels: int, num_classes: int, norm: str) -> FedModel:
+    layers: list[nn.Module] = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), _norm(norm, widths[0]), nn.ReLU()]
+    cin = widths[0]
+    for i, (n, w) in enumerate(zip(blocks, widths, strict=True)):
+        for j in range(n):
+            layers.append(BasicBlock(cin, w, 2 if (i > 0 and j == 0) else 1, norm))
+            cin = w
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return FedModel(nn.Sequential(*layers), nn.Linear(cin, num_classes))
+
+
+RESNETS = {
+    "resnet8": ([1, 1, 1], [16, 32, 64]),
+    "resnet10": ([1, 1, 1, 1], [64, 128, 256, 512]),
+    "resnet18": ([2, 2, 2, 2], [64, 128, 256, 512]),
+    "resnet34": ([3, 4, 6, 3], [64, 128, 256, 512]),
+}
+
+
+def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn") -> FedModel:
+    """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs."""
+    if norm not in ("bn", "gn"):
+        raise ValueError(f"norm must be 'bn' or 'gn', got {norm!r}")
+    if in_channels < 1 or image_size < 1 or num_classes < 2:
+        raise ValueError(f"bad model shape: in_channels={in_channels}, image_size={image_size}, classes={num_classes}")
     if name == "mlp":
-        d = in_channels * image_size * image_size
-        return _Net(nn.Sequential(nn.Flatten(), nn.Linear(d, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU()),
-                    nn.Linear(200, num_classes))
+        return mlp(in_channels, image_size, num_classes)
     if name == "cnn":
-        pad = 2 if image_size < 16 else 0
-        s = image_size
-        s = (s + 2 * pad - 4) // 2
-        s = (s + 2 * pad - 4) // 2
-        body = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * s * s, 512), nn.ReLU(),
-        )
-        return _Net(body, nn.Linear(512, num_classes))
-    raise ValueError(f"unknown model {name!r}")
+        return cnn(in_channels, image_size, num_classes)
+    if name == "lenet":
+        return lenet(in_channels, image_size, num_classes)
+    if name in RESNETS:
+        blocks, widths = RESNETS[name]
+        return resnet(blocks, widths, in_channels, num_classes, norm)
+    raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+
+
+def head_keys(model: nn.Module) -> set[str]:
+    return {k for k in model.state_dict() if k.startswith("head.")}
+
+
+def body_keys(model: nn.Module) -> set[str]:
+    return {k for k in model.state_dict() if k.startswith("body.")}
+
+
+def buffer_keys(model: nn.Module) -> set[str]:
+    return {k for k, _ in model.named_buffers()}
+
+
+def norm_keys(model: nn.Module) -> set[str]:
+    """State-dict entries of BatchNorm/GroupNorm layers (affine parameters and running statistics)."""
+    out: set[str] = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm2d | nn.GroupNorm | nn.BatchNorm1d):
+            out |= {f"{mname}.{k}" for k in module.state_dict()}
+    return out
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
