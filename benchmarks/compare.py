@@ -21,8 +21,22 @@ from pathlib import Path
 def run_args(entry: str, seed: int, db: str, out_root: Path, common: list[str]) -> list[str]:
     name, *kvs = entry.split(":")
     tag = entry.replace(":", "_").replace("=", "-").replace("+", "_")
-    args = [sys.executable, "-m", "fedskew.cli", "run", "--method", name, "--seed", str(seed), "--db", db,
-            "--out", str(out_root / f"{tag}-s{seed}"), "--quiet", "--overwrite"]
+    args = [
+        sys.executable,
+        "-m",
+        "fedskew.cli",
+        "run",
+        "--method",
+        name,
+        "--seed",
+        str(seed),
+        "--db",
+        db,
+        "--out",
+        str(out_root / f"{tag}-s{seed}"),
+        "--quiet",
+        "--overwrite",
+    ]
     for kv in kvs:
         args += ["-m", kv]
     return args + common

@@ -5,8 +5,15 @@ import torch
 
 from fedskew.models import MODELS, body_keys, build_model, count_parameters, head_keys, norm_keys
 
-SHAPES = {"mlp": [(1, 8), (1, 28), (3, 32)], "cnn": [(1, 8), (1, 28), (3, 32)], "lenet": [(1, 28), (3, 32)],
-          "resnet8": [(3, 32)], "resnet10": [(3, 32)], "resnet18": [(3, 32)], "resnet34": [(3, 32)]}
+SHAPES = {
+    "mlp": [(1, 8), (1, 28), (3, 32)],
+    "cnn": [(1, 8), (1, 28), (3, 32)],
+    "lenet": [(1, 28), (3, 32)],
+    "resnet8": [(3, 32)],
+    "resnet10": [(3, 32)],
+    "resnet18": [(3, 32)],
+    "resnet34": [(3, 32)],
+}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -50,11 +57,14 @@ def test_initialization_is_seeded():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("kwargs, msg", [
-    ({"name": "vgg"}, "unknown model"),
-    ({"name": "cnn", "image_size": 2}, "too small"),
-    ({"name": "resnet8", "norm": "ln"}, "norm"),
-])
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [
+        ({"name": "vgg"}, "unknown model"),
+        ({"name": "cnn", "image_size": 2}, "too small"),
+        ({"name": "resnet8", "norm": "ln"}, "norm"),
+    ],
+)
 def test_bad_models(kwargs, msg):
     args = {"in_channels": 1, "image_size": 28, "num_classes": 10, **kwargs}
     with pytest.raises(ValueError, match=msg):

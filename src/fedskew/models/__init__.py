@@ -99,7 +99,11 @@ class BasicBlock(nn.Module):
 
 
 def resnet(blocks: list[int], widths: list[int], in_channels: int, num_classes: int, norm: str) -> FedModel:
-    layers: list[nn.Module] = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False), _norm(norm, widths[0]), nn.ReLU()]
+    layers: list[nn.Module] = [
+        nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
+        _norm(norm, widths[0]),
+        nn.ReLU(),
+    ]
     cin = widths[0]
     for i, (n, w) in enumerate(zip(blocks, widths, strict=True)):
         for j in range(n):
