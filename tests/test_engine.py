@@ -86,7 +86,7 @@ def test_run_directory_and_database(tiny_digits_config):
     cfg = tiny_digits_config
     out = run_experiment(cfg)
     files = sorted(p.name for p in out.run_dir.iterdir())
-    assert files == ["clients.json", "config.yaml", "metrics.jsonl", "summary.json"]
+    assert files == ["clients.json", "config.yaml", "metrics.jsonl", "skew.jsonl", "summary.json"]
     summary = json.loads((out.run_dir / "summary.json").read_text())
     assert summary["seed"] == 3 and summary["rounds"] == 3 and "fedskew_version" in summary
     assert summary["global_acc"]["best"] == max(r["global_acc"] for r in out.records)

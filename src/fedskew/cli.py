@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list the available methods and building blocks")
 
+    sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
+    sk.add_argument("run_dir", help="a run directory (with skew.jsonl)")
+    sk.add_argument("--layer", action="append", default=None, help="parameter name, repeatable (default: first 4)")
+    sk.add_argument("--round", type=int, default=None, help="probed round to show (default: last)")
+    sk.add_argument("--positions", type=int, default=2, help="positions shown per layer")
+    sk.add_argument("--out", default=None, help="PNG path (default RUN_DIR/skew.png)")
+
     rep = sub.add_parser("report", help="markdown table of runs grouped by config, mean ± std over seeds")
     rep.add_argument("--db", default="runs/fedskew.db")
     rep.add_argument("--metric", default="global_acc", help="global_acc | global_local_acc | personal_acc | ...")
@@ -177,6 +184,23 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_skew(args: argparse.Namespace) -> int:
+    from fedskew.results.plots import skew_figure
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "skew.png"
+    try:
+        summary = skew_figure(run_dir, out, args.layer, args.round, args.positions)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"round {summary['round']}: share of high-dispersion positions (H/M) per layer")
+    for name, info in summary["layers"].items():
+        print(f"  {name:<40} M={info['M']:>9}  H/M={info['high_frac']:.2e}")
+    print(f"figure: {out}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedskew.results.report import markdown_report
     from fedskew.results.store import ResultsDB
@@ -199,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "run"
     if args.command is None:  # `fedskew` alone = the main job
         args = build_parser().parse_args(["run", *(argv or [])])
-    handlers = {"run": cmd_run, "methods": cmd_methods, "report": cmd_report}
+    handlers = {"run": cmd_run, "methods": cmd_methods, "report": cmd_report, "skew": cmd_skew}
     try:
         return handlers[command](args)
-    except (ConfigError, DataError, PartitionError, UpdateError, FileExistsError) as exc:
+    except (ConfigError, DataError, PartitionError, UpdateError, FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

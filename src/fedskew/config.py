@@ -55,6 +55,9 @@ class RunConfig(BaseModel):
     eval_every: int = Field(1, ge=1)
     eval_batch_size: int = Field(2048, ge=1)
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
+    skew_probes: int = Field(
+        4, ge=0, description="per layer, positions whose client values are recorded for `fedskew skew` (0: off)"
+    )
     seed: int = Field(0, ge=0)
     device: str = "cpu"
     threads: int = Field(

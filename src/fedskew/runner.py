@@ -69,6 +69,8 @@ def run_experiment(
             result = sim.round(rnd)
             records.append(result.record)
             writer.write_round(result.record)
+            if result.probe is not None:
+                writer.append_line("skew.jsonl", json.dumps(result.probe))
             rows.extend(client_rows(rnd, result.client_scores))
             if on_round is not None:
                 on_round(result)

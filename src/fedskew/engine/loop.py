@@ -28,12 +28,13 @@ from fedskew.client.local import LocalContext, TrainSettings, local_train, snaps
 from fedskew.config import RunConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluate import ClientScores, evaluate_global, predict_scores, summarize
+from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
 from fedskew.server.api import Params, ServerContext, stack_updates
 
-TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_round")
+TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_round")
 
 
 def payload_bytes(tensors: Params) -> int:
@@ -88,6 +89,7 @@ def local_state_names(groups: frozenset[str], template: Params, trainable: froze
 class RoundResult:
     record: dict[str, Any]  # one line of metrics.jsonl
     client_scores: dict[str, ClientScores] = field(default_factory=dict)  # view -> per-client scores
+    probe: dict[str, Any] | None = None  # parameter-skew probe (evaluated rounds), see engine/probe.py
 
 
 class Simulation:
@@ -176,10 +178,14 @@ class Simulation:
         }
         scores: dict[str, ClientScores] = {}
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
+        probe = None
         if evaluated:
             record_eval, scores = self.evaluate()
             record.update(record_eval)
         t3 = time.perf_counter()
+        if evaluated and cfg.skew_probes:
+            probe = skew_probe(rin, self.global_params, cfg.skew_probes, cfg.seed)
+        t4 = time.perf_counter()
         record.update(
             {
                 "bytes_up": sum(payload_bytes(u.params) + payload_bytes(u.extras) for u in updates),
@@ -187,13 +193,14 @@ class Simulation:
                 "time_train": t1 - t0,
                 "time_aggregate": t2 - t1,
                 "time_eval": t3 - t2,
-                "time_round": t3 - t0,
+                "time_probe": t4 - t3,
+                "time_round": t4 - t0,
                 "evaluated": evaluated,
             }
         )
         if out.diagnostics:
             record["diagnostics"] = out.diagnostics
-        return RoundResult(record, scores)
+        return RoundResult(record, scores, probe)
 
     def params_for(self, cid: int, base: Params | None = None) -> Params:
         """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),

@@ -117,6 +117,10 @@ class RunWriter:
         self._metrics.write(json.dumps(record, sort_keys=True, allow_nan=True) + "\n")
         self._metrics.flush()
 
+    def append_line(self, name: str, line: str) -> None:
+        with (self.tmp / name).open("a") as f:
+            f.write(line + "\n")
+
     def write_file(self, name: str, text: str) -> None:
         (self.tmp / name).write_text(text)
 
