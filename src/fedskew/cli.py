@@ -151,6 +151,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         "personal_acc": "personal models (weighted)",
         "personal_acc_mean": "personal models (mean)",
         "personal_acc_worst10": "personal models, worst-10% clients",
+        "domain_acc_avg": "global model, mean over domains (AVG)",
+        "domain_acc_std": "std across domains (STD, lower is better)",
     }
     for key, label in labels.items():
         if key not in summary:

@@ -15,7 +15,10 @@ class ConfigError(ValueError):
     """A configuration value fedskew cannot run with; the message names the key and the value."""
 
 
-PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity"]
+PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain"]
+
+
+DOMAIN_DATASETS = ("digits_domains",)
 
 
 class RunConfig(BaseModel):
@@ -34,6 +37,10 @@ class RunConfig(BaseModel):
     classes_per_client: int = Field(2, ge=1, description="classes per client (pat)")
     min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
     samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
+    domain_fraction: float = Field(
+        0.01, gt=0, le=1, description="share of its domain's training set each client gets (domain; FedHEAL: 1%)"
+    )
+    image_size: int = Field(28, ge=8, description="common image side of the domains (digits_domains)")
     clients: int = Field(10, ge=1)
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
     holdout: float = Field(
@@ -91,6 +98,11 @@ class RunConfig(BaseModel):
     def _cross_checks(self) -> RunConfig:
         from fedskew.methods import resolve_method
 
+        if (self.partition == "domain") != (self.dataset in DOMAIN_DATASETS):
+            raise ValueError(
+                f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}) and vice "
+                f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
+            )
         resolve_method(self.method, self.method_args)  # validates the hyper-parameters
         return self
 

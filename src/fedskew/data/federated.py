@@ -9,8 +9,14 @@ import torch
 from torch import Tensor
 
 from fedskew.config import RunConfig
-from fedskew.data.partition import label_histograms, make_partition, train_test_split_clients
-from fedskew.data.readers import ImageDataset, load_dataset
+from fedskew.data.partition import (
+    PartitionError,
+    domain_skew,
+    label_histograms,
+    make_partition,
+    train_test_split_clients,
+)
+from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
 from fedskew.seeding import Purpose, numpy_rng
 
 
@@ -38,6 +44,10 @@ class FederatedData:
     local_x: Tensor
     local_y: Tensor
     local_owner: Tensor
+    # domain skew: the global test set is the union of the domains' test splits
+    domains: tuple[str, ...] = ()
+    client_domain: np.ndarray | None = None  # [N] domain index of each client
+    test_domain: Tensor | None = None  # domain index of each global test sample
 
     @property
     def num_clients(self) -> int:
@@ -77,8 +87,86 @@ def partition_params(cfg: RunConfig) -> dict[str, object]:
     }[cfg.partition]
 
 
+def _assemble(
+    name: str,
+    num_classes: int,
+    x_pool: np.ndarray,
+    y_pool: np.ndarray,
+    train_parts: list[np.ndarray],
+    test_parts: list[np.ndarray],
+    x_gtest: np.ndarray,
+    y_gtest: np.ndarray,
+    dev: torch.device,
+    **domain_fields: object,
+) -> FederatedData:
+    x_all = to_float(x_pool, dev)
+    y_all = torch.from_numpy(y_pool.astype(np.int64)).to(dev)
+    clients = []
+    for cid, (tr, te) in enumerate(zip(train_parts, test_parts, strict=True)):
+        tr_t = torch.from_numpy(tr).to(dev)
+        te_t = torch.from_numpy(te).to(dev)
+        clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t]))
+    owner = torch.cat([torch.full((len(te),), cid, dtype=torch.long) for cid, te in enumerate(test_parts)]).to(dev)
+    return FederatedData(
+        name=name,
+        num_classes=num_classes,
+        in_channels=int(x_pool.shape[1]),
+        image_size=int(x_pool.shape[2]),
+        clients=clients,
+        x_test=to_float(x_gtest, dev),
+        y_test=torch.from_numpy(y_gtest.astype(np.int64)).to(dev),
+        train_hists=label_histograms(y_pool, train_parts, num_classes),
+        test_hists=label_histograms(y_pool, test_parts, num_classes),
+        local_x=torch.cat([c.x_test for c in clients]),
+        local_y=torch.cat([c.y_test for c in clients]),
+        local_owner=owner,
+        **domain_fields,  # type: ignore[arg-type]
+    )
+
+
+def build_domain_federated(cfg: RunConfig) -> FederatedData:
+    """FedHEAL-style domain skew: ``clients / D`` clients per domain, each holding a random ``domain_fraction`` of
+    its domain's training set (disjoint within a domain); the global test set is every domain's test split."""
+    domains = digits_domains(cfg.data_dir, size=cfg.image_size, seed=cfg.seed)
+    names = tuple(domains)
+    d = len(names)
+    if cfg.clients % d:
+        raise PartitionError(
+            f"domain skew needs the clients to split evenly over the {d} available domains {list(names)}: "
+            f"clients={cfg.clients} (try {d * max(1, round(cfg.clients / d))})"
+        )
+    per = cfg.clients // d
+    sizes = [len(domains[n].y_train) for n in names]
+    parts = domain_skew(sizes, [per] * d, cfg.domain_fraction, numpy_rng(cfg.seed, Purpose.PARTITION))
+    offsets = np.cumsum([0, *sizes])
+    pooled = [offsets[dom] + idx for dom, idx in parts]
+    train_parts, test_parts = train_test_split_clients(pooled, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
+    x_pool = np.concatenate([domains[n].x_train for n in names])
+    y_pool = np.concatenate([domains[n].y_train for n in names])
+    x_test = np.concatenate([domains[n].x_test for n in names])
+    y_test = np.concatenate([domains[n].y_test for n in names])
+    dev = torch.device(cfg.device)
+    test_domain = np.concatenate([np.full(len(domains[n].y_test), i) for i, n in enumerate(names)])
+    return _assemble(
+        cfg.dataset,
+        domains[names[0]].num_classes,
+        x_pool,
+        y_pool,
+        train_parts,
+        test_parts,
+        x_test,
+        y_test,
+        dev,
+        domains=names,
+        client_domain=np.array([dom for dom, _ in parts]),
+        test_domain=torch.from_numpy(test_domain).long().to(dev),
+    )
+
+
 def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
+    if cfg.partition == "domain":
+        return build_domain_federated(cfg)
     ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir)
     if ds.x_test is None or ds.y_test is None:
         pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
@@ -90,26 +178,6 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
         cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
     )
     train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
-    dev = torch.device(cfg.device)
-    x_all = to_float(x_pool, dev)
-    y_all = torch.from_numpy(y_pool.astype(np.int64)).to(dev)
-    clients = []
-    for cid, (tr, te) in enumerate(zip(train_parts, test_parts, strict=True)):
-        tr_t = torch.from_numpy(tr).to(dev)
-        te_t = torch.from_numpy(te).to(dev)
-        clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t]))
-    owner = torch.cat([torch.full((len(te),), cid, dtype=torch.long) for cid, te in enumerate(test_parts)]).to(dev)
-    return FederatedData(
-        name=ds.name,
-        num_classes=ds.num_classes,
-        in_channels=int(ds.x_train.shape[1]),
-        image_size=int(ds.x_train.shape[2]),
-        clients=clients,
-        x_test=to_float(x_gtest, dev),
-        y_test=torch.from_numpy(y_gtest.astype(np.int64)).to(dev),
-        train_hists=label_histograms(y_pool, train_parts, ds.num_classes),
-        test_hists=label_histograms(y_pool, test_parts, ds.num_classes),
-        local_x=torch.cat([c.x_test for c in clients]),
-        local_y=torch.cat([c.y_test for c in clients]),
-        local_owner=owner,
+    return _assemble(
+        ds.name, ds.num_classes, x_pool, y_pool, train_parts, test_parts, x_gtest, y_gtest, torch.device(cfg.device)
     )

@@ -4,7 +4,9 @@ Views recorded each evaluated round (prefix in the metrics record):
 
 * ``global``        the global model on the held-out global test set;
 * ``global_local``  the global model on every client's local test split;
-* ``personal``      each client's own model on its own local test split (personalized methods only).
+* ``personal``      each client's own model on its own local test split (personalized methods only);
+* ``domain_acc/*``  with domain skew: the global model on each domain's test split, ``domain_acc_avg`` (AVG) and
+                    ``domain_acc_std`` (sample std across domains, STD), the fairness metrics of FedHEAL.
 
 For the per-client views the record holds the sample-weighted accuracy (``_acc``: total correct / total test samples,
 PFLlib's headline), the unweighted mean over clients (``_acc_mean``), the std across clients (``_acc_std``,
@@ -65,6 +67,15 @@ def summarize(prefix: str, s: ClientScores) -> dict[str, float]:
         f"{prefix}_acc_std": float(acc.std()),
         f"{prefix}_acc_worst10": float(np.sort(acc)[:worst_k].mean()),
     }
+
+
+def domain_summary(domains: tuple[str, ...], s: ClientScores) -> dict[str, float]:
+    """Per-domain accuracy of the global model, their mean (AVG) and sample std (ddof=1, STD), as FedHEAL reports."""
+    acc = s.accuracy
+    out = {f"domain_acc/{name}": float(a) for name, a in zip(domains, acc, strict=True)}
+    out["domain_acc_avg"] = float(acc.mean())
+    out["domain_acc_std"] = float(acc.std(ddof=1)) if len(acc) > 1 else 0.0
+    return out
 
 
 def evaluate_global(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> dict[str, float]:

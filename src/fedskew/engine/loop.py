@@ -27,7 +27,7 @@ from torch import nn
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.config import RunConfig
 from fedskew.data.federated import FederatedData
-from fedskew.engine.evaluate import ClientScores, evaluate_global, predict_scores, summarize
+from fedskew.engine.evaluate import ClientScores, domain_summary, evaluate_global, predict_scores, summarize
 from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model
@@ -224,6 +224,10 @@ class Simulation:
         data, bs = self.data, self.cfg.eval_batch_size
         self.model.load_state_dict(self.global_params)
         rec = evaluate_global(self.model, data.x_test, data.y_test, bs)
+        if data.domains:
+            assert data.test_domain is not None
+            ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
+            rec.update(domain_summary(data.domains, ds))
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
             scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
         else:  # one pass over all clients' test sets

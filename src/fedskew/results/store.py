@@ -31,7 +31,10 @@ SUMMARY_KEYS = (
     "personal_acc",
     "personal_acc_mean",
     "personal_acc_worst10",
+    "domain_acc_avg",
+    "domain_acc_std",
 )
+LOWER_IS_BETTER = frozenset({"domain_acc_std"})
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -80,7 +83,8 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
         vals = [(r["round"], r[key]) for r in evaluated if key in r]
         if not vals:
             continue
-        best_round, best = max(vals, key=lambda t: (t[1], -t[0]))
+        sign = -1.0 if key in LOWER_IS_BETTER else 1.0
+        best_round, best = max(vals, key=lambda t: (sign * t[1], -t[0]))
         tail = np.array([v for _, v in vals[-last_n:]])
         out[key] = {
             "best": best,
