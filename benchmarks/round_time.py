@@ -100,13 +100,19 @@ def main() -> None:
     )
     rows = []
     for rnd in range(1, args.rounds + 1):
-        rec = sim.round(rnd).record
-        t_plain, ref_sd = plain_round(ref, ref_sd, data, args.batch_size, args.lr, seed=rnd)
+        # alternate which loop goes first, so that drift and cache effects hit both equally
+        if rnd % 2 == 0:
+            t_plain, ref_sd = plain_round(ref, ref_sd, data, args.batch_size, args.lr, seed=rnd)
+            rec = sim.round(rnd).record
+        else:
+            rec = sim.round(rnd).record
+            t_plain, ref_sd = plain_round(ref, ref_sd, data, args.batch_size, args.lr, seed=rnd)
         rows.append((rec["time_train"], t_plain, rec["time_aggregate"], rec["time_eval"], rec.get("global_acc")))
         print(
             f"round {rnd}: fedskew train {rec['time_train']:.2f}s | plain train {t_plain:.2f}s | "
             f"aggregate {rec['time_aggregate']:.3f}s | eval {rec['time_eval']:.3f}s | "
-            f"global acc {100 * rec['global_acc']:.2f}%"
+            f"global acc {100 * rec['global_acc']:.2f}%",
+            flush=True,
         )
     med = [statistics.median(col) for col in list(zip(*rows, strict=True))[:4]]
     print()
