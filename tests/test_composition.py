@@ -78,3 +78,26 @@ def test_compositions_run_and_learn(method):
 def test_partial_participation_heal_runs():
     recs, sim = _run("heal", rounds=4, join_ratio=0.5)
     assert all(r["participants"] == 2 for r in recs)
+
+
+@pytest.mark.parametrize(
+    "name, args, msg",
+    [
+        ("fedsa+heal", {}, "masks"),
+        ("disco+fedsa", {}, "low_weighting=samples"),
+        ("fedsa", {"weights": "uniform"}, "low_weighting=samples"),
+        ("disco+heal", {}, "weighting"),
+        ("fedavg+nosuch", {}, "unknown"),
+        ("fedavg+disco+disco", {}, "repeated"),
+    ],
+)
+def test_meaningless_compositions_are_refused(name, args, msg):
+    from fedskew.config import ConfigError
+
+    with pytest.raises(ConfigError, match=msg):
+        resolve_method(name, args)
+
+
+def test_disco_feeds_fedsa_low_region_when_asked():
+    m = resolve_method("disco+fedsa", {"low_weighting": "samples"})
+    assert isinstance(m.server.weighting, DiscoWeights)

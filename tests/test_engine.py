@@ -197,3 +197,30 @@ def test_mnist_dirichlet_run(tmp_path, shared_data):
     assert {"config.yaml", "metrics.jsonl", "summary.json"} <= {p.name for p in out.iterdir()}
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["global_acc"] > 0.3
+
+
+def test_client_local_buffers(tmp_path):
+    """FedSA with buffers=local: the server leaves BN buffers alone, each client keeps and evaluates with its own."""
+    cfg = make_config(
+        None,
+        {
+            "clients": 3,
+            "rounds": 2,
+            "model": "resnet8",
+            "method": "fedsa",
+            "method_args": {"buffers": "local"},
+            "db": None,
+            "skew_probes": 0,
+        },
+    )
+    sim = Simulation(cfg, build_federated(cfg))
+    init = {k: v.clone() for k, v in sim.global_params.items()}
+    sim.run()
+    assert sim.local_names and all("running" in k or "num_batches" in k for k in sim.local_names)
+    for k in sim.local_names:
+        assert torch.equal(sim.global_params[k], init[k])  # the server never touched them
+    own = sim.client_states[0]["local_params"]
+    key = next(k for k in own if k.endswith("running_mean"))
+    assert not torch.equal(own[key], init[key])
+    assert torch.equal(sim.params_for(0)[key], own[key])  # what client 0 receives and evaluates with
+    assert not torch.equal(sim.client_states[1]["local_params"][key], own[key])

@@ -179,13 +179,30 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from fedskew.methods import describe_methods
+    from fedskew.methods import CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
 
     rows = describe_methods()
     width = max(len(r[0]) for r in rows)
-    print("Methods compose as CLIENT[+PLUGIN...], e.g. fedavg, fedsa, fedavg+disco.\n")
+    print("Methods compose as CLIENT[+PLUGIN...]; a name without a client part uses fedavg's local SGD.")
+    print("Hyper-parameters: -m KEY=VALUE (see docs/methods.md).\n")
     for name, kind, summary in rows:
         print(f"  {name:<{width}}  [{kind}]  {summary}")
+    valid, refused = [], []
+    for client in CLIENTS:
+        for plugin in ["", *SERVER_PLUGINS]:
+            name = f"{client}+{plugin}" if plugin else client
+            valid.append(name)
+    for a in SERVER_PLUGINS:
+        for b in SERVER_PLUGINS:
+            if a < b:
+                try:
+                    resolve_method(f"{a}+{b}", {})
+                    valid.append(f"{a}+{b}")
+                except ValueError as exc:
+                    refused.append(f"{a}+{b} ({str(exc).split(': ', 1)[-1]})")
+    print(f"\nvalid compositions: {', '.join(valid)}")
+    if refused:
+        print(f"refused: {'; '.join(refused)}")
     return 0
 
 

@@ -246,6 +246,15 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
             if role in roles:
                 raise _config_error(f"method {name!r}: two plug-ins both set the server's {role}")
             roles[role] = piece
+    combine = roles.get("combine")
+    if isinstance(combine, FedSACombine):
+        if "masking" in roles:
+            raise _config_error(f"method {name!r}: FedSA's combine does not take element masks")
+        if combine.low_weighting == "uniform" and ("weighting" in roles or "weights" in args):
+            raise _config_error(
+                f"method {name!r}: FedSA with low_weighting=uniform ignores client weights; "
+                "add -m low_weighting=samples to use them in the low-dispersion mean"
+            )
     if "weighting" in roles and "weights" in args:
         raise _config_error(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
