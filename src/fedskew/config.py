@@ -32,6 +32,9 @@ class RunConfig(BaseModel):
     # data
     dataset: str = "digits"
     data_dir: str | None = Field(None, description="directory with the dataset files (env FEDSKEW_DATA)")
+    protocol: Literal["fedskew", "pfllib"] = Field(
+        "fedskew", description="pfllib: PFLlib's data split and evaluation semantics (docs/protocols.md)"
+    )
     partition: PartitionName = "dir"
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
     classes_per_client: int = Field(2, ge=1, description="classes per client (pat)")
@@ -140,8 +143,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+# the PFLlib generator scripts' constants and its run-time defaults (protocols.md section 1), applied under
+# --protocol pfllib unless the file or a flag sets the key
+PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pfllib": {"batch_size": 10, "lr": 0.005, "train_ratio": 0.75, "clients": 20},
+}
+
+
 def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults < file values < overrides (``None`` overrides are ignored), validated as a whole."""
+    """Defaults < protocol preset < file values < overrides (``None`` overrides are ignored), validated as a whole."""
     values: dict[str, Any] = dict(file_values or {})
     for k, v in (overrides or {}).items():
         if v is None:
@@ -150,6 +160,7 @@ def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, 
             values["method_args"] = {**values.get("method_args", {}), **v}
         else:
             values[k] = v
+    values = {**PROTOCOL_DEFAULTS.get(str(values.get("protocol")), {}), **values}
     try:
         return RunConfig(**values)
     except ValidationError as exc:

@@ -38,6 +38,16 @@ def label_table(data: FederatedData) -> dict[str, Any]:
     }
 
 
+def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """The protocol's headline number: PFLlib reports the best round of the sample-weighted accuracy over the
+    clients' test splits; fedskew's own default is the last-N mean of the global model on the global test set."""
+    if cfg.protocol == "pfllib":
+        key, stat = "global_local_acc", "best"
+    else:
+        key, stat = "global_acc", "last_n_mean"
+    return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
+
+
 def run_experiment(
     cfg: RunConfig,
     *,
@@ -86,6 +96,7 @@ def run_experiment(
                 "created": now.isoformat(timespec="seconds"),
             }
         )
+        summary["headline"] = headline(cfg, summary)
         run_dir = writer.commit(summary)
     except BaseException:
         writer.abort()

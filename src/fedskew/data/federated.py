@@ -14,6 +14,7 @@ from fedskew.data.partition import (
     domain_skew,
     label_histograms,
     make_partition,
+    pfllib_least_samples,
     train_test_split_clients,
 )
 from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
@@ -163,11 +164,40 @@ def build_domain_federated(cfg: RunConfig) -> FederatedData:
     )
 
 
+def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
+    """PFLlib's split (protocols.md section 1): the official train and test sets merged into one pool;
+    ``pat`` is the blocked assignment, ``iid`` is ``pat`` with every class, ``dir`` retries until every client holds
+    ``least_samples = int(min(batch/(1-train_ratio), N/clients/2))``; a per-client ``train_ratio`` split. PFLlib has
+    no separate global test set: the global test set here is the union of the clients' test splits."""
+    if ds.x_test is not None and ds.y_test is not None:
+        x_pool, y_pool = np.concatenate([ds.x_train, ds.x_test]), np.concatenate([ds.y_train, ds.y_test])
+    else:
+        x_pool, y_pool = ds.x_train, ds.y_train
+    rng = numpy_rng(cfg.seed, Purpose.PARTITION)
+    least = pfllib_least_samples(len(y_pool), cfg.clients, cfg.batch_size, cfg.train_ratio)
+    if cfg.partition in ("pat", "iid"):
+        k = cfg.classes_per_client if cfg.partition == "pat" else ds.num_classes
+        parts = make_partition("pat", y_pool, cfg.clients, rng, classes_per_client=k, scheme="pfllib",
+                               least_samples=least)
+    elif cfg.partition == "dir":
+        parts = make_partition("dir", y_pool, cfg.clients, rng, alpha=cfg.alpha, min_size=least)
+    else:
+        raise PartitionError(f"protocol 'pfllib' supports partitions iid, pat and dir, not {cfg.partition!r}")
+    train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
+    test_idx = np.concatenate(test_parts)
+    return _assemble(
+        ds.name, ds.num_classes, x_pool, y_pool, train_parts, test_parts, x_pool[test_idx], y_pool[test_idx],
+        torch.device(cfg.device),
+    )
+
+
 def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
     if cfg.partition == "domain":
         return build_domain_federated(cfg)
     ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir)
+    if cfg.protocol == "pfllib":
+        return build_pfllib(cfg, ds)
     if ds.x_test is None or ds.y_test is None:
         pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
         x_pool, y_pool = ds.x_train[pool_idx], ds.y_train[pool_idx]

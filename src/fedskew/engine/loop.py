@@ -120,7 +120,8 @@ class Simulation:
             num_train=data.num_train,
             label_hists=data.train_hists,
         )
-        self.local_names = local_state_names(self.method.local, self.global_params, self.trainable)
+        local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
+        self.local_names = local_state_names(frozenset(local_groups), self.global_params, self.trainable)
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
 
