@@ -80,3 +80,15 @@ def test_uneven_clients_and_mismatched_settings(tmp_path, fake_domains):
         make_config(None, {"dataset": "digits_domains", "partition": "dir"})
     with pytest.raises(ConfigError, match="domain"):
         make_config(None, {"dataset": "digits", "partition": "domain"})
+
+
+def test_global_long_tail_combines_with_any_partition():
+    from fedskew.config import make_config as mk
+
+    for partition in ("dir", "iid"):
+        data = fed.build_federated(
+            mk(None, {"imbalance_ratio": 10.0, "partition": partition, "clients": 4, "db": None})
+        )
+        counts = (data.train_hists + data.test_hists).sum(0)
+        assert counts[0] >= 9 * counts[-1]  # head class ~10x the tail class
+        assert np.all(np.diff(counts) <= 1)  # non-increasing class sizes

@@ -21,8 +21,17 @@ def test_preset_defaults_and_overrides():
 
 def test_pfllib_blocked_pathological_on_merged_pool(shared_data):
     d = shared_data("mnist")
-    cfg = make_config(None, {"protocol": "pfllib", "dataset": "mnist", "data_dir": str(d), "partition": "pat",
-                             "classes_per_client": 2, "db": None})
+    cfg = make_config(
+        None,
+        {
+            "protocol": "pfllib",
+            "dataset": "mnist",
+            "data_dir": str(d),
+            "partition": "pat",
+            "classes_per_client": 2,
+            "db": None,
+        },
+    )
     data = build_federated(cfg)
     hist = data.train_hists + data.test_hists
     assert hist.sum() == 70_000  # official train + test merged
@@ -43,8 +52,18 @@ def test_pfllib_dir_uses_least_samples_and_iid_is_all_classes():
 
 
 def test_pfllib_keeps_buffers_on_clients_and_reports_best_round(tmp_path):
-    cfg = make_config(None, {"protocol": "pfllib", "clients": 4, "rounds": 2, "model": "resnet8", "db": None,
-                             "skew_probes": 0, "out": str(tmp_path / "r")})
+    cfg = make_config(
+        None,
+        {
+            "protocol": "pfllib",
+            "clients": 4,
+            "rounds": 2,
+            "model": "resnet8",
+            "db": None,
+            "skew_probes": 0,
+            "out": str(tmp_path / "r"),
+        },
+    )
     sim = Simulation(cfg, build_federated(cfg))
     assert sim.local_names and all("running" in k or "num_batches" in k for k in sim.local_names)
     out = run_experiment(cfg.model_copy(update={"model": "mlp"}))

@@ -38,12 +38,18 @@ class RunConfig(BaseModel):
     partition: PartitionName = "dir"
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
     classes_per_client: int = Field(2, ge=1, description="classes per client (pat)")
+    pat_scheme: Literal["random", "pfllib"] = Field("random", description="pat: random classes or PFLlib's blocks")
     min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
     samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
     domain_fraction: float = Field(
         0.01, gt=0, le=1, description="share of its domain's training set each client gets (domain; FedHEAL: 1%)"
     )
     image_size: int = Field(28, ge=8, description="common image side of the domains (digits_domains)")
+    imbalance_ratio: float | None = Field(
+        None,
+        ge=1,
+        description="global long-tail imbalance of the training pool (largest/smallest class), any partition",
+    )
     clients: int = Field(10, ge=1)
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
     holdout: float = Field(

@@ -13,6 +13,7 @@ from fedskew.data.partition import (
     PartitionError,
     domain_skew,
     label_histograms,
+    long_tail,
     make_partition,
     pfllib_least_samples,
     train_test_split_clients,
@@ -81,7 +82,7 @@ def partition_params(cfg: RunConfig) -> dict[str, object]:
     return {
         "iid": {},
         "dir": {"alpha": cfg.alpha, "min_size": cfg.min_size},
-        "pat": {"classes_per_client": cfg.classes_per_client},
+        "pat": {"classes_per_client": cfg.classes_per_client, "scheme": cfg.pat_scheme},
         "dirfixed": {"alpha": cfg.alpha, "samples_per_client": cfg.samples_per_client},
         "niid2": {},
         "quantity": {"beta": cfg.alpha},
@@ -177,8 +178,9 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     least = pfllib_least_samples(len(y_pool), cfg.clients, cfg.batch_size, cfg.train_ratio)
     if cfg.partition in ("pat", "iid"):
         k = cfg.classes_per_client if cfg.partition == "pat" else ds.num_classes
-        parts = make_partition("pat", y_pool, cfg.clients, rng, classes_per_client=k, scheme="pfllib",
-                               least_samples=least)
+        parts = make_partition(
+            "pat", y_pool, cfg.clients, rng, classes_per_client=k, scheme="pfllib", least_samples=least
+        )
     elif cfg.partition == "dir":
         parts = make_partition("dir", y_pool, cfg.clients, rng, alpha=cfg.alpha, min_size=least)
     else:
@@ -186,7 +188,14 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
     test_idx = np.concatenate(test_parts)
     return _assemble(
-        ds.name, ds.num_classes, x_pool, y_pool, train_parts, test_parts, x_pool[test_idx], y_pool[test_idx],
+        ds.name,
+        ds.num_classes,
+        x_pool,
+        y_pool,
+        train_parts,
+        test_parts,
+        x_pool[test_idx],
+        y_pool[test_idx],
         torch.device(cfg.device),
     )
 
@@ -204,6 +213,9 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
         x_gtest, y_gtest = ds.x_train[hold_idx], ds.y_train[hold_idx]
     else:
         x_pool, y_pool, x_gtest, y_gtest = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    if cfg.imbalance_ratio is not None:  # global long tail first, then any partition of what remains
+        keep = long_tail(y_pool, cfg.imbalance_ratio, numpy_rng(cfg.seed, Purpose.DATA, 1))
+        x_pool, y_pool = x_pool[keep], y_pool[keep]
     parts = make_partition(
         cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
     )
