@@ -48,7 +48,7 @@ class RunConfig(BaseModel):
     imbalance_ratio: float | None = Field(
         None,
         ge=1,
-        description="global long-tail imbalance of the training pool (largest/smallest class), any partition",
+        description="global long-tail imbalance (largest/smallest class size) of the training pool",
     )
     clients: int = Field(10, ge=1)
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
