@@ -60,9 +60,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run."""
-    fn()
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs, after ``warmup`` warm-up runs."""
+    for _ in range(warmup):
+        fn()
     _sync(device)
     times = []
     for _ in range(repeats):
@@ -122,16 +123,7 @@ def sgd_step_time(model: nn.Module, s: Setting, device: torch.device, steps: int
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    for _ in range(3):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed(step, device, steps, warmup=3)
 
 
 def main() -> None:
