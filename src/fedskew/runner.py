@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedskew import __version__
 from fedskew.config import RunConfig
@@ -56,9 +58,6 @@ def run_experiment(
     on_start: Callable[[Simulation], None] | None = None,
 ) -> RunOutcome:
     """Build the federation, run every round, write the run directory and (if configured) the database rows."""
-    import json
-
-    import torch
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

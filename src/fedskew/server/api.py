@@ -168,23 +168,25 @@ def stack_updates(
                 raise UpdateError(
                     f"client {u.cid}: tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
                 )
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise UpdateError(f"client {u.cid}: tensor '{n}' contains NaN or Inf")
         if u.num_samples <= 0:
             raise UpdateError(f"client {u.cid}: num_samples must be positive, got {u.num_samples}")
     extra_names = sorted(updates[0].extras)
     for u in updates:
         if sorted(u.extras) != extra_names:
             raise UpdateError(f"client {u.cid}: extras {sorted(u.extras)} differ from {extra_names}")
-        for n, t in u.extras.items():
+    params = {n: torch.stack([u.params[n] for u in updates]) for n in names}
+    extras = {n: torch.stack([u.extras[n] for u in updates]) for n in extra_names}
+    for kind, stacked in (("tensor", params), ("extra tensor", extras)):
+        for n, t in stacked.items():  # one finiteness check per stacked tensor; find the client only on failure
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise UpdateError(f"client {u.cid}: extra tensor '{n}' contains NaN or Inf")
+                bad = torch.isfinite(t).flatten(1).all(1).logical_not().nonzero().flatten().tolist()
+                raise UpdateError(f"client {updates[bad[0]].cid}: {kind} '{n}' contains NaN or Inf")
     return RoundInput(
         round=rnd,
         cids=tuple(u.cid for u in updates),
-        params={n: torch.stack([u.params[n] for u in updates]) for n in names},
+        params=params,
         num_samples=torch.tensor([float(u.num_samples) for u in updates], dtype=torch.float64),
-        extras={n: torch.stack([u.extras[n] for u in updates]) for n in extra_names},
+        extras=extras,
         global_params=global_params,
         trainable=trainable,
         label_hists=np.asarray(label_hists),
