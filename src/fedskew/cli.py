@@ -80,6 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list the available methods and building blocks")
 
+    pa = sub.add_parser("partition", help="show a partition: per-client label table and a bubble plot")
+    pa.add_argument("--config", help="YAML file of settings; flags override it")
+    for flag in (
+        "--dataset",
+        "--data-dir",
+        "--partition",
+        "--protocol",
+        "--alpha",
+        "--classes-per-client",
+        "--pat-scheme",
+        "--min-size",
+        "--samples-per-client",
+        "--imbalance-ratio",
+        "--clients",
+        "--train-ratio",
+        "--domain-fraction",
+        "--image-size",
+        "--seed",
+    ):
+        _, typ, help_ = RUN_FLAGS[flag]
+        pa.add_argument(flag, type=typ, default=None, help=help_)
+    pa.add_argument("--plot", default=None, help="write the bubble plot to this PNG")
+
     sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
     sk.add_argument("run_dir", help="a run directory (with skew.jsonl)")
     sk.add_argument("--layer", action="append", default=None, help="parameter name, repeatable (default: first 4)")
@@ -210,6 +233,23 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_partition(args: argparse.Namespace) -> int:
+    from fedskew.config import load_yaml, make_config
+    from fedskew.data.federated import build_federated
+    from fedskew.results.partition_view import bubble_plot, label_table
+
+    file_values = load_yaml(args.config) if args.config else {}
+    overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
+    cfg = make_config({**file_values, "db": None}, overrides)
+    data = build_federated(cfg)
+    print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")
+    print(label_table(data.train_hists, data.test_hists))
+    if args.plot:
+        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, seed {cfg.seed}"
+        print(f"bubble plot: {bubble_plot(data.train_hists + data.test_hists, args.plot, title)}")
+    return 0
+
+
 def cmd_skew(args: argparse.Namespace) -> int:
     from fedskew.results.plots import skew_figure
 
@@ -249,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "run"
     if args.command is None:  # `fedskew` alone = the main job
         args = build_parser().parse_args(["run", *(argv or [])])
-    handlers = {"run": cmd_run, "methods": cmd_methods, "report": cmd_report, "skew": cmd_skew}
+    handlers = {
+        "run": cmd_run,
+        "methods": cmd_methods,
+        "report": cmd_report,
+        "skew": cmd_skew,
+        "partition": cmd_partition,
+    }
     try:
         return handlers[command](args)
     except (ConfigError, DataError, PartitionError, UpdateError, FileExistsError, FileNotFoundError) as exc:
