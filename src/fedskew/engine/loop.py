@@ -138,7 +138,7 @@ class Simulation:
         updates, bytes_down = [], 0
         for cid in participants:
             received = self.params_for(cid)
-            bytes_down += payload_bytes(received) + payload_bytes(broadcast)
+            bytes_down += self.wire_bytes(received) + payload_bytes(broadcast)
             ctx = LocalContext(
                 cid=cid,
                 round=rnd,
@@ -189,7 +189,7 @@ class Simulation:
         t4 = time.perf_counter()
         record.update(
             {
-                "bytes_up": sum(payload_bytes(u.params) + payload_bytes(u.extras) for u in updates),
+                "bytes_up": sum(self.wire_bytes(u.params) + payload_bytes(u.extras) for u in updates),
                 "bytes_down": bytes_down,
                 "time_train": t1 - t0,
                 "time_aggregate": t2 - t1,
@@ -202,6 +202,10 @@ class Simulation:
         if out.diagnostics:
             record["diagnostics"] = out.diagnostics
         return RoundResult(record, scores, probe)
+
+    def wire_bytes(self, params: Params) -> int:
+        """Bytes of a model exchange; entries the clients keep locally (``method.local``) never travel."""
+        return payload_bytes({k: v for k, v in params.items() if k not in self.local_names})
 
     def params_for(self, cid: int, base: Params | None = None) -> Params:
         """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),
