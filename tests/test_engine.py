@@ -215,7 +215,9 @@ def test_client_local_buffers(tmp_path):
     )
     sim = Simulation(cfg, build_federated(cfg))
     init = {k: v.clone() for k, v in sim.global_params.items()}
-    sim.run()
+    recs = sim.run()
+    shared = {k: v for k, v in init.items() if k not in sim.local_names}
+    assert recs[-1]["bytes_up"] == recs[-1]["bytes_down"] == 3 * payload_bytes(shared)  # local buffers never travel
     assert sim.local_names and all("running" in k or "num_batches" in k for k in sim.local_names)
     for k in sim.local_names:
         assert torch.equal(sim.global_params[k], init[k])  # the server never touched them
