@@ -17,13 +17,18 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--dataset": ("dataset", str, "digits (embedded), mnist, ..."),
     "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
     "--partition": ("partition", str, "iid | dir | pat | dirfixed | niid2 | quantity | domain"),
-    "--protocol": ("protocol", str, "fedskew | pfllib (PFLlib's split and evaluation semantics)"),
+    "--protocol": (
+        "protocol",
+        str,
+        "fedskew | pfllib (PFLlib's split and evaluation semantics) | fedcac (FedCAC's fixed-size train/test draws)",
+    ),
     "--alpha": ("alpha", float, "Dirichlet concentration"),
     "--classes-per-client": ("classes_per_client", int, "classes per client for pat"),
     "--pat-scheme": ("pat_scheme", str, "pat: random | pfllib (blocked)"),
     "--min-size": ("min_size", int, "minimum samples per client for dir"),
     "--imbalance-ratio": ("imbalance_ratio", float, "global long-tail imbalance of the training pool"),
     "--samples-per-client": ("samples_per_client", int, "samples per client for dirfixed"),
+    "--test-samples-per-client": ("test_samples_per_client", int, "local test samples per client (fedcac)"),
     "--clients": ("clients", int, "number of clients"),
     "--join-ratio": ("join_ratio", float, "share of clients sampled per round"),
     "--rounds": ("rounds", int, "communication rounds"),
@@ -92,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pat-scheme",
         "--min-size",
         "--samples-per-client",
+        "--test-samples-per-client",
         "--imbalance-ratio",
         "--clients",
         "--train-ratio",
@@ -214,19 +220,18 @@ def cmd_methods(args: argparse.Namespace) -> int:
     print("Hyper-parameters: -m KEY=VALUE (see docs/methods.md).\n")
     for name, kind, summary in rows:
         print(f"  {name:<{width}}  [{kind}]  {summary}")
-    valid, refused = [], []
-    for client in CLIENTS:
-        for plugin in ["", *SERVER_PLUGINS]:
-            name = f"{client}+{plugin}" if plugin else client
-            valid.append(name)
-    for a in SERVER_PLUGINS:
-        for b in SERVER_PLUGINS:
-            if a < b:
-                try:
-                    resolve_method(f"{a}+{b}", {})
-                    valid.append(f"{a}+{b}")
-                except ValueError as exc:
-                    refused.append(f"{a}+{b} ({str(exc).split(': ', 1)[-1]})")
+    valid: list[str] = []
+    refused: list[str] = []
+    candidates = [c for c in CLIENTS] + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
+    candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
+    for name in candidates:
+        try:
+            canonical = resolve_method(name, {}).name
+        except ValueError as exc:
+            refused.append(f"{name} ({str(exc).split(': ', 1)[-1]})")
+            continue
+        if canonical not in valid:
+            valid.append(canonical)
     print(f"\nvalid compositions: {', '.join(valid)}")
     if refused:
         print(f"refused: {'; '.join(refused)}")

@@ -20,6 +20,9 @@ PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "d
 
 DOMAIN_DATASETS = ("digits_domains",)
 
+# the partitions protocol fedcac can draw client-wise class proportions from (FedCAC's Dirichlet and pathological)
+FEDCAC_PARTITIONS = ("dirfixed", "pat")
+
 
 class RunConfig(BaseModel):
     """Every setting of one simulated federation. Defaults are the main job on the embedded digits data."""
@@ -32,8 +35,10 @@ class RunConfig(BaseModel):
     # data
     dataset: str = "digits"
     data_dir: str | None = Field(None, description="directory with the dataset files (env FEDSKEW_DATA)")
-    protocol: Literal["fedskew", "pfllib"] = Field(
-        "fedskew", description="pfllib: PFLlib's data split and evaluation semantics (docs/protocols.md)"
+    protocol: Literal["fedskew", "pfllib", "fedcac"] = Field(
+        "fedskew",
+        description="pfllib: PFLlib's data split and evaluation semantics; fedcac: FedCAC's fixed-size client train "
+        "and test samples with shared class proportions (docs/protocols.md)",
     )
     partition: PartitionName = "dir"
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
@@ -41,6 +46,7 @@ class RunConfig(BaseModel):
     pat_scheme: Literal["random", "pfllib"] = Field("random", description="pat: random classes or PFLlib's blocks")
     min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
     samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
+    test_samples_per_client: int = Field(100, ge=1, description="local test samples per client (protocol fedcac)")
     domain_fraction: float = Field(
         0.01, gt=0, le=1, description="share of its domain's training set each client gets (domain; FedHEAL: 1%)"
     )
@@ -112,6 +118,16 @@ class RunConfig(BaseModel):
                 f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}) and vice "
                 f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
             )
+        if self.protocol == "fedcac":
+            if self.partition not in FEDCAC_PARTITIONS:
+                raise ValueError(
+                    f"protocol 'fedcac' supports partitions {' and '.join(FEDCAC_PARTITIONS)}, not {self.partition!r}"
+                )
+            if self.imbalance_ratio is not None:
+                raise ValueError(
+                    f"protocol 'fedcac' draws fixed-size client samples and has no global long tail: "
+                    f"imbalance_ratio must be unset, got {self.imbalance_ratio!r}"
+                )
         resolve_method(self.method, self.method_args)  # validates the hyper-parameters
         return self
 
@@ -149,10 +165,23 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-# the PFLlib generator scripts' constants and its run-time defaults (protocols.md section 1), applied under
-# --protocol pfllib unless the file or a flag sets the key
+# applied under --protocol X unless the file or a flag sets the key (docs/protocols.md):
+# pfllib: the PFLlib generator scripts' constants and its run-time defaults;
+# fedcac: the FedCAC paper's settings (N 40, 500 train / 100 test samples per client, Dir(0.1)) with Fling's
+# local-training configs (5 epochs, batch 100, SGD lr 0.1, momentum 0.9)
 PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {
     "pfllib": {"batch_size": 10, "lr": 0.005, "train_ratio": 0.75, "clients": 20},
+    "fedcac": {
+        "clients": 40,
+        "samples_per_client": 500,
+        "test_samples_per_client": 100,
+        "local_epochs": 5,
+        "batch_size": 100,
+        "lr": 0.1,
+        "momentum": 0.9,
+        "partition": "dirfixed",
+        "alpha": 0.1,
+    },
 }
 
 

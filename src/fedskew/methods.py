@@ -2,8 +2,12 @@
 
 Names compose with ``+``: ``<client>[+<server plug-in>...]``. The client part is one of :data:`CLIENTS`
 (``fedavg`` is plain local SGD); each server plug-in fills one or more roles of the server step
-(``weighting``, ``masking``, ``combine``; see :class:`fedskew.server.api.Aggregation`), and a role may be filled
-only once. Examples: ``fedavg``, ``fedsa`` (= ``fedavg+fedsa``), ``fedavg+disco``.
+(``weighting``, ``masking``, ``combine``; see :class:`fedskew.server.api.Aggregation`; or ``personalize``: a server
+step that returns one model per client, FedCAC and FedAMP), and a role may be filled only once. Plug-ins may also
+name state-dict groups the clients keep for themselves (``local``: FedPer's head, FedBN's norm layers, Local's
+everything) and tensors the clients upload (FedCAC's masks). A client part may imply plug-ins (``fedrep`` keeps the
+head local, ``fedamp`` needs the ``amp`` server). Examples: ``fedavg``, ``fedsa`` (= ``fedavg+fedsa``),
+``fedavg+disco``, ``fedcac``, ``fedprox+fedbn``.
 Hyper-parameters come as one flat mapping (``method_args``); each key must belong to exactly one part.
 """
 
@@ -16,12 +20,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
-from fedskew.client.local import LocalAlgorithm
+from fedskew.client.local import LocalAlgorithm, Upload
+from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights
 from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import FaelWeights, HealMasks
+from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 
@@ -53,6 +59,22 @@ class MoonParams(BaseModel):
     tau: float = Field(0.5, gt=0)
 
 
+class FedRepParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    head_epochs: int = Field(10, ge=1)
+
+
+class DittoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lam: float = Field(0.1, ge=0)
+    personal_epochs: int | None = Field(None, ge=1)
+
+
+class AmpClientParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mu: float = Field(1e-4, ge=0)
+
+
 @dataclass(frozen=True)
 class ClientPart:
     name: str
@@ -60,6 +82,8 @@ class ClientPart:
     paper: str
     params: type[BaseModel]
     build: Callable[[Any], LocalAlgorithm]
+    implies: tuple[str, ...] = ()  # server plug-ins this client part needs (added when not named)
+    personalized: bool = False  # keeps a personal model of its own (evaluated in the personal views)
 
 
 @dataclass(frozen=True)
@@ -68,8 +92,14 @@ class ServerPlugin:
     summary: str
     paper: str
     params: type[BaseModel]
-    roles: tuple[str, ...]  # subset of ("weighting", "masking", "combine")
-    build: Callable[[Any], dict[str, Any]]  # params -> {role: piece}; optional "local": state kept on clients
+    roles: tuple[str, ...]  # subset of ("weighting", "masking", "combine", "personalize")
+    # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
+    # clients, see engine.loop.LOCAL_GROUPS) and "upload" (a client-side Upload)
+    build: Callable[[Any], dict[str, Any]]
+
+
+def _keep_local(*groups: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda p: {"local": frozenset(groups)}
 
 
 CLIENTS: dict[str, ClientPart] = {
@@ -100,6 +130,31 @@ CLIENTS: dict[str, ClientPart] = {
         "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
         NoParams,
         lambda p: Scaffold(),
+    ),
+    "fedrep": ClientPart(
+        "fedrep",
+        "local head trained first (head_epochs=10, body frozen), then the body; the head stays local (implies fedper)",
+        "Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021",
+        FedRepParams,
+        lambda p: FedRep(head_epochs=p.head_epochs),
+        implies=("fedper",),
+    ),
+    "ditto": ClientPart(
+        "ditto",
+        "personal model trained with (lam/2)||v - w||^2 to the global model (lam=0.1), then the global model",
+        "Li, Hu, Beirami, Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021",
+        DittoParams,
+        lambda p: Ditto(lam=p.lam, personal_epochs=p.personal_epochs),
+        personalized=True,
+    ),
+    "fedamp": ClientPart(
+        "fedamp",
+        "own model kept and trained with (mu/2)||w - u_i||^2 to its cloud model (mu=1e-4; implies amp)",
+        "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
+        AmpClientParams,
+        lambda p: AmpClient(mu=p.mu),
+        implies=("amp",),
+        personalized=True,
     ),
 }
 
@@ -148,7 +203,21 @@ def _heal(p: HealParams) -> dict[str, Any]:
     }
 
 
-ALIASES = {"fedpake": "fedsa"}
+class CacParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tau: float = Field(0.5, ge=0, le=1)
+    beta: float = Field(100.0, gt=0)
+
+
+class AmpParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    alpha_k: float = Field(1e4, gt=0)
+    sigma: float = Field(100.0, gt=0)
+    decay_rate: float = Field(0.1, gt=0, le=1)
+    decay_every: int = Field(30, ge=1)
+
+
+ALIASES = {"fedpake": "fedsa", "separate": "local"}
 
 SERVER_PLUGINS: dict[str, ServerPlugin] = {
     "disco": ServerPlugin(
@@ -175,7 +244,53 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         ("masking", "weighting"),
         _heal,
     ),
+    "local": ServerPlugin(
+        "local",
+        "no collaboration: every state-dict entry stays on its client (the FedCAC paper's 'Separate')",
+        "local training only (baseline in FedCAC, Wu et al., NeurIPS 2023)",
+        NoParams,
+        (),
+        _keep_local("all"),
+    ),
+    "fedper": ServerPlugin(
+        "fedper",
+        "the classifier head stays on each client; the body is averaged",
+        "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818",
+        NoParams,
+        (),
+        _keep_local("head"),
+    ),
+    "fedbn": ServerPlugin(
+        "fedbn",
+        "BatchNorm layers (affine and running statistics) stay on each client; the rest is averaged",
+        "Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
+        NoParams,
+        (),
+        _keep_local("norm"),
+    ),
+    "fedcac": ServerPlugin(
+        "fedcac",
+        "critical-parameter masks (tau=0.5) + time-varying collaborators (beta=100): one model per client",
+        "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through "
+        "Cautiously Aggressive Collaboration, NeurIPS 2023",
+        CacParams,
+        ("personalize",),
+        lambda p: {
+            "personalize": lambda w: FedCAC(weighting=w, beta=p.beta),
+            "upload": CriticalMasks(tau=p.tau),
+        },
+    ),
+    "amp": ServerPlugin(
+        "amp",
+        "FedAMP's attentive message passing: cloud model per client (alpha_k=1e4, sigma=100, decay 0.1/30 rounds)",
+        "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
+        AmpParams,
+        ("personalize",),
+        lambda p: {"personalize": lambda w: FedAMP(weighting=w, **p.model_dump())},
+    ),
 }
+
+PERSONAL_GROUPS = frozenset({"head", "norm", "all"})  # local groups that make a method personalized
 
 
 @dataclass(frozen=True)
@@ -186,35 +301,47 @@ class Method:
     args: dict[str, Any]  # the resolved hyper-parameters, defaults included
     personalized: bool = False
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
+    uploads: tuple[Upload, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
 
 
 def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any], method: str) -> list[BaseModel]:
-    owners: dict[str, str] = {}
+    """Hand each hyper-parameter to the part that owns it. A key two parts both have (MOON's and HEAL's ``tau``) is
+    qualified with the part's name (``heal.tau``); used bare it is refused as ambiguous."""
+    owners: dict[str, list[str]] = {}
     for name, model in parts:
         for field_name in model.model_fields:
-            if field_name in owners:
-                raise _config_error(
-                    f"method {method!r}: hyper-parameter {field_name!r} is claimed by both "
-                    f"{owners[field_name]!r} and {name!r}"
-                )
-            owners[field_name] = name
-    unknown = sorted(set(args) - set(owners))
-    if unknown:
-        raise _config_error(
-            f"method {method!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
-            f"valid: {', '.join(sorted(owners)) or 'none'}"
-        )
+            owners.setdefault(field_name, []).append(name)
+    mine: dict[str, dict[str, Any]] = {name: {} for name, _ in parts}
+    for key, value in args.items():
+        part, _, field_name = key.rpartition(".")
+        if part:
+            if part not in mine or part not in owners.get(field_name, []):
+                raise _config_error(f"method {method!r} has no hyper-parameter {key!r} (part {part!r})")
+        elif key not in owners:
+            valid = sorted(k if len(o) == 1 else f"{o[0]}.{k}" for k, o in owners.items())
+            raise _config_error(
+                f"method {method!r} has no hyper-parameter {key!r}; valid: {', '.join(valid) or 'none'}"
+            )
+        elif len(owners[key]) > 1:
+            qualified = " or ".join(f"{o}.{key}" for o in owners[key])
+            raise _config_error(f"method {method!r}: hyper-parameter {key!r} is ambiguous here; use {qualified}")
+        else:
+            part, field_name = owners[key][0], key
+        mine[part][field_name] = value
     out = []
     for name, model in parts:
-        mine = {k: v for k, v in args.items() if owners.get(k) == name}
         try:
-            out.append(model(**mine))
+            out.append(model(**mine[name]))
         except ValidationError as exc:
             detail = "; ".join(
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
             )
             raise _config_error(f"method {method!r}, part {name!r}: {detail}") from None
     return out
+
+
+def _given(args: Mapping[str, Any], field_name: str) -> bool:
+    return any(k.rpartition(".")[2] == field_name for k in args)
 
 
 def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
@@ -224,6 +351,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         raise _config_error(f"method {name!r}: empty part in composition")
     client_name = tokens[0] if tokens[0] in CLIENTS else "fedavg"
     plugin_names = tokens[1:] if tokens[0] in CLIENTS else tokens
+    plugin_names += [t for t in CLIENTS[client_name].implies if t not in plugin_names]
     for t in plugin_names:
         if t not in SERVER_PLUGINS:
             known = ", ".join(sorted(set(CLIENTS) | set(SERVER_PLUGINS)))
@@ -239,9 +367,12 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
 
     roles: dict[str, Any] = {}
     local: frozenset[str] = frozenset()
+    uploads: list[Upload] = []
     for plugin, params in zip(plugins, plugin_params, strict=True):
         pieces = plugin.build(params)
         local |= pieces.pop("local", frozenset())
+        if "upload" in pieces:
+            uploads.append(pieces.pop("upload"))
         for role, piece in pieces.items():
             if role in roles:
                 raise _config_error(f"method {name!r}: two plug-ins both set the server's {role}")
@@ -250,24 +381,53 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     if isinstance(combine, FedSACombine):
         if "masking" in roles:
             raise _config_error(f"method {name!r}: FedSA's combine does not take element masks")
-        if combine.low_weighting == "uniform" and ("weighting" in roles or "weights" in args):
+        if combine.low_weighting == "uniform" and ("weighting" in roles or _given(args, "weights")):
             raise _config_error(
                 f"method {name!r}: FedSA with low_weighting=uniform ignores client weights; "
                 "add -m low_weighting=samples to use them in the low-dispersion mean"
             )
-    if "weighting" in roles and "weights" in args:
+    if "weighting" in roles and _given(args, "weights"):
         raise _config_error(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
-    server = Aggregation(
-        weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking")
+    server: ServerStrategy
+    if "personalize" in roles:
+        clash = [r for r in ("combine", "masking") if r in roles]
+        if clash:
+            raise _config_error(
+                f"method {name!r}: a personalized server step (one model per client) cannot take a {clash[0]}"
+            )
+        server = roles["personalize"](weighting)
+    else:
+        server = Aggregation(
+            weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking")
+        )
+    counts: dict[str, int] = {}
+    for p in parsed:
+        for k in type(p).model_fields:
+            counts[k] = counts.get(k, 0) + 1
+    resolved = {
+        (k if counts[k] == 1 else f"{part}.{k}"): v
+        for (part, _), p in zip(parts, parsed, strict=True)
+        for k, v in p.model_dump().items()
+    }
+    personalized = client.personalized or "personalize" in roles or bool(local & PERSONAL_GROUPS)
+    canonical = "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens)
+    return Method(
+        canonical,
+        client.build(client_params),
+        server,
+        resolved,
+        personalized=personalized,
+        local=local,
+        uploads=tuple(uploads),
     )
-    resolved = {k: v for p in parsed for k, v in p.model_dump().items()}
-    return Method("+".join(tokens), client.build(client_params), server, resolved, local=local)
 
 
 def describe_methods() -> list[tuple[str, str, str]]:
     """(name, kind, one-line summary) for ``fedskew methods``."""
     rows = [(c.name, "client", c.summary) for c in CLIENTS.values()]
-    rows += [(p.name, f"server: {'/'.join(p.roles)}", p.summary) for p in SERVER_PLUGINS.values()]
+    rows += [
+        (p.name, f"server: {'/'.join(p.roles) or 'client-local state'}", p.summary) for p in SERVER_PLUGINS.values()
+    ]
     rows += [(alias, "alias", f"= {target}") for alias, target in ALIASES.items()]
     return rows

@@ -5,7 +5,11 @@ A local algorithm never copies the loop. It overrides hooks:
 * ``begin``            after the received model is loaded (e.g. keep a frozen copy of the global weights),
 * ``loss``             the local objective from logits and features (FedProx: a proximal term; MOON: a contrastive one),
 * ``after_backward``   gradient corrections before the optimizer step (SCAFFOLD),
-* ``end``              extra tensors to upload with the model (SCAFFOLD's control delta, FedCAC's masks),
+* ``end``              extra tensors to upload with the model (SCAFFOLD's control delta),
+* ``phases``           the stretches of local training: where each starts, which parameters it trains, for how many
+                       epochs, and whether the result is kept on the client (FedRep: head, then body; Ditto: the
+                       personal model, then the global one),
+* ``personal_model``   the model the client keeps for itself, if it keeps one apart from what it uploads (Ditto),
 
 and, for algorithms with a server-side part, ``server_init`` / ``broadcast`` / ``server_update``, which the engine
 calls around the server aggregation (SCAFFOLD's global control variate). Everything is seeded by the engine.
@@ -14,8 +18,9 @@ calls around the server aggregation (SCAFFOLD's global control variate). Everyth
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +51,31 @@ class LocalContext:
     broadcast: Params  # extra tensors the server sent (e.g. SCAFFOLD's c)
     settings: TrainSettings
     steps: int = 0
+    phase: str = "main"
     scratch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of local training on the one loop.
+
+    ``start``: weights loaded before the phase (``None``: continue from the current ones; the first phase continues
+    from the received model). ``trains``: which trainable parameters get updated (a predicate on the state-dict name;
+    ``None``: all); the others are frozen for the phase. ``keep``: store a snapshot of the model after the phase in
+    ``client_state[keep]``. Each phase has its own optimizer (momentum restarts, as in FedRep's and Ditto's code).
+    """
+
+    epochs: int
+    name: str = "main"
+    start: Params | None = None
+    trains: Callable[[str], bool] | None = None
+    keep: str | None = None
+
+
+class Upload(Protocol):
+    """Extra tensors a client computes from the model it received and the model it trained (FedCAC's masks)."""
+
+    def __call__(self, received: Params, trained: Params, trainable: frozenset[str]) -> Params: ...
 
 
 class LocalAlgorithm:
@@ -66,6 +95,13 @@ class LocalAlgorithm:
 
     def end(self, ctx: LocalContext) -> Params:
         return {}
+
+    def phases(self, ctx: LocalContext) -> list[Phase]:
+        return [Phase(ctx.settings.epochs)]
+
+    def personal_model(self, client_state: dict[str, Any]) -> Params | None:
+        """The model this client keeps for itself apart from its upload (``None``: it keeps none)."""
+        return None
 
     # server-side part
     def server_init(self, ctx: ServerContext) -> State:
@@ -89,42 +125,63 @@ def local_train(
     x: Tensor,
     y: Tensor,
     generator: torch.Generator,
+    uploads: Sequence[Upload] = (),
 ) -> ClientUpdate:
     """Load ``ctx.received`` into ``ctx.model``, train on the resident tensors ``x, y``, return the upload.
 
     Batches are index slices of a seeded permutation per epoch (no DataLoader); ``generator`` fixes the order.
+    The algorithm's phases run in sequence on the same model; ``uploads`` add tensors computed from the received and
+    the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
     """
     model, s = ctx.model, ctx.settings
     model.load_state_dict(ctx.received)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     algo.begin(ctx)
     n = x.shape[0]
     bs = min(s.batch_size, n)
     n_batches = n // bs if s.drop_last else math.ceil(n / bs)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     seen = 0
-    for _ in range(s.epochs):
-        perm = torch.randperm(n, generator=generator).to(x.device)
-        for b in range(n_batches):
-            idx = perm[b * bs : (b + 1) * bs]
-            xb, yb = x[idx], y[idx]
-            opt.zero_grad(set_to_none=True)
-            feats = model.body(xb)
-            logits = model.head(feats)
-            loss = algo.loss(ctx, logits, feats, yb, xb)
-            loss.backward()
-            algo.after_backward(ctx)
-            opt.step()
-            ctx.steps += 1
-            loss_sum += loss.detach() * yb.shape[0]
-            seen += yb.shape[0]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    for phase in algo.phases(ctx):
+        ctx.phase = phase.name
+        if phase.start is not None:
+            model.load_state_dict(phase.start)
+        frozen = [p for name, p in named if phase.trains is not None and not phase.trains(name)]
+        params = [p for name, p in named if phase.trains is None or phase.trains(name)]
+        for p in frozen:
+            p.requires_grad_(False)
+        opt = torch.optim.SGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        try:
+            for _ in range(phase.epochs):
+                perm = torch.randperm(n, generator=generator).to(x.device)
+                for b in range(n_batches):
+                    idx = perm[b * bs : (b + 1) * bs]
+                    xb, yb = x[idx], y[idx]
+                    opt.zero_grad(set_to_none=True)
+                    feats = model.body(xb)
+                    logits = model.head(feats)
+                    loss = algo.loss(ctx, logits, feats, yb, xb)
+                    loss.backward()
+                    algo.after_backward(ctx)
+                    opt.step()
+                    ctx.steps += 1
+                    loss_sum += loss.detach() * yb.shape[0]
+                    seen += yb.shape[0]
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        if phase.keep is not None:
+            ctx.client_state[phase.keep] = snapshot(model)
     extras = algo.end(ctx)
+    trained = snapshot(model)
+    trainable = frozenset(name for name, _ in named)
+    for up in uploads:
+        extras = {**extras, **up(ctx.received, trained, trainable)}
     train_loss = float(loss_sum) / max(seen, 1)
     return ClientUpdate(
         cid=ctx.cid,
-        params=snapshot(model),
+        params=trained,
         num_samples=n,
         extras=extras,
         metrics={"train_loss": train_loss, "steps": float(ctx.steps)},

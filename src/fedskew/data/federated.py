@@ -11,6 +11,8 @@ from torch import Tensor
 from fedskew.config import RunConfig
 from fedskew.data.partition import (
     PartitionError,
+    client_class_proportions,
+    dirichlet_fixed,
     domain_skew,
     label_histograms,
     long_tail,
@@ -200,6 +202,87 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     )
 
 
+def fedcac_proportions(cfg: RunConfig, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """FedCAC's client-wise class proportions, shape ``[clients, num_classes]``: ``dirfixed`` draws
+    q_i ~ Dir(alpha * 1_C); ``pat`` gives each client ``classes_per_client`` distinct classes chosen uniformly at
+    random (independently across clients), each with share 1/k."""
+    if cfg.partition == "dirfixed":
+        return client_class_proportions(cfg.clients, num_classes, cfg.alpha, rng)
+    if cfg.partition == "pat":
+        k = cfg.classes_per_client
+        if k > num_classes:
+            raise PartitionError(
+                f"protocol 'fedcac', partition 'pat': classes_per_client={k} exceeds the number of classes "
+                f"present in the training pool ({num_classes})"
+            )
+        q = np.zeros((cfg.clients, num_classes))
+        for row in q:
+            row[rng.choice(num_classes, size=k, replace=False)] = 1.0 / k
+        return q
+    raise PartitionError(f"protocol 'fedcac' supports partitions dirfixed and pat, not {cfg.partition!r}")
+
+
+def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
+    """FedCAC's protocol (docs/protocols.md): every client draws exactly ``samples_per_client`` training samples
+    from the official training split and ``test_samples_per_client`` local test samples from the official test
+    split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i. Samples
+    never repeat within a client but may be shared across clients (Fling). The global test set is the whole test
+    split. q and the train draw share one partition stream; the test draw has its own."""
+    if ds.x_test is None or ds.y_test is None:
+        train_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
+        x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
+        x_te, y_te = ds.x_train[hold_idx], ds.y_train[hold_idx]
+    else:
+        x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    classes = np.unique(y_tr)  # q's columns: the classes present in the training pool
+    rng = numpy_rng(cfg.seed, Purpose.PARTITION)
+    q = fedcac_proportions(cfg, len(classes), rng)
+    train_parts = dirichlet_fixed(
+        y_tr, cfg.clients, cfg.alpha, rng, samples_per_client=cfg.samples_per_client, proportions=q
+    )
+    # the test draw uses the same q restricted to the test pool's classes; a class a client's q gives mass to
+    # must have test samples, else the client's test split could not follow its train proportions
+    test_classes = np.unique(y_te)
+    missing = np.flatnonzero(~np.isin(classes, test_classes) & (q > 0).any(axis=0))
+    if missing.size:
+        c = int(classes[missing[0]])
+        owners = np.flatnonzero(q[:, missing[0]] > 0).tolist()
+        raise PartitionError(
+            f"protocol 'fedcac': class {c} has training samples but none in the test pool, so clients {owners} "
+            f"cannot draw test samples with their training proportions"
+        )
+    q_test = np.zeros((cfg.clients, len(test_classes)))
+    in_train = np.isin(test_classes, classes)
+    q_test[:, in_train] = q[:, np.searchsorted(classes, test_classes[in_train])]
+    test_parts = dirichlet_fixed(
+        y_te,
+        cfg.clients,
+        cfg.alpha,
+        numpy_rng(cfg.seed, Purpose.PARTITION, 1),
+        samples_per_client=cfg.test_samples_per_client,
+        proportions=q_test,
+    )
+    # one pool of the train pool then the test pool, compacted to the samples drawn (the whole pool would only be
+    # converted to float and indexed)
+    used_tr = np.unique(np.concatenate(train_parts))
+    used_te = np.unique(np.concatenate(test_parts))
+    x_pool = np.concatenate([x_tr[used_tr], x_te[used_te]])
+    y_pool = np.concatenate([y_tr[used_tr], y_te[used_te]])
+    train_parts = [np.searchsorted(used_tr, p) for p in train_parts]
+    test_parts = [len(used_tr) + np.searchsorted(used_te, p) for p in test_parts]
+    return _assemble(
+        ds.name,
+        ds.num_classes,
+        x_pool,
+        y_pool,
+        train_parts,
+        test_parts,
+        x_te,
+        y_te,
+        torch.device(cfg.device),
+    )
+
+
 def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
     if cfg.partition == "domain":
@@ -207,6 +290,8 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
     ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir)
     if cfg.protocol == "pfllib":
         return build_pfllib(cfg, ds)
+    if cfg.protocol == "fedcac":
+        return build_fedcac(cfg, ds)
     if ds.x_test is None or ds.y_test is None:
         pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
         x_pool, y_pool = ds.x_train[pool_idx], ds.y_train[pool_idx]

@@ -4,7 +4,9 @@ Views recorded each evaluated round (prefix in the metrics record):
 
 * ``global``        the global model on the held-out global test set;
 * ``global_local``  the global model on every client's local test split;
-* ``personal``      each client's own model on its own local test split (personalized methods only);
+* ``personal``      each client's own model on its own local test split, after aggregation (personalized methods);
+* ``trained``       each client's model right after its latest local training, on its local test split
+                    (personalized methods; Fling's ``before_aggregation`` view, ``personal`` is ``after_aggregation``);
 * ``domain_acc/*``  with domain skew: the global model on each domain's test split, ``domain_acc_avg`` (AVG) and
                     ``domain_acc_std`` (sample std across domains, STD), the fairness metrics of FedHEAL.
 

@@ -30,7 +30,7 @@ from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluate import ClientScores, domain_summary, evaluate_global, predict_scores, summarize
 from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
-from fedskew.models import build_model
+from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
 from fedskew.server.api import Params, ServerContext, stack_updates
 
@@ -74,14 +74,35 @@ def init_model(cfg: RunConfig, data: FederatedData) -> nn.Module:
     return model.to(torch.device(cfg.device))
 
 
-def local_state_names(groups: frozenset[str], template: Params, trainable: frozenset[str]) -> frozenset[str]:
-    """State-dict names behind the groups a method keeps on the clients (``"buffers"``: non-trainable entries)."""
+LOCAL_GROUPS = {
+    "buffers": "non-trainable entries (BatchNorm running statistics)",
+    "head": "the classifier head (FedPer, FedRep)",
+    "norm": "normalization layers: affine parameters and running statistics (FedBN)",
+    "all": "every entry: no collaboration (Local / Separate)",
+}
+
+
+def local_state_names(groups: frozenset[str], model: nn.Module, trainable: frozenset[str]) -> frozenset[str]:
+    """State-dict names behind the groups (:data:`LOCAL_GROUPS`) a method keeps on the clients."""
+    template = model.state_dict()
     names: set[str] = set()
     for group in groups:
         if group == "buffers":
             names |= {n for n in template if n not in trainable}
+        elif group == "head":
+            names |= head_keys(model)
+        elif group == "norm":
+            found = norm_keys(model)
+            if not found:
+                raise ValueError(
+                    f"the model has no normalization layers, so keeping them local (FedBN) would be plain FedAvg; "
+                    f"use a model with BatchNorm (e.g. --model resnet8), got layers {sorted(template)[:4]}..."
+                )
+            names |= found
+        elif group == "all":
+            names |= set(template)
         else:
-            raise ValueError(f"unknown client-local group {group!r}")
+            raise ValueError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
     return frozenset(names)
 
 
@@ -102,7 +123,8 @@ class Simulation:
         self.model = init_model(cfg, data)
         self.global_params: Params = snapshot(self.model)
         self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
-        self.personal: dict[int, Params] = {}
+        self.personal: dict[int, Params] = {}  # per-client models the server sent (personalized strategies)
+        self.trained: dict[int, Params] = {}  # personalized methods: each client's model after its latest training
         self.client_states: dict[int, dict[str, Any]] = {c: {} for c in range(data.num_clients)}
         self.settings = TrainSettings(
             epochs=cfg.local_epochs,
@@ -121,7 +143,7 @@ class Simulation:
             label_hists=data.train_hists,
         )
         local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
-        self.local_names = local_state_names(frozenset(local_groups), self.global_params, self.trainable)
+        self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
 
@@ -150,9 +172,12 @@ class Simulation:
             )
             client = data.clients[cid]
             gen = torch_generator(cfg.seed, Purpose.SHUFFLE, cid, rnd)
-            update = local_train(method.client, ctx, client.x_train, client.y_train, gen)
+            update = local_train(method.client, ctx, client.x_train, client.y_train, gen, method.uploads)
             if self.local_names:
                 self.client_states[cid]["local_params"] = {k: update.params[k] for k in self.local_names}
+            if method.personalized:
+                own = method.client.personal_model(self.client_states[cid])
+                self.trained[cid] = own if own is not None else update.params
             updates.append(update)
         t1 = time.perf_counter()
 
@@ -214,6 +239,18 @@ class Simulation:
         own = self.client_states[cid].get("local_params")
         return {**params, **own} if own else params
 
+    def personal_params(self, cid: int) -> Params:
+        """Client ``cid``'s personalized model now, i.e. after aggregation: the model it keeps for itself (Ditto,
+        FedAMP) or else what it would start its next round from (FedCAC's customized model, or the global model
+        with its local entries for FedPer/FedRep/FedBN/Local)."""
+        own = self.method.client.personal_model(self.client_states[cid])
+        return own if own is not None else self.params_for(cid)
+
+    def trained_params(self, cid: int) -> Params:
+        """Client ``cid``'s model right after its latest local training (before aggregation); a client that has not
+        trained yet holds its personalized model."""
+        return self.trained.get(cid) or self.personal_params(cid)
+
     # ---- evaluation views --------------------------------------------------------------------------------
     def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
         data, bs = self.data, self.cfg.eval_batch_size
@@ -243,8 +280,10 @@ class Simulation:
             }
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
-            scores["personal"] = self._per_client_scores(self.params_for)
+            scores["personal"] = self._per_client_scores(self.personal_params)
+            scores["trained"] = self._per_client_scores(self.trained_params)
             rec.update(summarize("personal", scores["personal"]))
+            rec.update(summarize("trained", scores["trained"]))
         return rec, scores
 
     def run(self, on_round: Callable[[RoundResult], None] | None = None) -> list[dict[str, Any]]:

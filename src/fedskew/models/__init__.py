@@ -13,6 +13,7 @@ MODELS: dict[str, str] = {
     "mlp": "2-hidden-layer MLP 200-200 (McMahan et al. 2017, '2NN')",
     "cnn": "PFLlib's FedAvgCNN: conv5x5 32, pool, conv5x5 64, pool, FC 512, FC classes (FedSA/FedPake experiments)",
     "lenet": "FedDisco's simple CNN: conv5x5 6, pool, conv5x5 16, pool, FC 120, FC 84, FC classes",
+    "lenet_bn": "lenet with BatchNorm after each conv (a CPU-sized BN model for FedBN/FedCAC comparisons)",
     "resnet8": "CIFAR ResNet-8: 3x3 stem 16, three stages of one basic block (16/32/64), global pool",
     "resnet10": "CIFAR ResNet-10: 3x3 stem 64, four stages of one basic block (64/128/256/512)",
     "resnet18": "CIFAR ResNet-18: 3x3 stem 64, no max-pool, basic blocks [2,2,2,2]",
@@ -45,23 +46,24 @@ def mlp(in_channels: int, image_size: int, num_classes: int) -> FedModel:
     return FedModel(body, nn.Linear(200, num_classes))
 
 
-def _two_conv(in_channels: int, image_size: int, widths: tuple[int, int], name: str) -> tuple[nn.Sequential, int]:
-    """conv5x5 -> ReLU -> pool2, twice. Images under 16 px get padding 2 so 8x8 digits still fit."""
+def _two_conv(
+    in_channels: int, image_size: int, widths: tuple[int, int], name: str, bn: bool = False
+) -> tuple[nn.Sequential, int]:
+    """conv5x5 -> [BatchNorm] -> ReLU -> pool2, twice. Images under 16 px get padding 2 so 8x8 digits still fit."""
     pad = 2 if image_size < 16 else 0
     s = _conv_out(image_size, 5, pad) // 2
     s = _conv_out(s, 5, pad) // 2
     if s < 1:
         raise ValueError(f"model {name!r}: images of {image_size} px are too small for two 5x5 conv + pool stages")
-    layers = nn.Sequential(
-        nn.Conv2d(in_channels, widths[0], 5, padding=pad),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(widths[0], widths[1], 5, padding=pad),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-    )
-    return layers, widths[1] * s * s
+    layers: list[nn.Module] = []
+    cin = in_channels
+    for w in widths:
+        layers.append(nn.Conv2d(cin, w, 5, padding=pad))
+        if bn:
+            layers.append(nn.BatchNorm2d(w))
+        layers += [nn.ReLU(), nn.MaxPool2d(2)]
+        cin = w
+    return nn.Sequential(*layers, nn.Flatten()), widths[1] * s * s
 
 
 def cnn(in_channels: int, image_size: int, num_classes: int) -> FedModel:
@@ -70,8 +72,8 @@ def cnn(in_channels: int, image_size: int, num_classes: int) -> FedModel:
     return FedModel(body, nn.Linear(512, num_classes))
 
 
-def lenet(in_channels: int, image_size: int, num_classes: int) -> FedModel:
-    convs, flat = _two_conv(in_channels, image_size, (6, 16), "lenet")
+def lenet(in_channels: int, image_size: int, num_classes: int, bn: bool = False) -> FedModel:
+    convs, flat = _two_conv(in_channels, image_size, (6, 16), "lenet_bn" if bn else "lenet", bn=bn)
     body = nn.Sequential(*convs, nn.Linear(flat, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU())
     return FedModel(body, nn.Linear(84, num_classes))
 
@@ -131,8 +133,8 @@ def build_model(name: str, *, in_channels: int, image_size: int, num_classes: in
         return mlp(in_channels, image_size, num_classes)
     if name == "cnn":
         return cnn(in_channels, image_size, num_classes)
-    if name == "lenet":
-        return lenet(in_channels, image_size, num_classes)
+    if name in ("lenet", "lenet_bn"):
+        return lenet(in_channels, image_size, num_classes, bn=name == "lenet_bn")
     if name in RESNETS:
         blocks, widths = RESNETS[name]
         return resnet(blocks, widths, in_channels, num_classes, norm)

@@ -31,6 +31,9 @@ SUMMARY_KEYS = (
     "personal_acc",
     "personal_acc_mean",
     "personal_acc_worst10",
+    "trained_acc",
+    "trained_acc_mean",
+    "trained_acc_worst10",
     "domain_acc_avg",
     "domain_acc_std",
 )
