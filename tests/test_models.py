@@ -9,6 +9,7 @@ SHAPES = {
     "mlp": [(1, 8), (1, 28), (3, 32)],
     "cnn": [(1, 8), (1, 28), (3, 32)],
     "lenet": [(1, 28), (3, 32)],
+    "lenet_bn": [(1, 28), (3, 32)],
     "resnet8": [(3, 32)],
     "resnet10": [(3, 32)],
     "resnet18": [(3, 32)],
@@ -38,6 +39,10 @@ def test_parameter_counts_match_docs():
     assert count_parameters(build_model("cnn", in_channels=1, image_size=28, num_classes=10)) == 582_026
     assert count_parameters(build_model("mlp", in_channels=1, image_size=28, num_classes=10)) == 199_210
     assert count_parameters(build_model("lenet", in_channels=3, image_size=32, num_classes=10)) == 62_006
+    # lenet + two BatchNorm2d (6 and 16 channels: 2 * (6 + 16) affine parameters)
+    assert count_parameters(build_model("lenet_bn", in_channels=1, image_size=28, num_classes=10)) == 44_470
+    bn = build_model("lenet_bn", in_channels=1, image_size=28, num_classes=10)
+    assert len(norm_keys(bn)) == 10 and all(k.startswith("body.") for k in norm_keys(bn))
     assert count_parameters(build_model("resnet18", in_channels=3, image_size=32, num_classes=10)) == 11_173_962
 
 

@@ -222,18 +222,22 @@ def fedcac_proportions(cfg: RunConfig, num_classes: int, rng: np.random.Generato
     raise PartitionError(f"protocol 'fedcac' supports partitions dirfixed and pat, not {cfg.partition!r}")
 
 
+def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The dataset's official train and test splits, or, without a test split, a stratified ``holdout`` of the
+    training split as the test pool: ``(x_train, y_train, x_test, y_test)``."""
+    if ds.x_test is None or ds.y_test is None:
+        pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
+        return ds.x_train[pool_idx], ds.y_train[pool_idx], ds.x_train[hold_idx], ds.y_train[hold_idx]
+    return ds.x_train, ds.y_train, ds.x_test, ds.y_test
+
+
 def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     """FedCAC's protocol (docs/protocols.md): every client draws exactly ``samples_per_client`` training samples
     from the official training split and ``test_samples_per_client`` local test samples from the official test
     split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i. Samples
     never repeat within a client but may be shared across clients (Fling). The global test set is the whole test
     split. q and the train draw share one partition stream; the test draw has its own."""
-    if ds.x_test is None or ds.y_test is None:
-        train_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
-        x_tr, y_tr = ds.x_train[train_idx], ds.y_train[train_idx]
-        x_te, y_te = ds.x_train[hold_idx], ds.y_train[hold_idx]
-    else:
-        x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    x_tr, y_tr, x_te, y_te = train_and_test_pools(cfg, ds)
     classes = np.unique(y_tr)  # q's columns: the classes present in the training pool
     rng = numpy_rng(cfg.seed, Purpose.PARTITION)
     q = fedcac_proportions(cfg, len(classes), rng)
@@ -292,12 +296,7 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
         return build_pfllib(cfg, ds)
     if cfg.protocol == "fedcac":
         return build_fedcac(cfg, ds)
-    if ds.x_test is None or ds.y_test is None:
-        pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
-        x_pool, y_pool = ds.x_train[pool_idx], ds.y_train[pool_idx]
-        x_gtest, y_gtest = ds.x_train[hold_idx], ds.y_train[hold_idx]
-    else:
-        x_pool, y_pool, x_gtest, y_gtest = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    x_pool, y_pool, x_gtest, y_gtest = train_and_test_pools(cfg, ds)
     if cfg.imbalance_ratio is not None:  # global long tail first, then any partition of what remains
         keep = long_tail(y_pool, cfg.imbalance_ratio, numpy_rng(cfg.seed, Purpose.DATA, 1))
         x_pool, y_pool = x_pool[keep], y_pool[keep]
