@@ -1,4 +1,5 @@
-"""Cost of FedSA/FedPake's server step against FedAvg's, and against one round of local training.
+"""Cost of FedSA/FedPake's (and FedCAC's, FedAMP's) server step against FedAvg's, and against one round of local
+training.
 
 For each model (the small CNN on MNIST-shaped input, ResNet-18 on CIFAR-10-shaped input) the script builds the
 uploads of 20 clients as "global model + small client-specific noise" (the scale of one local epoch's drift,
@@ -7,6 +8,9 @@ advanced), stacks them once with :func:`fedskew.server.api.stack_updates`, and t
 
 - FedAvg: ``Aggregation(SampleWeights(), WeightedMean())``
 - FedSA:  ``Aggregation(SampleWeights(), FedSACombine())`` (paper defaults lam = delta = 0.2, C = S = 4)
+- FedCAC: ``FedCAC(SampleWeights())`` on the same uploads plus their critical masks (tau 0.5 of the change against the
+  global model), i.e. the overlap matrix, collaborators and one customized model per client
+- FedAMP: ``FedAMP(SampleWeights())``: pairwise distances and one cloud model per client
 
 (median of ``--repeats`` runs after one warm-up). Local training is timed as SGD steps (lr 0.005, batch
 10, the PFLlib defaults, spec 1.7) on random input of the dataset's shape, extrapolated to one local epoch
@@ -32,10 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedskew.client.personal import CriticalMasks
 from fedskew.models import build_model
 from fedskew.server.api import Aggregation, ClientUpdate, RoundInput, stack_updates
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fedsa import FedSACombine
+from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights
 
 
@@ -96,7 +102,8 @@ def client_round(model: nn.Module, clients: int, seed: int) -> RoundInput:
             if name.endswith("running_var"):
                 p = p.abs()
             params[name] = p
-        updates.append(ClientUpdate(cid, params, int(sizes[cid])))
+        masks = CriticalMasks(0.5)(glob, params, trainable)  # FedCAC's upload; the other methods ignore it
+        updates.append(ClientUpdate(cid, params, int(sizes[cid]), extras=masks))
     return stack_updates(updates, rnd=1, global_params=glob, trainable=trainable,
                          label_hists=np.zeros((clients, 10)))
 
@@ -105,7 +112,7 @@ def to_device(rin: RoundInput, device: torch.device) -> RoundInput:
     return RoundInput(
         round=rin.round, cids=rin.cids,
         params={k: v.to(device) for k, v in rin.params.items()},
-        num_samples=rin.num_samples, extras={},
+        num_samples=rin.num_samples, extras={k: v.to(device) for k, v in rin.extras.items()},
         global_params={k: v.to(device) for k, v in rin.global_params.items()},
         trainable=rin.trainable, label_hists=rin.label_hists,
     )
@@ -149,7 +156,8 @@ def main() -> None:
 
     fedavg = Aggregation(SampleWeights(), WeightedMean())
     fedsa = Aggregation(SampleWeights(), FedSACombine())
-    rows = []
+    personalized = {"FedCAC": FedCAC(SampleWeights()), "FedAMP": FedAMP(SampleWeights())}
+    rows, prows = [], []
     for s in SETTINGS:
         if s.model not in wanted:
             continue
@@ -165,6 +173,9 @@ def main() -> None:
         rin = to_device(client_round(model, args.clients, seed=1), device)
         t_avg = timed(lambda rin=rin: fedavg.aggregate(rin, fedavg.init(None)), device, repeats)
         t_sa = timed(lambda rin=rin: fedsa.aggregate(rin, fedsa.init(None)), device, repeats)
+        for pname, strat in personalized.items():
+            t_p = timed(lambda rin=rin, strat=strat: strat.aggregate(rin, strat.init(None)), device, repeats)
+            prows.append((s.label, pname, t_avg, t_p))
         out, _ = fedsa.aggregate(rin, fedsa.init(None))
         high_frac = out.diagnostics["fedsa_high_frac"]
         n_high = sum(v["H"] for v in out.diagnostics["fedsa"].values())
@@ -181,6 +192,11 @@ def main() -> None:
     for label, n, layers, h, frac, ta, ts, st, tr in rows:
         print(f"| {label} | {n:,} | {layers} | {h} ({100 * frac:.4f}%) | {ta:.3f} | {ts:.3f} | {ts / ta:.2f} "
               f"| {1e3 * st:.1f} | {tr:.1f} | {100 * ts / tr:.3f}% | {100 * (ts - ta) / tr:.3f}% |")
+    print()
+    print("| model | personalized server step | FedAvg agg s | its agg s | ratio to FedAvg |")
+    print("|---|---|---|---|---|")
+    for label, pname, ta, tp in prows:
+        print(f"| {label} | {pname} | {ta:.3f} | {tp:.3f} | {tp / ta:.2f} |")
 
 
 if __name__ == "__main__":
