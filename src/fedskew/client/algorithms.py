@@ -21,6 +21,11 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def proximal(ctx: LocalContext, anchor: Params, mu: float) -> Tensor:
+    """``(mu/2)·Σ‖w − anchor‖²`` over the parameters ``ctx.model`` trains now (FedProx, Ditto, FedAMP)."""
+    return 0.5 * mu * torch.stack([((p - anchor[n]) ** 2).sum() for n, p in _trainable(ctx.model)]).sum()
+
+
 @dataclass
 class FedProx(LocalAlgorithm):
     """FedProx (Li et al., MLSys 2020): cross-entropy + (mu/2)·||w − w_global||² over trainable parameters.
@@ -32,15 +37,9 @@ class FedProx(LocalAlgorithm):
     mu: float = 0.01
     name: str = "fedprox"
 
-    def begin(self, ctx: LocalContext) -> None:
-        ctx.scratch["prox_anchor"] = [(p, ctx.received[n].detach()) for n, p in _trainable(ctx.model)]
-
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
-        if self.mu == 0:
-            return ce
-        prox = sum(((p - a) ** 2).sum() for p, a in ctx.scratch["prox_anchor"])
-        return ce + 0.5 * self.mu * prox
+        return ce if self.mu == 0 else ce + proximal(ctx, ctx.received, self.mu)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew.client.algorithms import proximal
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.server.api import Params
 
@@ -28,12 +29,6 @@ PERSONAL = "personal_model"  # client_state key of a client's own model (Ditto, 
 
 def is_head(name: str) -> bool:
     return name.startswith("head.")
-
-
-def proximal(ctx: LocalContext, anchor: Params, mu: float) -> Tensor:
-    """``(mu/2)·Σ‖w − anchor‖²`` over the trainable parameters of ``ctx.model``."""
-    terms = [((p - anchor[n]) ** 2).sum() for n, p in ctx.model.named_parameters() if p.requires_grad]
-    return 0.5 * mu * torch.stack(terms).sum()
 
 
 @dataclass
