@@ -53,13 +53,27 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
+    from fedskew.config import ConfigError
+
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
-            raise SystemExit(f"error: --method-arg expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise ConfigError(f"-m/--method-arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"-m {item!r}: the value is not valid YAML ({exc})") from None
     return out
+
+
+def _add_download_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        default=None,
+        help="fetch missing official dataset files into --data-dir (MD5-checked; needs the network)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="method hyper-parameter, repeatable (e.g. -m weights=uniform)",
     )
+    _add_download_flag(run)
     run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
     run.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -107,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         _, typ, help_ = RUN_FLAGS[flag]
         pa.add_argument(flag, type=typ, default=None, help=help_)
+    _add_download_flag(pa)
     pa.add_argument("--plot", default=None, help="write the bubble plot to this PNG")
 
     sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
@@ -129,6 +145,7 @@ def _config_from_args(args: argparse.Namespace):
     overrides: dict[str, Any] = {
         key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
     }
+    overrides["download"] = args.download
     if args.method_arg:
         overrides["method_args"] = _parse_kv(args.method_arg)
     if args.no_db:
@@ -164,6 +181,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         outcome = run_experiment(cfg, overwrite=args.overwrite, on_round=on_round)
     print_summary(outcome.summary, outcome.run_dir, cfg)
+    if outcome.summary["diverged"]:
+        done = outcome.summary["rounds"]
+        Console(stderr=True).print(
+            f"[bold red]error: training diverged in round {outcome.summary['diverged_round']}: "
+            f"{outcome.summary['diverged_reason']}.[/] The run stopped; its {done} finished round(s) are in "
+            f"{outcome.run_dir}/ with `diverged: true` in summary.json"
+            + (" and the database" if cfg.db else "")
+            + ". Try a smaller --lr, or gradient-stable settings for this method.",
+            highlight=False,
+        )
+        return 3
     return 0
 
 
@@ -204,11 +232,12 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
             f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%",
         )
     console = Console()
-    console.print(table)
-    console.print(
-        f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
-        f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s"
-    )
+    if summary["rounds"]:
+        console.print(table)
+        console.print(
+            f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
+            f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s"
+        )
     console.print(
         f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json)" + (f"; database {cfg.db}" if cfg.db else "")
     )
@@ -248,6 +277,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
     file_values = load_yaml(args.config) if args.config else {}
     overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
+    overrides["download"] = args.download
     cfg = make_config({**file_values, "db": None}, overrides)
     data = build_federated(cfg)
     print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fedskew.schema import StrictSettings
 
 
 class ConfigError(ValueError):
@@ -24,10 +26,19 @@ DOMAIN_DATASETS = ("digits_domains",)
 FEDCAC_PARTITIONS = ("dirfixed", "pat")
 
 
-class RunConfig(BaseModel):
-    """Every setting of one simulated federation. Defaults are the main job on the embedded digits data."""
+# settings that change where a run goes, how fast it runs or when it is stopped, not what it computes
+NOT_IDENTITY = frozenset(
+    {"seed", "out", "db", "device", "threads", "data_dir", "download", "eval_batch_size", "divergence_factor"}
+)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+class RunConfig(StrictSettings):
+    """Every setting of one simulated federation. Defaults are the main job on the embedded digits data.
+
+    Strict as every fedskew schema (:class:`fedskew.schema.StrictSettings`): unknown keys, non-finite floats and
+    booleans given for numbers are refused with the key named."""
+
+    model_config = ConfigDict(validate_assignment=True)
 
     # what to run
     method: str = Field("fedavg", description="method name or composition, e.g. fedavg, fedsa, fedprox+disco")
@@ -35,6 +46,9 @@ class RunConfig(BaseModel):
     # data
     dataset: str = "digits"
     data_dir: str | None = Field(None, description="directory with the dataset files (env FEDSKEW_DATA)")
+    download: bool = Field(
+        False, description="fetch missing official dataset files into data_dir (MD5-checked; needs the network)"
+    )
     protocol: Literal["fedskew", "pfllib", "fedcac"] = Field(
         "fedskew",
         description="pfllib: PFLlib's data split and evaluation semantics; fedcac: FedCAC's fixed-size client train "
@@ -73,6 +87,12 @@ class RunConfig(BaseModel):
     drop_last: bool = False
     model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, or auto")
     norm: Literal["bn", "gn"] = "bn"
+    divergence_factor: float = Field(
+        100.0,
+        ge=0,
+        description="stop and flag the run as diverged when a round's training loss exceeds this multiple of "
+        "ln(classes), the loss of a uniform prediction, or is not finite (0: only non-finite)",
+    )
     # evaluation and output
     eval_every: int = Field(1, ge=1)
     eval_batch_size: int = Field(2048, ge=1)
@@ -88,12 +108,13 @@ class RunConfig(BaseModel):
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
 
-    @field_validator("method")
+    @field_validator("model")
     @classmethod
-    def _method_known(cls, v: str) -> str:
-        from fedskew.methods import resolve_method
+    def _model_known(cls, v: str) -> str:
+        from fedskew.models import MODELS
 
-        resolve_method(v, {})  # raises ConfigError naming the unknown part
+        if v != "auto" and v not in MODELS:
+            raise ValueError(f"unknown model {v!r}; choose auto or one of {', '.join(MODELS)}")
         return v
 
     @field_validator("device")
@@ -128,12 +149,14 @@ class RunConfig(BaseModel):
                     f"protocol 'fedcac' draws fixed-size client samples and has no global long tail: "
                     f"imbalance_ratio must be unset, got {self.imbalance_ratio!r}"
                 )
-        resolve_method(self.method, self.method_args)  # validates the hyper-parameters
+        # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
+        # (fedsa+disco needs low_weighting=samples)
+        resolve_method(self.method, self.method_args)
         return self
 
     def identity(self) -> dict[str, Any]:
         """The settings that define an experiment (everything except seed and where output goes)."""
-        return self.model_dump(exclude={"seed", "out", "db", "device", "threads", "data_dir", "eval_batch_size"})
+        return self.model_dump(exclude=NOT_IDENTITY)
 
     def group_key(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)

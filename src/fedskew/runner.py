@@ -17,7 +17,8 @@ import torch
 from fedskew import __version__
 from fedskew.config import RunConfig
 from fedskew.data.federated import FederatedData, build_federated
-from fedskew.engine.loop import RoundResult, Simulation
+from fedskew.engine.loop import Diverged, RoundResult, Simulation, resolve_model_name
+from fedskew.methods import resolve_method
 from fedskew.results.store import ResultsDB, RunWriter, client_rows, default_run_dir, summarize_run
 
 
@@ -71,16 +72,24 @@ def run_experiment(
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
     data = build_federated(cfg)
-    sim = Simulation(cfg, data)
+    method = resolve_method(cfg.method, cfg.method_args)
+    # record the model `auto` stood for, so that config.yaml re-runs the same experiment
+    cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, data, method)})
+    sim = Simulation(cfg, data, method)
     writer = RunWriter(out_dir, cfg, overwrite=overwrite)
     rows: list[tuple[int, int, str, float, float, int]] = []
     records: list[dict[str, Any]] = []
+    diverged: Diverged | None = None
     try:
         writer.write_file("clients.json", json.dumps(label_table(data)))
         if on_start is not None:
             on_start(sim)
         for rnd in range(1, cfg.rounds + 1):
-            result = sim.round(rnd)
+            try:
+                result = sim.round(rnd)
+            except Diverged as exc:  # keep the rounds before it, flagged; the caller reports it loudly
+                diverged = exc
+                break
             records.append(result.record)
             writer.write_round(result.record)
             if result.probe is not None:
@@ -98,6 +107,9 @@ def run_experiment(
                 "wall_time": time.perf_counter() - started,
                 "fedskew_version": __version__,
                 "created": now.isoformat(timespec="seconds"),
+                "diverged": diverged is not None,
+                "diverged_round": diverged.round if diverged else None,
+                "diverged_reason": diverged.reason if diverged else None,
             }
         )
         summary["headline"] = headline(cfg, summary)

@@ -916,7 +916,12 @@ def load_dataset(name: str, data_dir: PathLike | None = None, *, download: bool 
         _fetch(spec, roots[0] / spec.download_subdir)
         found, searched = _locate(spec, roots)
     if found is None:
-        hint = " or pass download=True" if spec.remote else ""
+        hint = (
+            " or add --download (YAML: download: true; Python: download=True) to fetch the official files, "
+            "MD5-checked"
+            if spec.remote
+            else ""
+        )
         raise DatasetNotFoundError(
             f"dataset {key!r} not found. Searched: {', '.join(str(s) for s in searched)}. "
             f"Expected: {spec.expected}. "
@@ -1124,7 +1129,7 @@ def _as_domain(ds: ImageDataset, name: str, size: int) -> ImageDataset:
 
 
 def digits_domains(
-    data_dir: PathLike | None = None, size: int = 28, *, seed: int = 0
+    data_dir: PathLike | None = None, size: int = 28, *, seed: int = 0, download: bool = False
 ) -> dict[str, ImageDataset]:
     """The Digits domain-skew suite (FedHEAL): domains ``mnist``, ``usps``, ``svhn``, ``synth`` in that order.
 
@@ -1145,7 +1150,7 @@ def digits_domains(
     base: dict[str, ImageDataset] = {}
     for name in ("mnist", "usps", "svhn"):
         try:
-            base[name] = load_dataset(name, data_dir)
+            base[name] = load_dataset(name, data_dir, download=download)
         except DatasetNotFoundError as exc:
             missing[name] = str(exc)
     for name, ds in base.items():

@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
-from fedskew.config import RunConfig
+from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluate import ClientScores, domain_summary, evaluate_global, predict_scores, summarize
 from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
-from fedskew.server.api import Params, ServerContext, stack_updates
+from fedskew.server.api import ClientUpdate, NonFiniteUpdateError, Params, ServerContext, check_model, stack_updates
 
 TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_round")
 
@@ -54,18 +54,31 @@ def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> 
     return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
 
 
-def resolve_model_name(cfg: RunConfig, data: FederatedData) -> str:
+class Diverged(RuntimeError):
+    """Training diverged: a non-finite or exploding training loss, or a non-finite model. The run stops there."""
+
+    def __init__(self, rnd: int, reason: str) -> None:
+        super().__init__(f"training diverged in round {rnd}: {reason}")
+        self.round = rnd
+        self.reason = reason
+
+
+def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> str:
+    """The model ``auto`` stands for: ``cnn`` for images of at least 16 px, else ``mlp``; a method that keeps the
+    normalization layers on the clients (FedBN) gets ``lenet_bn``, the smallest zoo model with BatchNorm."""
     if cfg.model != "auto":
         return cfg.model
+    if method is not None and "norm" in method.local:
+        return "lenet_bn"
     return "cnn" if data.image_size >= 16 else "mlp"
 
 
-def init_model(cfg: RunConfig, data: FederatedData) -> nn.Module:
+def init_model(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> nn.Module:
     """Build the model with weights drawn from the run's init stream (global torch RNG left untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
         model = build_model(
-            resolve_model_name(cfg, data),
+            resolve_model_name(cfg, data, method),
             in_channels=data.in_channels,
             image_size=data.image_size,
             num_classes=data.num_classes,
@@ -94,7 +107,7 @@ def local_state_names(groups: frozenset[str], model: nn.Module, trainable: froze
         elif group == "norm":
             found = norm_keys(model)
             if not found:
-                raise ValueError(
+                raise ConfigError(
                     f"the model has no normalization layers, so keeping them local (FedBN) would be plain FedAvg; "
                     f"use a model with BatchNorm (e.g. --model resnet8), got layers {sorted(template)[:4]}..."
                 )
@@ -102,7 +115,7 @@ def local_state_names(groups: frozenset[str], model: nn.Module, trainable: froze
         elif group == "all":
             names |= set(template)
         else:
-            raise ValueError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
+            raise ConfigError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
     return frozenset(names)
 
 
@@ -120,7 +133,7 @@ class Simulation:
         self.cfg = cfg
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
-        self.model = init_model(cfg, data)
+        self.model = init_model(cfg, data, self.method)
         self.global_params: Params = snapshot(self.model)
         self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
         self.personal: dict[int, Params] = {}  # per-client models the server sent (personalized strategies)
@@ -144,12 +157,18 @@ class Simulation:
         )
         local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
         self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
+        if self.local_names:  # a client that has not trained yet holds the initial model's entries, not the average
+            initial = {k: self.global_params[k] for k in self.local_names}
+            for state in self.client_states.values():
+                state["local_params"] = initial
+        # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
+        self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
 
     @property
     def model_name(self) -> str:
-        return resolve_model_name(self.cfg, self.data)
+        return resolve_model_name(self.cfg, self.data, self.method)
 
     # ---- one round ---------------------------------------------------------------------------------------
     def round(self, rnd: int) -> RoundResult:
@@ -180,28 +199,27 @@ class Simulation:
                 self.trained[cid] = own if own is not None else update.params
             updates.append(update)
         t1 = time.perf_counter()
+        train_loss = self._check_training(rnd, updates)
 
-        rin = stack_updates(
-            updates,
-            rnd=rnd,
-            global_params=self.global_params,
-            trainable=self.trainable,
-            label_hists=data.train_hists[participants],
-        )
+        try:
+            rin = stack_updates(
+                updates,
+                rnd=rnd,
+                global_params=self.global_params,
+                trainable=self.trainable,
+                label_hists=data.train_hists[participants],
+            )
+        except NonFiniteUpdateError as exc:  # fedskew trained these clients itself: that is divergence
+            raise Diverged(rnd, str(exc)) from None
         self.client_server_state = method.client.server_update(rin, self.client_server_state)
         out, self.server_state = method.server.aggregate(rin, self.server_state)
+        self._check_models(rnd, out.global_params, out.personal)
         self.global_params = out.global_params
         if out.personal:
             self.personal.update(out.personal)
         t2 = time.perf_counter()
 
-        n = np.array([u.num_samples for u in updates], dtype=np.float64)
-        losses = np.array([u.metrics.get("train_loss", float("nan")) for u in updates])
-        record: dict[str, Any] = {
-            "round": rnd,
-            "participants": len(participants),
-            "train_loss": float((n * losses).sum() / n.sum()),
-        }
+        record: dict[str, Any] = {"round": rnd, "participants": len(participants), "train_loss": train_loss}
         scores: dict[str, ClientScores] = {}
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         probe = None
@@ -227,6 +245,32 @@ class Simulation:
         if out.diagnostics:
             record["diagnostics"] = out.diagnostics
         return RoundResult(record, scores, probe)
+
+    def _check_training(self, rnd: int, updates: list[ClientUpdate]) -> float:
+        """The round's sample-weighted training loss; :class:`Diverged` when a client's loss is not finite or the
+        round's exceeds ``divergence_factor × ln(classes)``."""
+        n = np.array([u.num_samples for u in updates], dtype=np.float64)
+        losses = np.array([u.metrics.get("train_loss", float("nan")) for u in updates])
+        for u, loss in zip(updates, losses, strict=True):
+            if not math.isfinite(loss):
+                raise Diverged(rnd, f"client {u.cid}'s training loss is {loss}")
+        mean = float((n * losses).sum() / n.sum())
+        if mean > self.loss_limit:
+            raise Diverged(
+                rnd,
+                f"training loss {mean:.3g} exceeds divergence_factor × ln({self.data.num_classes}) = "
+                f"{self.loss_limit:.3g}",
+            )
+        return mean
+
+    def _check_models(self, rnd: int, global_params: Params, personal: dict[int, Params] | None) -> None:
+        """The server's models must match the template (names, shapes, dtypes) and be finite."""
+        models = {"the aggregated global model": global_params}
+        models.update({f"client {cid}'s personalized model": p for cid, p in (personal or {}).items()})
+        for what, params in models.items():
+            bad = check_model(params, self.ctx.template, f"round {rnd}, {what}")
+            if bad:
+                raise Diverged(rnd, f"{what} holds NaN or Inf in {', '.join(bad[:3])}")
 
     def wire_bytes(self, params: Params) -> int:
         """Bytes of a model exchange; entries the clients keep locally (``method.local``) never travel."""

@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS runs (
     summary TEXT NOT NULL,
     run_dir TEXT,
     version TEXT NOT NULL,
-    wall_time REAL NOT NULL
+    wall_time REAL NOT NULL,
+    diverged_round INTEGER
 );
 CREATE TABLE IF NOT EXISTS rounds (
     run_id TEXT NOT NULL REFERENCES runs(run_id) ON DELETE CASCADE,
@@ -96,10 +97,13 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
             "last_n_std": float(tail.std()),
             "final": vals[-1][1],
         }
+    def mean(key: str) -> float | None:  # None when no round finished (a run that diverged in round 1)
+        return float(np.mean([r[key] for r in records])) if records else None
+
     for key in TIMING_KEYS:
-        out[f"mean_{key}"] = float(np.mean([r[key] for r in records]))
-    out["bytes_up_per_round"] = float(np.mean([r["bytes_up"] for r in records]))
-    out["bytes_down_per_round"] = float(np.mean([r["bytes_down"] for r in records]))
+        out[f"mean_{key}"] = mean(key)
+    out["bytes_up_per_round"] = mean("bytes_up")
+    out["bytes_down_per_round"] = mean("bytes_down")
     return out
 
 
@@ -157,6 +161,10 @@ class ResultsDB:
         self.conn = sqlite3.connect(self.path)
         self.conn.execute("PRAGMA foreign_keys = ON")
         self.conn.executescript(SCHEMA)
+        columns = {row[1] for row in self.conn.execute("PRAGMA table_info(runs)")}
+        if "diverged_round" not in columns:  # a database written before divergence was recorded
+            with self.conn:
+                self.conn.execute("ALTER TABLE runs ADD COLUMN diverged_round INTEGER")
 
     def close(self) -> None:
         self.conn.close()
@@ -180,7 +188,8 @@ class ResultsDB:
         """Insert one finished run with all its rows, atomically."""
         with self.conn:
             self.conn.execute(
-                "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO runs (run_id, created, group_key, method, dataset, partition, seed, rounds, config, "
+                "summary, run_dir, version, wall_time, diverged_round) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run_id,
                     created,
@@ -195,6 +204,7 @@ class ResultsDB:
                     run_dir,
                     __version__,
                     float(summary.get("wall_time", 0.0)),
+                    summary.get("diverged_round"),
                 ),
             )
             self.conn.executemany(

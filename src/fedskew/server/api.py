@@ -29,7 +29,11 @@ State = Any
 
 
 class UpdateError(ValueError):
-    """A client upload that the server refuses (NaN/Inf, wrong shape, unknown tensor)."""
+    """A client upload that the server refuses (NaN/Inf, wrong shape or dtype, unknown tensor)."""
+
+
+class NonFiniteUpdateError(UpdateError):
+    """An upload holding NaN or Inf. In a simulation, where fedskew trained the client itself, this is divergence."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ def stack_updates(
                 raise UpdateError(
                     f"client {u.cid}: tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
                 )
+            if t.dtype != ref.dtype:
+                raise UpdateError(f"client {u.cid}: tensor '{n}' has dtype {t.dtype}, expected {ref.dtype}")
         if u.num_samples <= 0:
             raise UpdateError(f"client {u.cid}: num_samples must be positive, got {u.num_samples}")
     extra_names = sorted(updates[0].extras)
@@ -180,7 +186,7 @@ def stack_updates(
         for n, t in stacked.items():  # one finiteness check per stacked tensor; find the client only on failure
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 bad = torch.isfinite(t).flatten(1).all(1).logical_not().nonzero().flatten().tolist()
-                raise UpdateError(f"client {updates[bad[0]].cid}: {kind} '{n}' contains NaN or Inf")
+                raise NonFiniteUpdateError(f"client {updates[bad[0]].cid}: {kind} '{n}' contains NaN or Inf")
     return RoundInput(
         round=rnd,
         cids=tuple(u.cid for u in updates),
@@ -191,3 +197,22 @@ def stack_updates(
         trainable=trainable,
         label_hists=np.asarray(label_hists),
     )
+
+
+def check_model(params: Params, template: Params, what: str) -> list[str]:
+    """Check a model the server produced against the template: same names, shapes and dtypes, else ``TypeError``
+    naming the tensor (a server-side bug, never to be run with). Returns the names of tensors holding NaN or Inf,
+    which the engine reports as divergence."""
+    if set(params) != set(template):
+        missing, extra = sorted(set(template) - set(params)), sorted(set(params) - set(template))
+        raise TypeError(f"{what}: missing tensors {missing} / unknown tensors {extra}")
+    bad = []
+    for n, ref in template.items():
+        t = params[n]
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise TypeError(
+                f"{what}: tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(n)
+    return bad

@@ -1,0 +1,46 @@
+"""The one base of every validated settings schema (run configuration, method hyper-parameters).
+
+Settings come from YAML files and ``-m KEY=VALUE`` flags, where a typo is easy and a silent coercion is costly:
+unknown keys are refused, infinities and NaNs are refused for every float, and a boolean is never read as a number
+(pydantic alone would turn ``rounds: true`` into 1 and ``lr: .inf`` into a run that diverges).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type accepts a bool as itself (``bool``, ``Any``, or a union/Literal holding one)."""
+    if annotation is bool or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits_bool(a) for a in typing.get_args(annotation))
+    return origin is not None and origin not in (tuple, list, dict, set, frozenset)
+
+
+class StrictSettings(BaseModel):
+    """Unknown keys refused, floats finite, booleans only where a field is boolean."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for name, value in values.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
+                    raise ValueError(f"{name}: expected a {_type_name(field.annotation)}, got the boolean {value!r}")
+        return values
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
