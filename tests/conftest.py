@@ -29,3 +29,10 @@ def tiny_digits_config(tmp_path):
         None,
         {"clients": 5, "rounds": 3, "out": str(tmp_path / "run"), "db": str(tmp_path / "fedskew.db"), "seed": 3},
     )
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_dir(tmp_path, monkeypatch):
+    """Every test runs with its temporary directory as the working directory, so that a default output path
+    (``runs/``, ``runs/fedskew.db``) can never land in the user's checkout."""
+    monkeypatch.chdir(tmp_path)
