@@ -88,7 +88,7 @@ def test_fedprox_loss_value():
     assert algo.loss(ctx, logits, feats, y, x).item() == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_moon_mu0_is_sgd_and_first_round_contrastive_is_log2():
+def test_moon_mu0_is_sgd_and_first_participation_has_no_contrastive_term():
     model, g, x, y = _setup()
     sgd, _ = _train(LocalAlgorithm(), model, g, x, y)
     m0, _ = _train(Moon(mu=0.0), model, g, x, y)
@@ -100,10 +100,17 @@ def test_moon_mu0_is_sgd_and_first_round_contrastive_is_log2():
     feats = model.body(x)
     logits = model.head(feats)
     extra = algo.loss(ctx, logits, feats, y, x) - F.cross_entropy(logits, y)
-    assert extra.item() == pytest.approx(math.log(2), abs=1e-5)  # global == previous model: pos == neg
+    assert extra.item() == 0.0  # no previous model: only the positive logit, -log(1) = 0 (official code)
     state: dict = {}
     upd, _ = _train(algo, model, g, x, y, state=state)
     assert _close(state["moon_prev"], upd.params)  # the previous model is remembered per client
+    # the next participation has the negative pair: the term is now positive
+    ctx = LocalContext(0, 2, model, g, state, {}, TrainSettings(1, 5, 0.1))
+    model.load_state_dict(g)
+    algo.begin(ctx)
+    feats = model.body(x)
+    extra = algo.loss(ctx, model.head(feats), feats, y, x) - F.cross_entropy(model.head(feats), y)
+    assert extra.item() > 0
 
 
 def test_scaffold_first_round_is_sgd_and_control_update():
@@ -129,3 +136,24 @@ def test_scaffold_first_round_is_sgd_and_control_update():
     bc = algo.broadcast(s1)
     upd2, _ = _train(Scaffold(), model, g, x, y, state={}, broadcast=bc)
     assert not _close(upd2.params, sgd.params)
+
+
+@pytest.mark.parametrize(
+    "name, args, expected",
+    [
+        ("scaffold", {}, "uniform"),  # SCAFFOLD paper (and PFLlib): plain mean of the participants
+        ("scaffold", {"weights": "samples"}, "samples"),
+        ("scaffold", {"server.weights": "samples"}, "samples"),
+        ("fedavg", {}, "samples"),
+        ("fedavg", {"weights": "uniform"}, "uniform"),
+        ("fedprox", {}, "samples"),
+        ("moon", {}, "samples"),
+    ],
+)
+def test_default_server_weighting_follows_the_client_parts_paper(name, args, expected):
+    from fedskew.methods import resolve_method
+    from fedskew.server.weights import SampleWeights, UniformWeights
+
+    m = resolve_method(name, args)
+    kind = {SampleWeights: "samples", UniformWeights: "uniform"}[type(m.server.weighting)]
+    assert kind == expected and m.args["weights"] == expected

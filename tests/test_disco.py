@@ -117,6 +117,30 @@ def test_l1_and_cosine_on_e1_clients():
     )
 
 
+@pytest.mark.parametrize("num_classes", [6, 7, 13, 15, 21, 24, 26])
+def test_cosine_of_a_histogram_proportional_to_the_target_is_exactly_zero(num_classes):
+    # 1 - cos rounds to -2.2e-16 for these class counts; spec 2.3: d >= 0, so it is clipped at 0 (as kl is)
+    balanced = np.full(num_classes, 7.0)
+    skewed = np.zeros(num_classes)
+    skewed[0] = 30.0
+    hists = np.stack([balanced, skewed])
+    w = _weights(DiscoWeights(metric="cosine"), _rin([[1.0], [2.0]], hists))  # used to raise ValueError
+    d = discrepancy(hists, None, "cosine")
+    assert d[0] == 0.0 and d[1] > 0
+    n = np.array([7.0 * num_classes, 30.0]) / (7.0 * num_classes + 30.0)
+    raw = n - 0.5 * d + 0.1
+    assert w == pytest.approx(np.maximum(raw, 0) / np.maximum(raw, 0).sum(), abs=1e-12)
+
+
+def test_cosine_with_a_proportional_non_uniform_target_is_not_negative():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        c = int(rng.integers(2, 40))
+        t = rng.integers(1, 9, size=c).astype(float)
+        hists = np.stack([t * int(rng.integers(1, 50)) for _ in range(3)])
+        assert (discrepancy(hists, t, "cosine") >= 0).all()
+
+
 def test_only_iid_drops_non_iid_clients_and_falls_back_when_all_dropped():
     # cos to uniform: 1, 0.577, 0.870 -> only client 0 counts as IID
     assert discrepancy(E1_HISTS, None, "only_iid").tolist() == [0.01, np.inf, np.inf]

@@ -175,3 +175,35 @@ def test_single_participant_keeps_its_model():
     rin = stack_updates([up], rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((1, 2)))
     out, _ = FedCAC(UniformWeights()).aggregate(rin, FedCAC(UniformWeights()).init(None))
     assert torch.equal(out.personal[4]["w"], TRAINED[0])
+
+
+def test_all_empty_masks_mean_nobody_collaborates():
+    """Spec 3.5: ||m_i||_1 = 0 -> O_ij = 0 and C_i = ∅. K = 2, one 1-element tensor, tau = 0.5 (k = 0): every mask
+    is empty, every overlap 0, Thr = 0; the collaborator sets must still be empty."""
+    upload = CriticalMasks(tau=0.5)
+    w0 = torch.tensor([1.0], dtype=torch.float64)
+    trained = [torch.tensor([2.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64)]
+    ups = [
+        ClientUpdate(i, {"w": w}, 10, extras=upload({"w": w0}, {"w": w}, frozenset({"w"})))
+        for i, w in enumerate(trained)
+    ]
+    rin = stack_updates(ups, rnd=1, global_params={"w": w0}, trainable=frozenset({"w"}), label_hists=np.ones((2, 2)))
+    masks = rin.extras[f"{MASK_PREFIX}w"]
+    assert not masks.any()
+    strategy = FedCAC(UniformWeights(), beta=100.0)
+    out, _ = strategy.aggregate(rin, strategy.init(None))
+    assert out.diagnostics["cac_threshold"] == 0.0
+    assert out.diagnostics["cac_collaborators_mean"] == 0.0
+    o = overlap_matrix([masks])
+    assert collaboration_threshold(o, 1, 100.0) == 0.0
+    assert not collaborators(o, 0.0, masks=[masks]).any()
+    for i in range(2):  # no critical parameter: every client takes the global model
+        assert out.personal[i]["w"].tolist() == pytest.approx([2.5])
+
+
+def test_client_with_empty_mask_has_no_collaborators_but_can_be_one():
+    m = torch.tensor([[0, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    o = overlap_matrix([m])
+    # threshold 0: every defined overlap passes; row 0 (empty mask) stays empty, O_10 = 0.5 and O_20 = 0.5 pass
+    c = collaborators(o, 0.0, masks=[m])
+    assert c.tolist() == [[False, False, False], [True, False, True], [True, True, False]]

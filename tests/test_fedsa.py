@@ -234,6 +234,26 @@ def test_guard_identical_column_is_never_high():
     assert 0 not in diag.high_index.tolist()
 
 
+def test_guard_identical_column_in_the_high_region_has_zero_deviations():
+    # spec 7 (sigma = 0 exactly on identical columns) and 1.3 step 6 (position_max: 0/0 -> 0, class 1). With rank
+    # cv normalization the constant column 2 (rank 1 of 0..2, z = 0.5 > lam) enters r^h; its float mean of three
+    # 0.1s is one ulp off, which used to give squared deviations ~1e-34 scaled to class C instead of 0 -> class 1.
+    x = _t([[1.0, 0.1, 0.1], [2.0, 0.1, 0.1], [4.0, 0.1, 0.1]])
+    stats = column_stats(x)
+    assert stats.var[1:].tolist() == [0.0, 0.0] and stats.mean[1:].tolist() == [0.1, 0.1]
+    kw = {"lam": 0.2, "delta": 0.0, "C": 4, "S": 2, "cv_norm": "rank", "micro_norm": "position_max"}
+    out, diag = fedsa_layer(x, alpha_norm="literal", **kw)
+    assert diag.high_index.tolist() == [0, 2]
+    # column 0: deviations^2 [16, 1, 25] / 9 -> / max -> [0.64, 0.04, 1] -> classes [3, 1, 4]; column 2: class 1
+    assert diag.classes.tolist() == [[3, 1], [1, 1], [4, 1]]
+    assert diag.clusters == [[0, 1, 2]]
+    # one cluster, modal classes [1, 1] -> f(1) = 1 -> literal alpha 1/S = 0.5 on both high positions
+    _approx(out, [7 / 6, 0.1, 0.05], tol=1e-12)
+    out, _ = fedsa_layer(x, **kw)  # per-position alpha: the plain mean, the constant column exactly
+    assert out[1:].tolist() == [0.1, 0.1]
+    _approx(out, [7 / 3, 0.1, 0.1], tol=1e-12)
+
+
 def test_guard_single_position_layer_is_the_mean():
     out, diag = fedsa_layer(_t([[1.0], [5.0], [-3.0]]))
     assert diag.H == 0

@@ -266,8 +266,10 @@ def test_absent_client_keeps_its_table_and_momentum():
     )
 
 
-def test_client_first_seen_later_is_unmasked_and_starts_from_p0():
-    agg = heal_aggregation()
+@pytest.mark.parametrize("uniform_over, p0", [("participants", 0.5), ("clients", 0.25)])
+def test_client_first_seen_later_is_unmasked_and_starts_from_p0(uniform_over, p0):
+    # p0 = 1/|K^t| = 1/2 (spec 4.2, N8) or, with uniform_over='clients', 1/N = 1/4
+    agg = heal_aggregation(uniform_over=uniform_over)
     state = agg.init(_ctx(n=4))
     _, state = agg.aggregate(_rin(_zeros(), R0), state)
     masks, _ = agg.masking(_rin(_zeros(), [R1[0], [-1.0, -1.0, -1.0, -1.0]], cids=[0, 3]), state["masking"])
@@ -276,17 +278,17 @@ def test_client_first_seen_later_is_unmasked_and_starts_from_p0():
     d3 = 2.0  # ||[-1,-1,-1,-1]||
     d0 = float(np.linalg.norm([0.5, -0.3, 0.4]))
     assert state["weighting"].clients[3].dp == pytest.approx(0.4 * d3 / (d0 + d3), abs=1e-12)
-    assert state["weighting"].clients[3].p == pytest.approx(0.25 + 0.4 * d3 / (d0 + d3), abs=1e-12)
+    assert state["weighting"].clients[3].p == pytest.approx(p0 + 0.4 * d3 / (d0 + d3), abs=1e-12)
 
 
 # ------------------------------------------------------------------------------------ beta = 0 equivalences
 
 
-def _random_rounds(seed=0, rounds=4, n=5):
+def _random_rounds(seed=0, rounds=4, n=5, full=False):
     gen = torch.Generator().manual_seed(seed)
     plan = []
     for r in range(rounds):
-        cids = sorted(torch.randperm(n, generator=gen)[: 3 + r % 2].tolist())
+        cids = list(range(n)) if full else sorted(torch.randperm(n, generator=gen)[: 3 + r % 2].tolist())
         deltas = [torch.randn(4, generator=gen, dtype=F64).tolist() for _ in cids]
         plan.append((cids, deltas))
     return plan
@@ -296,15 +298,21 @@ SIZES = [50, 120, 300, 75, 900]
 
 
 @pytest.mark.parametrize(
-    "fael_init, reference", [("datasize", SampleWeights()), ("uniform", UniformWeights())]
+    "fael_init, uniform_over, full, reference",
+    [
+        ("datasize", "participants", False, SampleWeights()),
+        ("uniform", "clients", False, UniformWeights()),
+        # 1/|K^t| is uniform whenever every client first joins in rounds of equal size (full participation)
+        ("uniform", "participants", True, UniformWeights()),
+    ],
 )
-def test_beta_zero_without_fphl_equals_fedavg(fael_init, reference):
-    heal = heal_aggregation(tau=-1.0, beta=0.0, fael_init=fael_init)
+def test_beta_zero_without_fphl_equals_fedavg(fael_init, uniform_over, full, reference):
+    heal = heal_aggregation(tau=-1.0, beta=0.0, fael_init=fael_init, uniform_over=uniform_over)
     ref = Aggregation(reference, WeightedMean())
     ctx = _ctx(n=5, sizes=SIZES)
     hs, rs = heal.init(ctx), ref.init(ctx)
     glob_h = glob_r = _zeros()
-    for cids, deltas in _random_rounds():
+    for cids, deltas in _random_rounds(full=full):
         sizes = [SIZES[c] for c in cids]
         out_h, hs = heal.aggregate(_rin(glob_h, deltas, cids, sizes), hs)
         out_r, rs = ref.aggregate(_rin(glob_r, deltas, cids, sizes), rs)
@@ -344,6 +352,7 @@ def test_beta_zero_with_fphl_gives_masked_fedavg():
         (lambda: FaelWeights(beta=-0.1), "beta must be"),
         (lambda: FaelWeights(distance="l1"), "unknown FAEL distance"),
         (lambda: FaelWeights(fael_init="zeros"), "unknown FAEL init"),
+        (lambda: FaelWeights(uniform_over="all"), "unknown FAEL uniform_over"),
         (lambda: heal_aggregation(beta=2.0), "beta must be"),
         (lambda: FaelWeights().init(None), "needs a ServerContext"),
         (lambda: FaelWeights(fael_init="datasize").init(_ctx(sizes=[1, 0, 2])), "positive sizes"),
@@ -366,3 +375,39 @@ def test_unknown_client_id_and_changed_shapes_are_refused():
     bad = {0: SignHistory({"v": torch.zeros(4, dtype=torch.int32)}, 1)}
     with pytest.raises(ValueError, match="history covers"):
         masking(_rin(_zeros(), [R0[0]]), bad)
+
+
+# ------------------------------------------------------------------- first FAEL weight under partial participation
+
+
+def test_first_fael_weight_is_one_over_the_round_participants():
+    # spec 4.2, N4, N8: a missing p_m starts at 1/|K^t|. N = 4, clients 0 and 1 only, W^0 = 0, norms 1 and 3, beta 0.4:
+    # shares [0.25, 0.75] -> dp [0.1, 0.3] -> p = 1/2 + dp = [0.6, 0.8] -> weights [3/7, 4/7] -> W = 15/7
+    agg = heal_aggregation(beta=0.4)
+    state = agg.init(_ctx(n=4))
+    rin = _rin(_zeros(), [[1.0, 0, 0, 0], [3.0, 0, 0, 0]], cids=[0, 1])
+    out, state = agg.aggregate(rin, state)
+    fael = state["weighting"].clients
+    assert [fael[0].p, fael[1].p] == pytest.approx([0.6, 0.8], abs=1e-12)
+    assert out.diagnostics["weights"] == pytest.approx([3 / 7, 4 / 7], abs=1e-12)
+    assert out.global_params["w"][0].item() == pytest.approx(15 / 7, abs=1e-12)  # 2.142857
+
+
+def test_first_fael_weight_one_over_n_is_an_option():
+    # the former fedskew rule (uniform_over='clients'): p = 1/4 + dp = [0.35, 0.55] -> W = 0.35/0.9 + 3·0.55/0.9
+    agg = heal_aggregation(beta=0.4, uniform_over="clients")
+    state = agg.init(_ctx(n=4))
+    rin = _rin(_zeros(), [[1.0, 0, 0, 0], [3.0, 0, 0, 0]], cids=[0, 1])
+    out, state = agg.aggregate(rin, state)
+    fael = state["weighting"].clients
+    assert [fael[0].p, fael[1].p] == pytest.approx([0.35, 0.55], abs=1e-12)
+    assert out.global_params["w"][0].item() == pytest.approx(2.0 / 0.9, abs=1e-12)  # 2.222222
+
+
+def test_heal_plugin_passes_uniform_over():
+    from fedskew.methods import SERVER_PLUGINS, HealParams
+
+    pieces = SERVER_PLUGINS["heal"].build(HealParams())
+    assert pieces["weighting"].uniform_over == "participants"
+    pieces = SERVER_PLUGINS["heal"].build(HealParams(uniform_over="clients"))
+    assert pieces["weighting"].uniform_over == "clients"

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from fedskew.models import MODELS, body_keys, build_model, count_parameters, head_keys, norm_keys
+from fedskew.models import (
+    MODELS,
+    body_keys,
+    build_model,
+    count_parameters,
+    head_keys,
+    norm_keys,
+    projection_width,
+)
 
 SHAPES = {
     "mlp": [(1, 8), (1, 28), (3, 32)],
@@ -32,6 +40,32 @@ def test_forward_backward_and_split(name):
         keys = set(m.state_dict())
         assert head_keys(m) | body_keys(m) == keys and not head_keys(m) & body_keys(m)
         assert head_keys(m) == {"head.weight", "head.bias"}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_moon_projection_head_sits_between_body_and_classifier(name):
+    cin, size = SHAPES[name][-1]
+    torch.manual_seed(0)
+    plain = build_model(name, in_channels=cin, image_size=size, num_classes=7)
+    torch.manual_seed(0)
+    m = build_model(name, in_channels=cin, image_size=size, num_classes=7, projection=32)
+    d = plain.head.in_features
+    proj = {k for k in m.state_dict() if k.startswith("body.proj.")}
+    assert proj == {f"body.proj.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")}
+    assert m.body.proj[0].weight.shape == (d, d) and m.body.proj[2].weight.shape == (32, d)  # d -> d -> 32
+    assert m.head.weight.shape == (7, 32)  # the classifier reads the projection (official ModelFedCon)
+    assert head_keys(m) == {"head.weight", "head.bias"} and body_keys(m) | head_keys(m) == set(m.state_dict())
+    assert norm_keys(m) == norm_keys(plain)
+    assert projection_width(m.state_dict()) == 32 and projection_width(plain.state_dict()) == 0
+    # the base body is unchanged (same names, same initial values)
+    base = plain.state_dict()
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in base.items() if k.startswith("body."))
+    x = torch.randn(2, cin, size, size)
+    assert m.features(x).shape == (2, 32) and m(x).shape == (2, 7)
+    m(x).square().sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    expected = count_parameters(plain) - (d * 7 + 7) + (d * d + d) + (d * 32 + 32) + (32 * 7 + 7)
+    assert count_parameters(m) == expected
 
 
 def test_parameter_counts_match_docs():
@@ -68,6 +102,7 @@ def test_initialization_is_seeded():
         ({"name": "vgg"}, "unknown model"),
         ({"name": "cnn", "image_size": 2}, "too small"),
         ({"name": "resnet8", "norm": "ln"}, "norm"),
+        ({"name": "mlp", "projection": -1}, "projection"),
     ],
 )
 def test_bad_models(kwargs, msg):

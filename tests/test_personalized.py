@@ -17,7 +17,7 @@ from fedskew.models import build_model
 from fedskew.runner import run_experiment
 from fedskew.server.api import ClientUpdate, stack_updates
 from fedskew.server.personal import FedAMP, amp_mixing, squared_distances
-from fedskew.server.weights import UniformWeights
+from fedskew.server.weights import SampleWeights, UniformWeights
 
 
 def _sim(method: str, **over) -> Simulation:
@@ -259,6 +259,21 @@ def test_a_key_two_parts_share_is_qualified_with_the_part():
 def test_valid_personalized_compositions_resolve(name):
     m = resolve_method(name, {})
     assert m.personalized
+
+
+@pytest.mark.parametrize(
+    "name, args, expected",
+    [
+        ("ditto", {}, UniformWeights),  # official Ditto code: plain mean of the participants' global models
+        ("ditto", {"weights": "samples"}, SampleWeights),
+        ("ditto+fedbn", {}, UniformWeights),
+        ("fedrep", {}, SampleWeights),
+        ("fedcac", {}, SampleWeights),
+    ],
+)
+def test_ditto_server_averages_uniformly_by_default(name, args, expected):
+    m = resolve_method(name, args)
+    assert type(m.server.weighting) is expected
 
 
 def test_fedavg_records_no_personal_views():

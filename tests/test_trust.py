@@ -214,3 +214,17 @@ def test_yaml_numbers_still_parse(tmp_path):
 
     cfg = make_config(load_yaml(f))
     assert (cfg.rounds, cfg.lr, cfg.alpha, cfg.drop_last) == (3, 1e-3, 0.5, True)
+
+
+@pytest.mark.parametrize(
+    "method, args, msg",
+    [
+        ("fedprox", {"mu": float("inf")}, "finite"),
+        ("fedprox", {"mu": True}, "boolean"),
+        ("fedsa", {"C": True}, "boolean"),
+        ("disco", {"a": float("nan")}, "finite"),
+    ],
+)
+def test_method_hyper_parameters_are_strict_too(method, args, msg):
+    with pytest.raises(ConfigError, match=msg):
+        make_config(None, {"method": method, "method_args": args})

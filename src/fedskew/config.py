@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedskew.schema import StrictSettings
+from fedskew.schema import StrictSettings, describe_errors
 
 
 class ConfigError(ValueError):
@@ -164,13 +164,7 @@ class RunConfig(StrictSettings):
 
 
 def _format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"{loc}: {err['msg']}{shown}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    return "invalid configuration:\n  " + "\n  ".join(describe_errors(exc))
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -14,14 +14,15 @@ Hyper-parameters come as one flat mapping (``method_args``); each key must belon
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, Upload
 from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
+from fedskew.schema import StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights
@@ -37,41 +38,38 @@ def _config_error(msg: str) -> Exception:
     return ConfigError(msg)
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NoParams(StrictSettings):
+    """A part without hyper-parameters."""
 
 
-class ServerBaseParams(BaseModel):
-    """The default server step (FedAvg's): which client weights, when no plug-in sets its own."""
+class ServerBaseParams(StrictSettings):
+    """The default server step (FedAvg's): which client weights, when no plug-in sets its own. The default is the
+    client part's (:attr:`ClientPart.weights`: ``uniform`` for SCAFFOLD and Ditto, as their papers average)."""
 
-    model_config = ConfigDict(extra="forbid")
     weights: Literal["samples", "uniform"] = "samples"
 
 
-class FedProxParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedProxParams(StrictSettings):
     mu: float = Field(0.01, ge=0)
 
 
-class MoonParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MoonParams(StrictSettings):
     mu: float = Field(1.0, ge=0)
     tau: float = Field(0.5, gt=0)
+    # width of MOON's projection head (paper and official code: 256); 0 contrasts the body's features (FedDisco)
+    projection: int = Field(256, ge=0)
 
 
-class FedRepParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedRepParams(StrictSettings):
     head_epochs: int = Field(10, ge=1)
 
 
-class DittoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DittoParams(StrictSettings):
     lam: float = Field(0.1, ge=0)
     personal_epochs: int | None = Field(None, ge=1)
 
 
-class AmpClientParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AmpClientParams(StrictSettings):
     mu: float = Field(1e-4, ge=0)
 
 
@@ -84,6 +82,10 @@ class ClientPart:
     build: Callable[[Any], LocalAlgorithm]
     implies: tuple[str, ...] = ()  # server plug-ins this client part needs (added when not named)
     personalized: bool = False  # keeps a personal model of its own (evaluated in the personal views)
+    # the default of the server's ``weights`` for this client part (its paper's server average); -m weights=... wins
+    weights: Literal["samples", "uniform"] = "samples"
+    # params -> keyword arguments for models.build_model (MOON's projection head)
+    model_options: Callable[[Any], dict[str, Any]] = lambda p: {}
 
 
 @dataclass(frozen=True)
@@ -119,17 +121,19 @@ CLIENTS: dict[str, ClientPart] = {
     ),
     "moon": ClientPart(
         "moon",
-        "local loss + mu * model-contrastive loss on features (mu=1, tau=0.5)",
+        "local loss + mu * model-contrastive loss on a projection head's output (mu=1, tau=0.5, projection=256)",
         "Li, He, Song, Model-Contrastive Federated Learning, CVPR 2021",
         MoonParams,
-        lambda p: Moon(mu=p.mu, tau=p.tau),
+        lambda p: Moon(mu=p.mu, tau=p.tau, projection=p.projection),
+        model_options=lambda p: {"projection": p.projection} if p.projection else {},
     ),
     "scaffold": ClientPart(
         "scaffold",
-        "control variates correct local gradients (option II; server averages control deltas over all N)",
+        "control variates correct local steps (option II; control deltas averaged over all N; weights=uniform)",
         "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
         NoParams,
         lambda p: Scaffold(),
+        weights="uniform",
     ),
     "fedrep": ClientPart(
         "fedrep",
@@ -141,11 +145,13 @@ CLIENTS: dict[str, ClientPart] = {
     ),
     "ditto": ClientPart(
         "ditto",
-        "personal model trained with (lam/2)||v - w||^2 to the global model (lam=0.1), then the global model",
+        "personal model trained with (lam/2)||v - w||^2 to the global model (lam=0.1), then the global model "
+        "(weights=uniform)",
         "Li, Hu, Beirami, Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021",
         DittoParams,
         lambda p: Ditto(lam=p.lam, personal_epochs=p.personal_epochs),
         personalized=True,
+        weights="uniform",
     ),
     "fedamp": ClientPart(
         "fedamp",
@@ -159,25 +165,23 @@ CLIENTS: dict[str, ClientPart] = {
 }
 
 
-class DiscoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DiscoParams(StrictSettings):
     a: float = Field(0.5, ge=0)
     b: float = 0.1
     metric: Literal["kl", "l1", "l2", "cosine", "only_iid"] = "kl"
     target: tuple[float, ...] | None = None
 
 
-class HealParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HealParams(StrictSettings):
     tau: float = 0.3
     beta: float = Field(0.4, ge=0, le=1)
     strict: bool = True
     distance: Literal["l2_per_tensor", "squared"] = "l2_per_tensor"
     fael_init: Literal["uniform", "datasize"] = "uniform"
+    uniform_over: Literal["participants", "clients"] = "participants"
 
 
-class FedSAParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FedSAParams(StrictSettings):
     lam: float = Field(0.2, ge=0, le=1)
     delta: float = 0.2
     C: int = Field(4, ge=1)
@@ -199,18 +203,18 @@ def _fedsa(p: FedSAParams) -> dict[str, Any]:
 def _heal(p: HealParams) -> dict[str, Any]:
     return {
         "masking": HealMasks(tau=p.tau, strict=p.strict),
-        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init),
+        "weighting": FaelWeights(
+            beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over
+        ),
     }
 
 
-class CacParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CacParams(StrictSettings):
     tau: float = Field(0.5, ge=0, le=1)
     beta: float = Field(100.0, gt=0)
 
 
-class AmpParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AmpParams(StrictSettings):
     alpha_k: float = Field(1e4, gt=0)
     sigma: float = Field(100.0, gt=0)
     decay_rate: float = Field(0.1, gt=0, le=1)
@@ -302,6 +306,8 @@ class Method:
     personalized: bool = False
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
     uploads: tuple[Upload, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
+    # keyword arguments the engine passes to models.build_model (MOON: {"projection": 256})
+    model_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any], method: str) -> list[BaseModel]:
@@ -333,9 +339,7 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
         try:
             out.append(model(**mine[name]))
         except ValidationError as exc:
-            detail = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
-            )
+            detail = "; ".join(describe_errors(exc))
             raise _config_error(f"method {method!r}, part {name!r}: {detail}") from None
     return out
 
@@ -363,6 +367,8 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     plugins = [SERVER_PLUGINS[t] for t in plugin_names]
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
     parsed = _split_args(parts, args, name)
+    if not _given(args, "weights"):  # the client part's paper decides the default server average
+        parsed[0] = ServerBaseParams(weights=client.weights)
     base_params, client_params, plugin_params = parsed[0], parsed[1], parsed[2:]
 
     roles: dict[str, Any] = {}
@@ -420,6 +426,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         personalized=personalized,
         local=local,
         uploads=tuple(uploads),
+        model_options=client.model_options(client_params),
     )
 
 

@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 def _admits_bool(annotation: Any) -> bool:
@@ -44,3 +44,15 @@ class StrictSettings(BaseModel):
 
 def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def describe_errors(exc: ValidationError) -> list[str]:
+    """One line per validation error: ``key: message (got value)``; errors of the whole model carry their own key."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
+        lines.append(f"{loc + ': ' if loc else ''}{msg}{shown}")
+    return lines

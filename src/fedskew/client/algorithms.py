@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.models import projection_width
 from fedskew.server.api import Params, RoundInput, ServerContext, State
 
 
@@ -44,16 +45,22 @@ class FedProx(LocalAlgorithm):
 
 @dataclass
 class Moon(LocalAlgorithm):
-    """MOON (Li, He, Song, CVPR 2021): cross-entropy + mu · model-contrastive loss on body features.
+    """MOON (Li, He, Song, CVPR 2021): cross-entropy + mu · model-contrastive loss on the body's output.
 
-    The positive pair is (local, global) features, the negative (local, previous local model) features, cosine
-    similarity over temperature tau. A client's first participation uses the received global model as its previous
-    model (as the official code initializes it). Defaults mu = 1.0, tau = 0.5 (MOON paper's CIFAR-10 settings;
-    FedDisco tunes mu, FedSA/FedPake use tau = 1.0).
+    With ``projection = D > 0`` the model carries MOON's projection head (``build_model(..., projection=D)``: the
+    body ends in a 2-layer MLP to D dimensions and the classifier reads that), so the contrasted representation is the
+    projection's output, as in the paper and the official code; ``projection = 0`` contrasts the plain body features
+    (FedDisco's code, ``ModelFedCon_noheader``). The positive pair is (local, global), the negative (local, this
+    client's previous local model, buffer of 1), cosine similarity over temperature ``tau``:
+    ``−log(e^{pos/τ} / (e^{pos/τ} + e^{neg/τ}))``. On a client's first participation there is no previous model and,
+    as in the official code (empty model pool), the term has only the positive logit: ``−log(e^{pos/τ}/e^{pos/τ}) =
+    0``, i.e. plain cross-entropy. Defaults mu = 1 (official code's default; the paper's value for CIFAR-100 and
+    Tiny-ImageNet, 5 for CIFAR-10), tau = 0.5 (paper and code), projection 256 (paper and code; set by the registry).
     """
 
     mu: float = 1.0
     tau: float = 0.5
+    projection: int = 0  # width of the projection head the model must carry (0: none expected)
     name: str = "moon"
     _frozen: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict, repr=False)
 
@@ -69,13 +76,16 @@ class Moon(LocalAlgorithm):
         return self._frozen[id(model)]
 
     def begin(self, ctx: LocalContext) -> None:
-        glob, prev = self._aux(ctx.model)
-        glob.load_state_dict(ctx.received)
-        prev.load_state_dict(ctx.client_state.get("moon_prev", ctx.received))
+        previous = ctx.client_state.get("moon_prev")
+        ctx.scratch["moon_contrast"] = self.mu != 0 and previous is not None
+        if ctx.scratch["moon_contrast"]:
+            glob, prev = self._aux(ctx.model)
+            glob.load_state_dict(ctx.received)
+            prev.load_state_dict(previous)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
-        if self.mu == 0:
+        if not ctx.scratch["moon_contrast"]:  # mu = 0, or first participation: the one-logit term is exactly 0
             return ce
         glob, prev = self._aux(ctx.model)
         with torch.no_grad():
@@ -90,14 +100,34 @@ class Moon(LocalAlgorithm):
         ctx.client_state["moon_prev"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
         return {}
 
+    def server_init(self, ctx: ServerContext) -> State:
+        width = projection_width(ctx.template)
+        if width != self.projection:
+            raise ValueError(
+                f"MOON expects a projection head of width {self.projection} (0: none) but the model has "
+                f"{width or 'none'}; build it with build_model(..., **method.model_options)"
+            )
+        return None
+
 
 @dataclass
 class Scaffold(LocalAlgorithm):
     """SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates, global learning rate 1.
 
-    Client: gradient + (c − c_i) before each step; afterwards c_i⁺ = c_i − c + (w_global − w_local)/(steps · lr),
-    upload Δc_i = c_i⁺ − c_i. Server: c ← c + (1/N) Σ_{participants} Δc_i (N = all clients, as in FedDisco's code);
-    the model itself is combined by whatever server aggregation the method uses.
+    Client: after each optimizer step the parameters are shifted by ``−lr·(c − c_i)`` (FedDisco's code); afterwards
+    ``c_i⁺ = c_i − c + (w_global − w_local)/(steps · lr)``, upload ``Δc_i = c_i⁺ − c_i``. Server:
+    ``c ← c + (1/N) Σ_{participants} Δc_i`` (N = all clients, as in FedDisco's code); the model itself is combined by
+    whatever server aggregation the method uses.
+
+    Why a shift after the step and not a gradient term: with plain SGD the two are identical. With momentum β a
+    gradient term goes through the momentum buffer and moves the model by about ``lr·(c − c_i)/(1 − β)`` per step,
+    and the option-II estimate then returns that amplified correction into ``c_i⁺`` (a feedback of gain about
+    ``β/(1 − β)``: 9 at β = 0.9, which diverges). With the shift, ``K`` steps move the model by
+    ``lr·Σ_t d_t + K·lr·(c − c_i)``, where ``d_t`` is the optimizer's direction at step t (the momentum buffer of the
+    raw gradients, weight decay included; ``d_t = g_t`` for plain SGD), so the estimate is
+    ``c_i⁺ = (1/K) Σ_t d_t``: the client's mean update direction, which contains no correction (no feedback). With
+    momentum it is about ``ḡ/(1 − β)``, the same units in which the optimizer moves the model by the gradient, so
+    ``lr·(c − c_i)`` keeps replacing the client's mean drift by the federation's, as SCAFFOLD intends.
     """
 
     name: str = "scaffold"
@@ -108,13 +138,14 @@ class Scaffold(LocalAlgorithm):
         c_i = ctx.client_state.get("scaffold_ci") or {n: torch.zeros_like(ctx.received[n]) for n in names}
         ctx.client_state["scaffold_ci"] = c_i
         c = {n: ctx.broadcast.get(f"scaffold_c/{n}", torch.zeros_like(ctx.received[n])) for n in names}
-        ctx.scratch["scaffold_corr"] = [(p, c[n] - c_i[n]) for n, p in _trainable(ctx.model)]
+        params = [p for _, p in _trainable(ctx.model)]
+        corr = [c[n] - c_i[n] for n in names]
+        ctx.scratch["scaffold_shift"] = (params, corr, -ctx.settings.lr)
         ctx.scratch["scaffold_c"] = c
 
-    def after_backward(self, ctx: LocalContext) -> None:
-        for p, corr in ctx.scratch["scaffold_corr"]:
-            if p.grad is not None:
-                p.grad.add_(corr)
+    def after_step(self, ctx: LocalContext) -> None:
+        params, corr, alpha = ctx.scratch["scaffold_shift"]
+        torch._foreach_add_(params, corr, alpha=alpha)
 
     def end(self, ctx: LocalContext) -> Params:
         c, c_i = ctx.scratch["scaffold_c"], ctx.client_state["scaffold_ci"]

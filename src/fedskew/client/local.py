@@ -4,7 +4,9 @@ A local algorithm never copies the loop. It overrides hooks:
 
 * ``begin``            after the received model is loaded (e.g. keep a frozen copy of the global weights),
 * ``loss``             the local objective from logits and features (FedProx: a proximal term; MOON: a contrastive one),
-* ``after_backward``   gradient corrections before the optimizer step (SCAFFOLD),
+* ``after_backward``   gradient changes before the optimizer step,
+* ``after_step``       parameter changes right after the optimizer step (SCAFFOLD's control-variate shift, which
+                       must bypass the optimizer's momentum),
 * ``end``              extra tensors to upload with the model (SCAFFOLD's control delta),
 * ``phases``           the stretches of local training: where each starts, which parameters it trains, for how many
                        epochs, and whether the result is kept on the client (FedRep: head, then body; Ditto: the
@@ -93,6 +95,10 @@ class LocalAlgorithm:
     def after_backward(self, ctx: LocalContext) -> None:
         return None
 
+    def after_step(self, ctx: LocalContext) -> None:
+        """Called after each ``optimizer.step()`` (before ``ctx.steps`` counts it), outside autograd."""
+        return None
+
     def end(self, ctx: LocalContext) -> Params:
         return {}
 
@@ -112,6 +118,10 @@ class LocalAlgorithm:
 
     def server_update(self, rin: RoundInput, state: State) -> State:
         return state
+
+
+def _overrides(algo: LocalAlgorithm, hook: str) -> bool:
+    return getattr(type(algo), hook) is not getattr(LocalAlgorithm, hook)
 
 
 def snapshot(model: nn.Module) -> Params:
@@ -143,6 +153,9 @@ def local_train(
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     seen = 0
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    # hooks the algorithm does not override are not called in the hot loop
+    after_backward = algo.after_backward if _overrides(algo, "after_backward") else None
+    after_step = algo.after_step if _overrides(algo, "after_step") else None
     for phase in algo.phases(ctx):
         ctx.phase = phase.name
         if phase.start is not None:
@@ -163,8 +176,12 @@ def local_train(
                     logits = model.head(feats)
                     loss = algo.loss(ctx, logits, feats, yb, xb)
                     loss.backward()
-                    algo.after_backward(ctx)
+                    if after_backward is not None:
+                        after_backward(ctx)
                     opt.step()
+                    if after_step is not None:
+                        with torch.no_grad():
+                            after_step(ctx)
                     ctx.steps += 1
                     loss_sum += loss.detach() * yb.shape[0]
                     seen += yb.shape[0]

@@ -83,6 +83,7 @@ def init_model(cfg: RunConfig, data: FederatedData, method: Method | None = None
             image_size=data.image_size,
             num_classes=data.num_classes,
             norm=cfg.norm,
+            **(method.model_options if method is not None else {}),
         )
     return model.to(torch.device(cfg.device))
 

@@ -3,9 +3,15 @@
 State-dict names therefore start with ``body.`` or ``head.``, which is what personalized methods split on (FedPer,
 FedRep: local head), and :func:`norm_keys` names the normalization layers' entries (FedBN). No model uses dropout,
 so forward passes are deterministic given the weights (the engine relies on it for reproducibility).
+
+``build_model(..., projection=D)`` appends MOON's projection head to the body (``body.proj``: Linear d→d, ReLU,
+Linear d→D) and makes the classifier read its D-dimensional output, as the official MOON model (``ModelFedCon``:
+base → projection MLP → classifier); the body's output is then the projected representation MOON contrasts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from torch import Tensor, nn
 
@@ -123,22 +129,56 @@ RESNETS = {
 }
 
 
-def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn") -> FedModel:
-    """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs."""
+PROJECTION = "body.proj."  # state-dict prefix of MOON's projection head
+
+
+def add_projection(model: FedModel, dim: int) -> FedModel:
+    """MOON's projection head (Li, He, Song, CVPR 2021; the official ``ModelFedCon``): a 2-layer MLP ``d → d → dim``
+    (Linear, ReLU, Linear) appended to the body as ``body.proj``, and a fresh classifier ``dim → classes`` reading
+    its output. ``d`` is the width the classifier read before. The head stays ``head.*`` (FedPer/FedRep keep only
+    the classifier local); the projection is part of the body, so it is trained and aggregated with it."""
+    if dim < 1:
+        raise ValueError(f"projection width must be >= 1, got {dim}")
+    body, head = model.body, model.head
+    if not isinstance(body, nn.Sequential) or not isinstance(head, nn.Linear):
+        raise ValueError("add_projection needs a Sequential body and a Linear head")
+    if hasattr(body, "proj"):
+        raise ValueError("the model already has a projection head")
+    d = head.in_features
+    body.add_module("proj", nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, dim)))
+    model.head = nn.Linear(dim, head.out_features)
+    return model
+
+
+def build_model(
+    name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn", projection: int = 0
+) -> FedModel:
+    """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs;
+    ``projection > 0`` adds MOON's projection head of that width (:func:`add_projection`)."""
     if norm not in ("bn", "gn"):
         raise ValueError(f"norm must be 'bn' or 'gn', got {norm!r}")
     if in_channels < 1 or image_size < 1 or num_classes < 2:
         raise ValueError(f"bad model shape: in_channels={in_channels}, image_size={image_size}, classes={num_classes}")
+    if projection < 0:
+        raise ValueError(f"projection must be >= 0 (0: none), got {projection}")
     if name == "mlp":
-        return mlp(in_channels, image_size, num_classes)
-    if name == "cnn":
-        return cnn(in_channels, image_size, num_classes)
-    if name in ("lenet", "lenet_bn"):
-        return lenet(in_channels, image_size, num_classes, bn=name == "lenet_bn")
-    if name in RESNETS:
+        model = mlp(in_channels, image_size, num_classes)
+    elif name == "cnn":
+        model = cnn(in_channels, image_size, num_classes)
+    elif name in ("lenet", "lenet_bn"):
+        model = lenet(in_channels, image_size, num_classes, bn=name == "lenet_bn")
+    elif name in RESNETS:
         blocks, widths = RESNETS[name]
-        return resnet(blocks, widths, in_channels, num_classes, norm)
-    raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+        model = resnet(blocks, widths, in_channels, num_classes, norm)
+    else:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+    return add_projection(model, projection) if projection else model
+
+
+def projection_width(params: Mapping[str, Tensor]) -> int:
+    """The output width of the MOON projection head in a state dict (0: the model has none)."""
+    last = params.get(f"{PROJECTION}2.weight")
+    return int(last.shape[0]) if last is not None else 0
 
 
 def head_keys(model: nn.Module) -> set[str]:

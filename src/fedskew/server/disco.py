@@ -71,7 +71,7 @@ def discrepancy(
     ``hists`` is ``[K, C]`` label counts (or proportions); ``target`` is ``[C]`` (rescaled to sum 1) or
     ``None`` for uniform. Metrics: ``kl`` = KL(P_k || T) with ``0·log 0 = 0`` (requires T > 0), ``l1``/``l2``
     = norm of ``P_k - T``, ``cosine`` = ``1 - cos(P_k, T)``, ``only_iid`` = 0.01 if ``cos(P_k, T) > 0.9`` else
-    ``+inf``.
+    ``+inf``. ``kl`` and ``cosine`` are clipped at 0 (round-off can push an exact 0 below it; spec 2.3: d >= 0).
     """
     _check_metric(metric)
     h = np.asarray(hists, dtype=np.float64)
@@ -96,7 +96,8 @@ def discrepancy(
         return np.sqrt(((p - t) ** 2).sum(axis=1))
     cos = (p @ t) / (np.linalg.norm(p, axis=1) * np.linalg.norm(t))
     if metric == "cosine":
-        return 1.0 - cos
+        # 1 - cos >= 0; clip round-off (a histogram proportional to T can give cos = 1 + 1 ulp, i.e. -2.2e-16)
+        return np.maximum(1.0 - cos, 0.0)
     return np.where(cos > ONLY_IID_COS, ONLY_IID_DISTANCE, np.inf)
 
 

@@ -76,8 +76,8 @@ BIN_TOL = 1e-12  # C * b' within this of an integer i counts as the edge i / C (
 class ColumnStats:
     """Per-position statistics of a ``K x M`` client matrix over the client axis (float64, length M)."""
 
-    mean: Tensor
-    var: Tensor  # population variance (divisor K)
+    mean: Tensor  # exactly the common value on constant columns
+    var: Tensor  # population variance (divisor K); exactly 0 on constant columns
     constant: Tensor  # bool: all K values equal (exact test, spec 7)
     skew: Tensor  # Fisher-Pearson g1 = m3 / m2^1.5 across clients; 0 where constant
     weighted_mean: Tensor | None = None  # sum_k w_k X_k when weights were given
@@ -92,6 +92,10 @@ def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = 
     ``X`` is ``K x M`` in any float dtype; the statistics are computed in float64 over blocks of columns
     (one reused ``K x block`` float64 buffer pair; on CUDA a single block), so no ``K x M`` float64 copy of a
     large layer is ever materialized. ``weights`` (``[K]``, already normalized) adds ``weighted_mean``.
+
+    On constant columns (min == max, exactly) the means are the common value and the variance is 0 exactly
+    (spec 7): a float mean of identical values can be an ulp off, which would leave squared deviations of
+    ~1e-34 that a per-column normalization (``micro_norm='position_max'``) scales up to the top class.
     """
     if X.ndim != 2 or X.shape[0] < 1:
         raise ValueError(f"expected a K x M matrix with K >= 1, got shape {tuple(X.shape)}")
@@ -124,6 +128,12 @@ def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = 
         if m3 is not None:
             torch.mean(q.mul_(d), 0, out=m3[s:e])
     constant = lo == hi
+    if bool(constant.any()):  # O(M) fix-up; the common value is exact in float64
+        common = lo.to(torch.float64)
+        mean = torch.where(constant, common, mean)
+        var = var.masked_fill(constant, 0.0)
+        if wmean is not None:
+            wmean = torch.where(constant, common, wmean)
     if m3 is None:
         skew = torch.zeros(m, **dev_kw)
     else:
@@ -380,7 +390,9 @@ def fedsa_layer(
         return low.clone(), LayerDiagnostics(m, 0, 0, 0, skew, skew_signed, high_index)
 
     Xh = X[:, high_index].to(torch.float64)  # K x H
-    E = micro_classes((Xh - stats.mean[high_index]).square(), C, micro_norm)
+    mu_h = stats.mean[high_index]  # exact on constant columns, so their squared deviations are exactly 0
+    const_h = stats.constant[high_index]  # (a constant column can be high under cv_norm='rank')
+    E = micro_classes((Xh - mu_h).square(), C, micro_norm)
     groups, uncl = cluster(similarity(E, C), S, delta)
     alphas, means = [], []
     for g in groups:
@@ -388,7 +400,7 @@ def fedsa_layer(
         q = modal_classes(E[idx], C)  # [H]
         f = torch.bincount(q - 1, minlength=C).to(torch.float64) / h  # f_j(c), c = 1..C
         alphas.append(f[q - 1] / S)
-        means.append(Xh[idx].mean(0))
+        means.append(torch.where(const_h, mu_h, Xh[idx].mean(0)))
     alpha = torch.stack(alphas)  # [J, H]
     if alpha_norm == "per_position":
         alpha = alpha / alpha.sum(0, keepdim=True)  # > 0: f_j(Q_jm) >= 1/H

@@ -15,8 +15,11 @@ Paper-vs-code switches (default: official code; spec 4.4 N1-N8 and section 7):
 
 - ``strict``: ``True`` (code) keeps ``c > tau``; ``False`` (paper Eq. 9) keeps ``c >= tau``.
 - ``distance``: ``'l2_per_tensor'`` (code) Σ over tensors of ‖Δ̃‖₂; ``'squared'`` (paper Eq. 11) ‖Δ̃‖₂².
-- ``fael_init``: ``'uniform'`` (code) ``p⁰ = 1/N``; ``'datasize'`` (paper: beta = 0 equals FedAvg)
+- ``fael_init``: ``'uniform'`` (code) ``p⁰`` uniform; ``'datasize'`` (paper: beta = 0 equals FedAvg)
   ``p⁰ = N_k / Σ N``.
+- ``uniform_over`` (only with ``fael_init='uniform'``): ``'participants'`` (code, spec 4.2/N4/N8) ``p⁰ = 1/|K^t|``,
+  the size of the round in which the client first participates; ``'clients'`` ``p⁰ = 1/N`` (every client alike,
+  wherever it joins). The two are equal under full participation.
 
 Zero updates count as non-negative (paper convention, N1). Both pieces key their state on the client id and
 only advance a client's entry when it participates (N5, N8): a client's first participation is unmasked, the
@@ -43,6 +46,7 @@ from fedskew.server.weights import normalize
 
 DISTANCES = ("l2_per_tensor", "squared")
 FAEL_INITS = ("uniform", "datasize")
+UNIFORM_OVER = ("participants", "clients")
 _TAU_MAX_DENOMINATOR = 10**6
 
 
@@ -180,7 +184,7 @@ class FaelMomentum:
 @dataclass(frozen=True)
 class FaelState:
     clients: dict[int, FaelMomentum]  # only clients that have participated
-    p0: tuple[float, ...]  # [N] initial p of every client
+    p0: tuple[float, ...]  # [N] initial p of every client (unused for fael_init='uniform', uniform_over='participants')
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,8 @@ class FaelWeights:
 
     Per round, for the participants only: ``share = d / Σ d`` (all zero: ``1/K``), ``dp <- (1 - beta)·dp +
     beta·share``, ``p <- p + dp`` (stored unnormalized, N6), weights ``p / Σ_participants p``. A client's
-    first participation starts from ``dp = 0`` and ``p = p⁰``: ``fael_init='uniform'`` (code) ``1/N``, or
+    first participation starts from ``dp = 0`` and ``p = p⁰``: ``fael_init='uniform'`` (code) ``1/|K^t|``, the
+    number of participants of that round (spec 4.2, N4, N8; ``uniform_over='clients'``: ``1/N``), or
     ``'datasize'`` (paper, makes beta = 0 equal FedAvg) ``num_train[cid] / Σ num_train``. (The field is called
     ``fael_init`` because ``init`` is the protocol method.)
     """
@@ -197,6 +202,7 @@ class FaelWeights:
     beta: float = 0.4
     distance: str = "l2_per_tensor"
     fael_init: str = "uniform"
+    uniform_over: str = "participants"
 
     def __post_init__(self) -> None:
         if not _finite_real(self.beta) or not 0 <= self.beta <= 1:
@@ -205,6 +211,8 @@ class FaelWeights:
             raise ValueError(f"unknown FAEL distance {self.distance!r}; expected one of {DISTANCES}")
         if self.fael_init not in FAEL_INITS:
             raise ValueError(f"unknown FAEL init {self.fael_init!r}; expected one of {FAEL_INITS}")
+        if self.uniform_over not in UNIFORM_OVER:
+            raise ValueError(f"unknown FAEL uniform_over {self.uniform_over!r}; expected one of {UNIFORM_OVER}")
 
     def init(self, ctx: ServerContext | None) -> FaelState:
         if ctx is None:
@@ -226,11 +234,13 @@ class FaelWeights:
         total = d.sum()
         share = d / total if total > 0 else np.full(len(d), 1.0 / len(d))
         clients = dict(state.clients)
+        per_round = self.fael_init == "uniform" and self.uniform_over == "participants"
         p_now = []
         for i, cid in enumerate(rin.cids):
             if not 0 <= cid < len(state.p0):
                 raise ValueError(f"client id {cid} outside [0, {len(state.p0)})")
-            prev = clients.get(cid, FaelMomentum(state.p0[cid], 0.0))
+            p0 = 1.0 / len(d) if per_round else state.p0[cid]
+            prev = clients.get(cid, FaelMomentum(p0, 0.0))
             dp = (1.0 - self.beta) * prev.dp + self.beta * float(share[i])
             clients[cid] = FaelMomentum(prev.p + dp, dp)
             p_now.append(prev.p + dp)
@@ -245,10 +255,11 @@ def heal_aggregation(
     strict: bool = True,
     distance: str = "l2_per_tensor",
     fael_init: str = "uniform",
+    uniform_over: str = "participants",
 ) -> Aggregation:
     """FedHEAL's server step (FPHL masks -> FAEL weights -> masked weighted mean), for any client method."""
     return Aggregation(
-        weighting=FaelWeights(beta=beta, distance=distance, fael_init=fael_init),
+        weighting=FaelWeights(beta=beta, distance=distance, fael_init=fael_init, uniform_over=uniform_over),
         combine=WeightedMean(),
         masking=HealMasks(tau=tau, strict=strict),
     )

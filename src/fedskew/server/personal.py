@@ -63,10 +63,20 @@ def collaboration_threshold(o: Tensor, t: int, beta: float) -> float:
     return o_avg + (t / beta) * (o_max - o_avg)
 
 
-def collaborators(o: Tensor, thr: float) -> Tensor:
-    """FedCAC Eq. 8: ``C_i = {j ≠ i : O_ij >= thr}`` as a ``[K, K]`` boolean matrix (tolerance 1e-12, spec 7)."""
+def collaborators(o: Tensor, thr: float, masks: list[Tensor] | None = None) -> Tensor:
+    """FedCAC Eq. 8: ``C_i = {j ≠ i : O_ij >= thr}`` as a ``[K, K]`` boolean matrix (tolerance 1e-12, spec 7).
+
+    Given the ``[K, ...]`` masks the overlaps came from, a client whose mask is empty has ``C_i = ∅`` (spec 3.5: its
+    ``O_ij`` is undefined, set to 0, which would otherwise pass a threshold of 0 when every mask is empty); it can
+    still be another client's collaborator."""
     c = o >= thr - COLLAB_TOL
     c.fill_diagonal_(False)
+    if masks is not None:
+        k = o.shape[0]
+        empty = torch.ones(k, dtype=torch.bool, device=c.device)
+        for m in masks:
+            empty &= ~m.reshape(k, -1).any(dim=1).to(c.device)
+        c[empty] = False
     return c
 
 
@@ -105,7 +115,7 @@ class FedCAC:
         else:
             o = overlap_matrix(list(masks.values()))
             thr = collaboration_threshold(o, rin.round, self.beta)
-            collab = collaborators(o, thr)
+            collab = collaborators(o, thr, list(masks.values()))
             off = o[~torch.eye(o.shape[0], dtype=torch.bool)]
             diagnostics.update({"cac_overlap_avg": float(off.mean()), "cac_overlap_max": float(off.max())})
         a = customized_mixing(collab)
