@@ -12,6 +12,7 @@ from fedskew.cli import main
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import TIMING_KEYS, Simulation, payload_bytes, sample_clients
+from fedskew.results.rundir import RunDirError
 from fedskew.runner import run_experiment
 
 
@@ -86,7 +87,15 @@ def test_run_directory_and_database(tiny_digits_config):
     cfg = tiny_digits_config
     out = run_experiment(cfg)
     files = sorted(p.name for p in out.run_dir.iterdir())
-    assert files == ["clients.json", "config.yaml", "metrics.jsonl", "skew.jsonl", "summary.json"]
+    assert files == [
+        "client_metrics.jsonl",
+        "clients.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "skew.jsonl",
+        "status.json",
+        "summary.json",
+    ]
     summary = json.loads((out.run_dir / "summary.json").read_text())
     assert summary["seed"] == 3 and summary["rounds"] == 3 and "fedskew_version" in summary
     assert summary["global_acc"]["best"] == max(r["global_acc"] for r in out.records)
@@ -104,7 +113,7 @@ def test_run_directory_and_database(tiny_digits_config):
 
 def test_existing_run_dir_is_not_overwritten(tiny_digits_config):
     run_experiment(tiny_digits_config.model_copy(update={"db": None}))
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(RunDirError, match="--overwrite"):
         run_experiment(tiny_digits_config.model_copy(update={"db": None}))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import yaml
 from fedskew import __version__
 
 # flag name -> config key; every one of these overrides the YAML file
-RUN_FLAGS: dict[str, tuple[str, type, str]] = {
+RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--method": ("method", str, "method or composition (see `fedskew methods`)"),
     "--dataset": ("dataset", str, "digits (embedded), mnist, ..."),
     "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
@@ -44,6 +45,13 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
     "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),
     "--image-size": ("image_size", int, "common image side of the domains (digits_domains)"),
+    "--on-bad-update": ("on_bad_update", str, "fail | drop: what a non-finite, mis-shaped or wrong-dtype upload does"),
+    "--client-dropout": ("client_dropout", float, "probability that a sampled client fails to report (seeded)"),
+    "--checkpoint-every": (
+        "checkpoint_every",
+        lambda v: v if v == "auto" else int(v),
+        "write a resumable checkpoint every K rounds (0: never; default auto: < 2%% of the run time)",
+    ),
     "--seed": ("seed", int, "the one seed of the run"),
     "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
     "--threads": ("threads", int, "torch CPU threads (default 1; 0 = torch's default)"),
@@ -95,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_download_flag(run)
     run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
-    run.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing fedskew run directory (only fedskew's own files in it are deleted)",
+    )
+    run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
     sub.add_parser("methods", help="list the available methods and building blocks")
@@ -132,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--positions", type=int, default=2, help="positions shown per layer")
     sk.add_argument("--out", default=None, help="PNG path (default RUN_DIR/skew.png)")
 
+    db = sub.add_parser("db", help="results database maintenance")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    imp = db_sub.add_parser("import", help="record ended run directories in the database (idempotent)")
+    imp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    imp.add_argument("--db", default="runs/fedskew.db")
+
     rep = sub.add_parser("report", help="markdown table of runs grouped by config, mean ± std over seeds")
     rep.add_argument("--db", default="runs/fedskew.db")
     rep.add_argument("--metric", default="global_acc", help="global_acc | global_local_acc | personal_acc | ...")
@@ -139,7 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace):
-    from fedskew.config import load_yaml, make_config
+    from fedskew.config import ConfigError, load_yaml, make_config
+
+    if getattr(args, "resume", None):
+        from fedskew.runner import resume_config
+
+        flags = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
+        if args.no_db:
+            flags["db"] = None
+        if args.config or args.method_arg:
+            raise ConfigError("--resume takes the run's own config.yaml; drop --config and -m")
+        if flags.get("out") not in (None, args.resume):
+            raise ConfigError("--resume RUN_DIR continues in RUN_DIR; drop --out")
+        return resume_config(args.resume, {k: v for k, v in flags.items() if k != "out"})
 
     file_values = load_yaml(args.config) if args.config else {}
     overrides: dict[str, Any] = {
@@ -158,10 +189,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedskew.runner import run_experiment
+    from fedskew.results.rundir import stale_runs
+    from fedskew.runner import RunInterrupted, run_experiment
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     cfg = _config_from_args(args)
+    out_root = Path(cfg.out).parent if cfg.out else Path("runs")
+    for stale in stale_runs(out_root):
+        if not cfg.out or Path(cfg.out).resolve() != stale.resolve():
+            console.print(
+                f"note: {stale} holds a run that was killed; resume it with `fedskew run --resume {stale}`",
+                highlight=False,
+            )
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -179,11 +218,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             acc = f"acc {100 * rec['global_acc']:.2f}%" if "global_acc" in rec else ""
             progress.update(task, advance=1, acc=acc)
 
-        outcome = run_experiment(cfg, overwrite=args.overwrite, on_round=on_round)
+        try:
+            outcome = run_experiment(
+                cfg,
+                overwrite=args.overwrite,
+                resume=bool(args.resume),
+                on_round=on_round,
+                on_start=lambda sim, first: progress.update(task, completed=first - 1),
+                on_note=lambda msg: console.print(f"note: {msg}", highlight=False),
+            )
+        except RunInterrupted as exc:
+            progress.stop()
+            console.print(
+                f"[bold yellow]{exc}[/]; checkpoint written. Resume with: fedskew run --resume {exc.run_dir}",
+                highlight=False,
+            )
+            return 128 + exc.signum
     print_summary(outcome.summary, outcome.run_dir, cfg)
     if outcome.summary["diverged"]:
         done = outcome.summary["rounds"]
-        Console(stderr=True).print(
+        console.print(
             f"[bold red]error: training diverged in round {outcome.summary['diverged_round']}: "
             f"{outcome.summary['diverged_reason']}.[/] The run stopped; its {done} finished round(s) are in "
             f"{outcome.run_dir}/ with `diverged: true` in summary.json"
@@ -305,6 +359,15 @@ def cmd_skew(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_db(args: argparse.Namespace) -> int:
+    from fedskew.runner import record_in_db
+
+    for run_dir in args.run_dirs:
+        added = record_in_db(args.db, run_dir)
+        print(f"{run_dir}: {'recorded in' if added else 'already in'} {args.db}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedskew.results.report import markdown_report
     from fedskew.results.store import ResultsDB
@@ -321,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.config import ConfigError
     from fedskew.data.partition import PartitionError
     from fedskew.data.readers import DataError
+    from fedskew.results.rundir import RunDirError
+    from fedskew.results.store import DatabaseError
+    from fedskew.runner import DatabaseWriteError
     from fedskew.server.api import UpdateError
 
     args = build_parser().parse_args(argv)
@@ -333,14 +399,27 @@ def main(argv: list[str] | None = None) -> int:
         "report": cmd_report,
         "skew": cmd_skew,
         "partition": cmd_partition,
+        "db": cmd_db,
     }
     try:
         return handlers[command](args)
-    except (ConfigError, DataError, PartitionError, UpdateError, FileExistsError, FileNotFoundError) as exc:
+    except DatabaseWriteError as exc:  # after the compute: the run directory is complete
+        print(f"error: {exc}", file=sys.stderr)
+        return 4
+    except (
+        ConfigError,
+        DataError,
+        PartitionError,
+        UpdateError,
+        RunDirError,
+        DatabaseError,
+        FileExistsError,
+        FileNotFoundError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; nothing was written for this run", file=sys.stderr)
+        print("interrupted before the first round finished; nothing was kept for this run", file=sys.stderr)
         return 130
 
 

@@ -28,7 +28,18 @@ FEDCAC_PARTITIONS = ("dirfixed", "pat")
 
 # settings that change where a run goes, how fast it runs or when it is stopped, not what it computes
 NOT_IDENTITY = frozenset(
-    {"seed", "out", "db", "device", "threads", "data_dir", "download", "eval_batch_size", "divergence_factor"}
+    {
+        "seed",
+        "out",
+        "db",
+        "device",
+        "threads",
+        "data_dir",
+        "download",
+        "eval_batch_size",
+        "divergence_factor",
+        "checkpoint_every",
+    }
 )
 
 
@@ -93,12 +104,25 @@ class RunConfig(StrictSettings):
         description="stop and flag the run as diverged when a round's training loss exceeds this multiple of "
         "ln(classes), the loss of a uniform prediction, or is not finite (0: only non-finite)",
     )
+    on_bad_update: Literal["fail", "drop"] = Field(
+        "fail",
+        description="a client upload that is non-finite, mis-shaped or of the wrong dtype: fail the run (in a "
+        "simulation a non-finite upload is divergence) or drop it from the round, logged with the client and reason",
+    )
+    client_dropout: float = Field(
+        0.0, ge=0, lt=1, description="probability that a sampled client fails to report in a round (seeded)"
+    )
     # evaluation and output
     eval_every: int = Field(1, ge=1)
     eval_batch_size: int = Field(2048, ge=1)
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
     skew_probes: int = Field(
         4, ge=0, description="per layer, positions whose client values are recorded for `fedskew skew` (0: off)"
+    )
+    checkpoint_every: Literal["auto"] | int = Field(
+        "auto",
+        description="write a resumable checkpoint every K rounds (0: never; auto: as often as keeps the writing "
+        "under 2% of the run time, and always on an interruption); see README, long runs",
     )
     seed: int = Field(0, ge=0)
     device: str = "cpu"
@@ -107,6 +131,13 @@ class RunConfig(StrictSettings):
     )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _checkpoint_every_ok(cls, v: str | int) -> str | int:
+        if v != "auto" and v < 0:
+            raise ValueError("must be auto, 0 (never) or a positive number of rounds")
+        return v
 
     @field_validator("model")
     @classmethod

@@ -1,11 +1,20 @@
-"""Run one configured experiment end to end: data -> simulation -> run directory + database."""
+"""Run one configured experiment end to end: data -> simulation -> run directory + database.
+
+Long runs never lose work: the run directory is written in place and locked (``results/rundir.py``), a checkpoint is
+written every ``checkpoint_every`` rounds (``auto``: as often as keeps it under 2% of the run time) and on SIGINT or
+SIGTERM, and ``resume=True`` (or the same ``--out`` with the same configuration) continues from the last checkpoint
+with results identical to an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import signal
+import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,11 +24,23 @@ import numpy as np
 import torch
 
 from fedskew import __version__
-from fedskew.config import RunConfig
+from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, dump_yaml, load_yaml, make_config
 from fedskew.data.federated import FederatedData, build_federated
+from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, resolve_model_name
 from fedskew.methods import resolve_method
-from fedskew.results.store import ResultsDB, RunWriter, client_rows, default_run_dir, summarize_run
+from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
+from fedskew.results.store import (
+    DatabaseError,
+    ResultsDB,
+    check_db_path,
+    client_rows,
+    default_run_dir,
+    summarize_run,
+)
+
+# checkpoint_every=auto: write when the rounds since the last checkpoint took this many times its writing time
+AUTO_CHECKPOINT_RATIO = 49.0  # writing ≤ 1/(1 + 49) = 2% of the run time
 
 
 @dataclass(frozen=True)
@@ -56,17 +77,100 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
 
 
+class RunInterrupted(Exception):
+    """SIGINT/SIGTERM stopped the run after a checkpoint; it can be resumed."""
+
+    def __init__(self, signum: int, run_dir: Path, completed: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after round {completed}")
+        self.signum, self.run_dir, self.completed = signum, run_dir, completed
+
+
+class DatabaseWriteError(DatabaseError):
+    """The run finished and its directory is complete, but its database rows could not be written."""
+
+
+class _Stop:
+    """SIGINT/SIGTERM while rounds run: the first one lets the round finish and checkpoint; a second SIGINT
+    abandons the round at once (the last checkpoint stands)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this round, then checkpointing "
+            "(Ctrl-C again abandons the round; the last checkpoint stands)",
+            flush=True,
+        )
+
+
+@contextmanager
+def _signals() -> Iterator[_Stop]:
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield stop
+        return
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def resume_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The configuration of the run in ``run_dir``; ``overrides`` may change only where and how it runs (device,
+    threads, database, checkpointing), never what it computes."""
+    path = Path(run_dir)
+    if not is_run_dir(path):
+        raise ConfigError(f"{path} is not a fedskew run directory, so there is nothing to resume")
+    saved = load_yaml(path / "config.yaml")
+    changed = {
+        k: v for k, v in (overrides or {}).items() if v is not None and k not in NOT_IDENTITY and saved.get(k) != v
+    }
+    if changed:
+        raise ConfigError(
+            f"--resume continues the run exactly as configured in {path / 'config.yaml'}; it cannot change "
+            + ", ".join(f"{k} ({saved.get(k)!r} -> {v!r})" for k, v in changed.items())
+        )
+    return make_config(saved, {**{k: v for k, v in (overrides or {}).items() if k in NOT_IDENTITY}, "out": str(path)})
+
+
+def _same_experiment(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether ``run_dir`` holds an unfinished run of exactly ``cfg`` (so running the same command resumes it)."""
+    rd = RunDirectory(run_dir)
+    if rd.status().get("status") not in UNFINISHED or not (run_dir / CHECKPOINT).is_file():
+        return False
+    try:
+        saved = make_config(load_yaml(run_dir / "config.yaml"))
+    except ConfigError:
+        return False
+    return saved.identity() == cfg.identity() and saved.seed == cfg.seed
+
+
 def run_experiment(
     cfg: RunConfig,
     *,
     overwrite: bool = False,
+    resume: bool = False,
     on_round: Callable[[RoundResult], None] | None = None,
-    on_start: Callable[[Simulation], None] | None = None,
+    on_start: Callable[[Simulation, int], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> RunOutcome:
-    """Build the federation, run every round, write the run directory and (if configured) the database rows."""
+    """Build the federation, run every round, write the run directory and (if configured) the database rows.
 
+    ``resume``: continue the unfinished run in ``cfg.out`` from its last checkpoint (also done when ``cfg.out`` holds
+    an unfinished run of the same configuration and seed). ``on_start(sim, first_round)`` is called before the
+    first round this call runs. Raises :class:`RunInterrupted` after checkpointing on SIGINT/SIGTERM, and
+    :class:`DatabaseWriteError` when only the database insert failed (the run directory is complete)."""
+    note = on_note or (lambda msg: None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.db:
+        check_db_path(cfg.db)  # before any compute
     started = time.perf_counter()
     now = datetime.now(UTC)
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
@@ -75,49 +179,144 @@ def run_experiment(
     method = resolve_method(cfg.method, cfg.method_args)
     # record the model `auto` stood for, so that config.yaml re-runs the same experiment
     cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, data, method)})
-    sim = Simulation(cfg, data, method)
-    writer = RunWriter(out_dir, cfg, overwrite=overwrite)
-    rows: list[tuple[int, int, str, float, float, int]] = []
-    records: list[dict[str, Any]] = []
+    resume = resume or (not overwrite and out_dir.is_dir() and _same_experiment(out_dir, cfg))
+    sim = Simulation(cfg, data, method)  # refuses what it cannot run before anything is written
+    rd = RunDirectory.prepare(out_dir, overwrite=overwrite, resume=resume)
+    for msg in rd.notes:
+        note(msg)
+    first, elapsed = 1, 0.0
+    created = now.isoformat(timespec="seconds")
+    if resume:
+        ckpt = rd.load_checkpoint(cfg.device)
+        try:
+            restore(sim, ckpt["sim"])
+        except ValueError as exc:
+            rd.unlock()
+            raise ConfigError(f"cannot resume {out_dir}: {exc}") from None
+        first, run_id, created, elapsed = ckpt["round"] + 1, ckpt["run_id"], ckpt["created"], ckpt["elapsed"]
+        rd.cut_rounds(ckpt["round"])
+        note(f"resuming {out_dir} after round {ckpt['round']} (checkpoint)")
+    else:
+        rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds)
+        rd.write_file("config.yaml", dump_yaml(cfg))
+        rd.write_file("clients.json", json.dumps(label_table(data)))
+    rd.set_status("running", run_id=run_id)
+    records = rd.read_lines("metrics.jsonl")
     diverged: Diverged | None = None
-    try:
-        writer.write_file("clients.json", json.dumps(label_table(data)))
-        if on_start is not None:
-            on_start(sim)
-        for rnd in range(1, cfg.rounds + 1):
-            try:
-                result = sim.round(rnd)
-            except Diverged as exc:  # keep the rounds before it, flagged; the caller reports it loudly
-                diverged = exc
-                break
-            records.append(result.record)
-            writer.write_round(result.record)
-            if result.probe is not None:
-                writer.append_line("skew.jsonl", json.dumps(result.probe))
-            rows.extend(client_rows(rnd, result.client_scores))
-            if on_round is not None:
-                on_round(result)
-        summary = summarize_run(records, cfg.last_n)
-        summary.update(
+    ckpt_time, ckpt_count, since_ckpt = 0.0, 0, 0.0
+    last_ckpt_cost: float | None = None
+
+    def checkpoint(rnd: int) -> None:
+        nonlocal ckpt_time, ckpt_count, since_ckpt, last_ckpt_cost
+        t = time.perf_counter()
+        rd.save_checkpoint(
             {
+                "round": rnd,
                 "run_id": run_id,
-                "method": cfg.method,
-                "model": sim.model_name,
-                "seed": cfg.seed,
-                "wall_time": time.perf_counter() - started,
-                "fedskew_version": __version__,
-                "created": now.isoformat(timespec="seconds"),
-                "diverged": diverged is not None,
-                "diverged_round": diverged.round if diverged else None,
-                "diverged_reason": diverged.reason if diverged else None,
+                "created": created,
+                "elapsed": elapsed + time.perf_counter() - started,
+                "sim": capture(sim),
             }
         )
-        summary["headline"] = headline(cfg, summary)
-        run_dir = writer.commit(summary)
-    except BaseException:
-        writer.abort()
+        last_ckpt_cost = time.perf_counter() - t
+        ckpt_time += last_ckpt_cost
+        ckpt_count += 1
+        since_ckpt = 0.0
+        rd.set_status("running", completed_rounds=rnd, checkpoint_round=rnd)
+
+    def due(rnd: int) -> bool:
+        every = cfg.checkpoint_every
+        if every == "auto":
+            return last_ckpt_cost is None or since_ckpt >= AUTO_CHECKPOINT_RATIO * last_ckpt_cost
+        return bool(every) and rnd % every == 0
+
+    try:
+        with _signals() as stop:
+            if on_start is not None:
+                on_start(sim, first)
+            for rnd in range(first, cfg.rounds + 1):
+                t0 = time.perf_counter()
+                try:
+                    result = sim.round(rnd)
+                except Diverged as exc:  # keep the rounds before it, flagged; the caller reports it loudly
+                    diverged = exc
+                    break
+                records.append(result.record)
+                rd.append_line("metrics.jsonl", json.dumps(result.record, sort_keys=True, allow_nan=True))
+                if result.client_scores:
+                    rows = [list(r[1:]) for r in client_rows(rnd, result.client_scores)]
+                    rd.append_line("client_metrics.jsonl", json.dumps({"round": rnd, "rows": rows}))
+                if result.probe is not None:
+                    rd.append_line("skew.jsonl", json.dumps(result.probe))
+                since_ckpt += time.perf_counter() - t0
+                if stop.signum is not None:
+                    checkpoint(rnd)
+                    rd.set_status("interrupted", signal=signal.Signals(stop.signum).name)
+                    rd.unlock()
+                    raise RunInterrupted(stop.signum, out_dir, rnd)
+                if rnd < cfg.rounds and due(rnd):
+                    checkpoint(rnd)
+                if on_round is not None:
+                    on_round(result)
+    except RunInterrupted:
         raise
+    except BaseException as exc:
+        if not records:  # no round finished: leave no trace
+            rd.discard()
+            raise
+        done = rd.status().get("checkpoint_round") or 0
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        rd.set_status(status, error=f"{type(exc).__name__}: {exc}", completed_rounds=len(records))
+        rd.unlock()
+        if isinstance(exc, KeyboardInterrupt):
+            raise RunInterrupted(signal.SIGINT, out_dir, done) from None
+        raise
+
+    summary = summarize_run(records, cfg.last_n)
+    summary.update(
+        {
+            "run_id": run_id,
+            "method": cfg.method,
+            "model": sim.model_name,
+            "seed": cfg.seed,
+            "wall_time": elapsed + time.perf_counter() - started,
+            "fedskew_version": __version__,
+            "created": created,
+            "diverged": diverged is not None,
+            "diverged_round": diverged.round if diverged else None,
+            "diverged_reason": diverged.reason if diverged else None,
+            "checkpoints": ckpt_count,
+            "checkpoint_time": ckpt_time,
+        }
+    )
+    summary["headline"] = headline(cfg, summary)
+    rd.finish("diverged" if diverged else "finished", summary)
     if cfg.db:
-        with ResultsDB(cfg.db) as db:
-            db.add_run(run_id, cfg, now.isoformat(timespec="seconds"), summary, records, rows, str(run_dir))
-    return RunOutcome(run_id, run_dir, summary, records, data)
+        record_in_db(cfg.db, out_dir)
+    return RunOutcome(run_id, out_dir, summary, records, data)
+
+
+def record_in_db(db_path: str | Path, run_dir: str | Path) -> bool:
+    """Insert the ended run in ``run_dir`` into the database (``fedskew db import``); ``False`` if it is already
+    there. Raises :class:`DatabaseWriteError` saying how to import it later."""
+    path = Path(run_dir)
+    rd = RunDirectory(path)
+    summary_file = path / "summary.json"
+    if not summary_file.is_file():
+        st = rd.status().get("status", "not a run directory")
+        raise DatabaseError(f"{path} holds no ended run (status: {st}); only finished or diverged runs are recorded")
+    summary = json.loads(summary_file.read_text())
+    cfg = make_config(load_yaml(path / "config.yaml"))
+    records = rd.read_lines("metrics.jsonl")
+    rows = [(line["round"], *row) for line in rd.read_lines("client_metrics.jsonl") for row in line["rows"]]
+    try:
+        with ResultsDB(db_path) as db:
+            if db.has_run(summary["run_id"]):
+                return False
+            db.add_run(summary["run_id"], cfg, summary["created"], summary, records, rows, str(path))
+    except (DatabaseError, OSError, sqlite3.Error) as exc:
+        raise DatabaseWriteError(
+            f"run {summary['run_id']} finished and {path}/ is complete, but the database {db_path} could not be "
+            f"written ({exc}). Record it later with: fedskew db import {path} --db {db_path}"
+        ) from None
+    return True

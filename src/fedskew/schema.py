@@ -43,6 +43,10 @@ class StrictSettings(BaseModel):
 
 
 def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 

@@ -1,25 +1,25 @@
-"""Where results go: a run directory (config.yaml, metrics.jsonl, summary.json) and an SQLite database.
+"""The SQLite results database, and the summary of a run's records (the run directory is ``rundir.py``).
 
-The run directory is written under a temporary name and renamed into place only when the run finished, and the
-database rows of a run are inserted in one transaction, so an interrupted run leaves neither a half-written
-directory nor half a run in the database.
+A run's rows are inserted in one transaction, so the database never holds half a run. The database is opened in WAL
+mode; an insert that meets a lock retries with back-off, and a run whose insert still fails keeps its complete run
+directory, which ``fedskew db import RUN_DIR`` records later.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
+import os
 import sqlite3
-import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedskew import __version__
-from fedskew.config import RunConfig, dump_yaml
+from fedskew.config import RunConfig
 from fedskew.engine.evaluate import ClientScores
 from fedskew.engine.loop import TIMING_KEYS
 
@@ -112,59 +112,74 @@ def default_run_dir(cfg: RunConfig, stamp: str) -> Path:
     return Path("runs") / f"{stamp}-{safe}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}"
 
 
-class RunWriter:
-    """Streams a run into a temporary directory; :meth:`commit` moves it into place."""
-
-    def __init__(self, out_dir: Path, cfg: RunConfig, *, overwrite: bool = False) -> None:
-        self.out_dir = out_dir
-        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"run directory {out_dir} exists and is not empty (use --overwrite to replace it)")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        (self.tmp / "config.yaml").write_text(dump_yaml(cfg))
-        self._metrics = (self.tmp / "metrics.jsonl").open("w")
-
-    def write_round(self, record: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(record, sort_keys=True, allow_nan=True) + "\n")
-        self._metrics.flush()
-
-    def append_line(self, name: str, line: str) -> None:
-        with (self.tmp / name).open("a") as f:
-            f.write(line + "\n")
-
-    def write_file(self, name: str, text: str) -> None:
-        (self.tmp / name).write_text(text)
-
-    def commit(self, summary: dict[str, Any]) -> Path:
-        self._metrics.close()
-        (self.tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        self.tmp.rename(self.out_dir)
-        return self.out_dir
-
-    def abort(self) -> None:
-        self._metrics.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+class DatabaseError(RuntimeError):
+    """The results database cannot be opened or written; the message says what to do."""
+
+
+def check_db_path(path: str | Path) -> None:
+    """Before any compute: the database (or the folder it will be created in) must be usable. Creates nothing."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_file():
+            raise DatabaseError(f"results database {p} is not a file (choose another --db, or --no-db)")
+        try:
+            conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, timeout=1.0)
+            conn.execute("PRAGMA schema_version").fetchone()
+            conn.close()
+        except sqlite3.Error as exc:
+            raise DatabaseError(
+                f"results database {p} cannot be opened: {exc} (choose another --db, or --no-db)"
+            ) from None
+        return
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise DatabaseError(
+            f"results database {p} cannot be created: {parent} is not a writable directory (choose another --db, "
+            "or --no-db)"
+        )
+
+
+BUSY_TIMEOUT = 5.0  # seconds sqlite itself waits for a lock
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # then fedskew retries after these pauses (about 1.5 min in all)
 
 
 class ResultsDB:
     """The SQLite store of runs, round metrics and per-client metrics."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, retry_delays: Sequence[float] | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(self.path)
+        self.retry_delays = tuple(RETRY_DELAYS if retry_delays is None else retry_delays)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT)
+            self._retry(lambda: self._setup())
+        except (OSError, sqlite3.Error) as exc:
+            raise DatabaseError(f"results database {self.path} cannot be opened: {exc}") from None
+
+    def _setup(self) -> None:
+        self.conn.execute("PRAGMA journal_mode = WAL")  # readers never block the writer of a run
         self.conn.execute("PRAGMA foreign_keys = ON")
         self.conn.executescript(SCHEMA)
         columns = {row[1] for row in self.conn.execute("PRAGMA table_info(runs)")}
         if "diverged_round" not in columns:  # a database written before divergence was recorded
             with self.conn:
                 self.conn.execute("ALTER TABLE runs ADD COLUMN diverged_round INTEGER")
+
+    def _retry(self, action: Callable[[], Any]) -> Any:
+        """Run ``action``; on "database is locked"/"busy" wait and retry with back-off (after sqlite's own 5 s)."""
+        for delay in (*self.retry_delays, None):
+            try:
+                return action()
+            except sqlite3.OperationalError as exc:
+                if delay is None or not any(w in str(exc) for w in ("locked", "busy")):
+                    raise
+                time.sleep(delay)
 
     def close(self) -> None:
         self.conn.close()
@@ -185,7 +200,23 @@ class ResultsDB:
         client_rows: Iterable[tuple[int, int, str, float, float, int]],
         run_dir: str | None,
     ) -> None:
-        """Insert one finished run with all its rows, atomically."""
+        """Insert one finished run with all its rows, atomically (retried while the database is locked)."""
+        rows = list(client_rows)
+        self._retry(lambda: self._insert(run_id, cfg, created, summary, records, rows, run_dir))
+
+    def has_run(self, run_id: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is not None
+
+    def _insert(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        created: str,
+        summary: dict[str, Any],
+        records: list[dict[str, Any]],
+        client_rows: list[tuple[int, int, str, float, float, int]],
+        run_dir: str | None,
+    ) -> None:
         with self.conn:
             self.conn.execute(
                 "INSERT INTO runs (run_id, created, group_key, method, dataset, partition, seed, rounds, config, "

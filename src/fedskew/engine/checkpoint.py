@@ -1,0 +1,39 @@
+"""What a simulation must carry from one round to the next, so that a resumed run continues exactly.
+
+Everything random is keyed by (seed, round, client) (``fedskew/seeding.py``), so a round depends only on this state and
+on the round number: the global model, the models the server sent to clients (personalized methods), the models
+clients hold after training, every client's persistent state (control variates, MOON's previous model, Ditto's and
+FedAMP's own models, local head / BN groups), and the server-side state of the strategy and of the local algorithm
+(Disco, HEAL, FedCAC, FedAMP, SCAFFOLD's global control variate). The reusable training module itself carries no
+state between rounds: every client loads what it received.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedskew.engine.loop import Simulation
+
+STATE_ATTRS = ("global_params", "personal", "trained", "client_states", "server_state", "client_server_state")
+FORMAT = 1
+
+
+def capture(sim: Simulation) -> dict[str, Any]:
+    """The simulation's state after its last finished round (shared, not copied: save it before the next round)."""
+    return {"format": FORMAT, **{name: getattr(sim, name) for name in STATE_ATTRS}}
+
+
+def restore(sim: Simulation, state: dict[str, Any]) -> None:
+    """Put a captured state back into a simulation built from the same configuration."""
+    if state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {state.get('format')!r} is not {FORMAT}; it cannot be resumed")
+    missing = [name for name in STATE_ATTRS if name not in state]
+    if missing:
+        raise ValueError(f"checkpoint lacks {', '.join(missing)}")
+    template = sim.global_params
+    if set(state["global_params"]) != set(template) or any(
+        state["global_params"][k].shape != v.shape for k, v in template.items()
+    ):
+        raise ValueError("the checkpoint's model does not match this configuration's model")
+    for name in STATE_ATTRS:
+        setattr(sim, name, state[name])

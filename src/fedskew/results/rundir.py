@@ -1,0 +1,263 @@
+"""A run directory: what fedskew writes for one run, and the only things it ever deletes.
+
+Layout (every name in :data:`OWN_FILES` is fedskew's; nothing else in the directory is ever touched)::
+
+    status.json            the marker of a fedskew run directory: run id, status, completed rounds, checkpoint round
+    config.yaml            the resolved configuration (re-runnable with --config)
+    clients.json           per-client label histograms
+    metrics.jsonl          one line per finished round
+    client_metrics.jsonl   one line per evaluated round: every client's accuracy and loss per view
+    skew.jsonl             parameter-skew probes
+    checkpoint.pt          everything the next round needs (while the run is unfinished)
+    summary.json           written when the run ends (finished or diverged)
+    .lock                  held by the one process writing the directory
+
+Status: ``running`` (a process holds the lock; if that process is gone, it was killed), ``interrupted`` (SIGINT or
+SIGTERM: resumable), ``failed`` (an error after some rounds: resumable once the cause is fixed), ``diverged``,
+``finished``. Every whole-file write goes to a temporary name in the same directory and is renamed into place, so
+a reader never sees half a file; per-round lines are appended and flushed, and a resume first cuts every per-round
+file back to the checkpoint's round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATUS = "status.json"
+LOCK = ".lock"
+CHECKPOINT = "checkpoint.pt"
+ROUND_FILES = ("metrics.jsonl", "client_metrics.jsonl", "skew.jsonl")  # one JSON line per round, with "round"
+OWN_FILES = (STATUS, "config.yaml", "clients.json", *ROUND_FILES, CHECKPOINT, "summary.json", "skew.png", LOCK)
+UNFINISHED = ("running", "interrupted", "failed")
+
+
+class RunDirError(OSError):
+    """A run directory fedskew cannot use as asked; the message says why and what to do instead."""
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory fedskew wrote: it has ``status.json`` with a run id (or, from before status files, the three
+    files every finished run had)."""
+    status = path / STATUS
+    if status.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            return "run_id" in json.loads(status.read_text())
+        return False
+    return all((path / n).is_file() for n in ("config.yaml", "metrics.jsonl", "summary.json"))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``path`` through a temporary sibling and a rename: readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """One run's directory, locked by this process while it writes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.created = False  # whether this process created the directory itself
+        self.notes: list[str] = []  # things the user should hear about (a stale lock taken over, ...)
+        self._locked = False
+
+    # ---- status --------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / STATUS).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def set_status(self, status: str, **fields: Any) -> None:
+        data = {**self.status(), **fields, "status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        write_atomic(self.path / STATUS, json.dumps(data, indent=2, sort_keys=True))
+
+    # ---- opening ---------------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, path: Path, *, overwrite: bool = False, resume: bool = False) -> RunDirectory:
+        """Lock ``path`` for a new run (``resume=False``) or for continuing the unfinished run in it.
+
+        A new run takes a directory that does not exist or is empty. ``overwrite`` replaces a fedskew run directory
+        by deleting fedskew's own files in it (:data:`OWN_FILES`), nothing else, and never a directory that is not
+        a run directory. Raises :class:`RunDirError` naming the problem and the way out."""
+        rd = cls(path)
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"--out {path} is a file, not a directory; choose another --out")
+        if resume:
+            if not (path.is_dir() and is_run_dir(path)):
+                raise RunDirError(f"{path} is not a fedskew run directory, so there is nothing to resume")
+            rd._lock()
+            if not (path / CHECKPOINT).is_file():
+                st = rd.status()
+                rd.unlock()
+                what = f"status {st.get('status', 'unknown')}"
+                raise RunDirError(f"{path} has no checkpoint to resume from ({what})")
+            return rd
+        if path.is_dir() and any(path.iterdir()):
+            if (path / LOCK).exists():  # another run may be writing it: say so first
+                rd._lock()
+                rd.unlock()
+            if not is_run_dir(path):
+                raise RunDirError(
+                    f"{path} exists, is not empty and is not a fedskew run directory; fedskew never replaces it "
+                    "(choose another --out)"
+                )
+            if not overwrite:
+                st = rd.status()
+                if st.get("status") in UNFINISHED and (path / CHECKPOINT).is_file():
+                    raise RunDirError(
+                        f"{path} holds an unfinished run (status {st['status']}, {st.get('completed_rounds', 0)} "
+                        f"round(s) done); resume it with `fedskew run --resume {path}`, or replace it with --overwrite"
+                    )
+                raise RunDirError(f"run directory {path} exists and is not empty (use --overwrite to replace it)")
+            rd._lock()
+            for name in OWN_FILES:
+                if name != LOCK:
+                    with contextlib.suppress(FileNotFoundError):
+                        (path / name).unlink()
+            return rd
+        try:
+            rd.created = not path.exists()
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(f"cannot create run directory {path}: {exc.strerror or exc}") from None
+        rd._lock()
+        return rd
+
+    def _lock(self) -> None:
+        lock = self.path / LOCK
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    holder = json.loads(lock.read_text())
+                except (OSError, ValueError):
+                    holder = {}
+                pid, host = holder.get("pid"), holder.get("host")
+                if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
+                    self.notes.append(
+                        f"{self.path}: the run that held it (pid {pid}) is gone (killed?); taking over its lock"
+                    )
+                    with contextlib.suppress(FileNotFoundError):
+                        lock.unlink()
+                    continue
+                raise RunDirError(
+                    f"{self.path} is being written by another fedskew run (pid {pid} on {host}, since "
+                    f"{holder.get('since', '?')}); concurrent runs need different --out directories. If that "
+                    f"process is gone, delete {lock}"
+                ) from None
+            except OSError as exc:
+                raise RunDirError(f"cannot write in run directory {self.path}: {exc.strerror or exc}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self._locked = True
+            return
+        raise RunDirError(f"could not lock {self.path}")
+
+    def unlock(self) -> None:
+        if self._locked:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / LOCK).unlink()
+            self._locked = False
+
+    # ---- files -----------------------------------------------------------------------------------------------
+    def write_file(self, name: str, text: str) -> None:
+        write_atomic(self.path / name, text)
+
+    def append_line(self, name: str, line: str) -> None:
+        with (self.path / name).open("a") as f:
+            f.write(line + "\n")
+            f.flush()
+
+    def read_lines(self, name: str) -> list[dict[str, Any]]:
+        p = self.path / name
+        if not p.is_file():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line cut by a kill is not a round
+                out.append(json.loads(line))
+        return out
+
+    def cut_rounds(self, last_round: int) -> None:
+        """Keep only the per-round lines of rounds ``<= last_round`` (a resume redoes the rest)."""
+        for name in ROUND_FILES:
+            if (self.path / name).is_file():
+                kept = [r for r in self.read_lines(name) if r.get("round", 0) <= last_round]
+                self.write_file(name, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        tmp = self.path / f".{CHECKPOINT}.tmp-{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, self.path / CHECKPOINT)
+
+    def load_checkpoint(self, device: str = "cpu") -> dict[str, Any]:
+        try:
+            return torch.load(self.path / CHECKPOINT, map_location=device, weights_only=False)
+        except Exception as exc:  # a checkpoint is only ever replaced by a rename, so this is outside damage
+            raise RunDirError(f"cannot read the checkpoint of {self.path}: {exc}") from None
+
+    # ---- ending ----------------------------------------------------------------------------------------------
+    def finish(self, status: str, summary: dict[str, Any]) -> None:
+        """Write the summary, mark the run ended, drop the checkpoint, release the lock."""
+        self.write_file("summary.json", json.dumps(summary, indent=2, sort_keys=True))
+        self.set_status(status, completed_rounds=summary["rounds"])
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / CHECKPOINT).unlink()
+        self.unlock()
+
+    def discard(self) -> None:
+        """Undo a run that finished no round: remove fedskew's own files, and the directory if this run created it
+        and nothing else is in it."""
+        for name in OWN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        self._locked = False
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only if empty
+
+
+def stale_runs(root: Path) -> Iterator[Path]:
+    """Run directories under ``root`` whose status says ``running`` but whose writer is gone (killed)."""
+    if not root.is_dir():
+        return
+    for status in root.glob(f"*/{STATUS}"):
+        rd = RunDirectory(status.parent)
+        if rd.status().get("status") != "running":
+            continue
+        try:
+            holder = json.loads((rd.path / LOCK).read_text())
+        except (OSError, ValueError):
+            holder = {}
+        pid = holder.get("pid")
+        if not holder or (holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)):
+            yield rd.path
