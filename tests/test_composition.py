@@ -3,10 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from conftest import digits_simulation
 
-from fedskew.config import make_config
-from fedskew.data.federated import build_federated
-from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
@@ -14,20 +12,7 @@ from fedskew.server.disco import DiscoWeights
 
 
 def _run(method, args=None, rounds=2, **kw):
-    cfg = make_config(
-        None,
-        {
-            "clients": 4,
-            "rounds": rounds,
-            "method": method,
-            "method_args": args or {},
-            "db": None,
-            "skew_probes": 0,
-            "seed": 5,
-            **kw,
-        },
-    )
-    sim = Simulation(cfg, build_federated(cfg))
+    sim = digits_simulation(method, args, rounds, **kw)
     return sim.run(), sim
 
 

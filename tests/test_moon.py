@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import digits_simulation
 
 from fedskew.client.algorithms import Moon
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
-from fedskew.config import make_config
-from fedskew.data.federated import build_federated
-from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.models import build_model, projection_width
 from fedskew.server.api import ServerContext
@@ -121,29 +119,7 @@ def test_moon_refuses_a_model_without_the_head_it_expects():
     Moon(projection=256).server_init(ServerContext(2, 3, with_head, frozenset(), np.ones(2), np.ones((2, 3))))
 
 
-def _sim(method, args=None, rounds=2, **over):
-    cfg = make_config(
-        None,
-        {
-            "clients": 4,
-            "rounds": rounds,
-            "method": method,
-            "method_args": args or {},
-            "db": None,
-            "skew_probes": 0,
-            "seed": 5,
-            **over,
-        },
-    )
-    return Simulation(cfg, build_federated(cfg))
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_sim = digits_simulation
 
 
 def test_projection_head_is_trained_and_aggregated(one_thread):

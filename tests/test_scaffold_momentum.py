@@ -99,13 +99,6 @@ def _sim(method, data=None):
     return Simulation(cfg, data), data
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread, as the runner sets by default (``threads: 1``): much faster on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_scaffold_with_momentum_trains_as_well_as_fedavg(one_thread):

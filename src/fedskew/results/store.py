@@ -201,62 +201,50 @@ class ResultsDB:
         run_dir: str | None,
     ) -> None:
         """Insert one finished run with all its rows, atomically (retried while the database is locked)."""
-        rows = list(client_rows)
-        self._retry(lambda: self._insert(run_id, cfg, created, summary, records, rows, run_dir))
+        run_row = (
+            run_id,
+            created,
+            cfg.group_key(),
+            cfg.method,
+            cfg.dataset,
+            cfg.partition,
+            cfg.seed,
+            cfg.rounds,
+            json.dumps(cfg.model_dump(), sort_keys=True),
+            json.dumps(summary, sort_keys=True),
+            run_dir,
+            __version__,
+            float(summary.get("wall_time", 0.0)),
+            summary.get("diverged_round"),
+        )
+        round_rows = [
+            (
+                run_id,
+                r["round"],
+                _num(r.get("train_loss")),
+                _num(r.get("global_acc")),
+                _num(r.get("global_local_acc")),
+                _num(r.get("personal_acc")),
+                json.dumps(r, sort_keys=True),
+            )
+            for r in records
+        ]
+        per_client = [(run_id, *row) for row in client_rows]
+
+        def insert() -> None:
+            with self.conn:
+                self.conn.execute(
+                    "INSERT INTO runs (run_id, created, group_key, method, dataset, partition, seed, rounds, config, "
+                    "summary, run_dir, version, wall_time, diverged_round) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    run_row,
+                )
+                self.conn.executemany("INSERT INTO rounds VALUES (?,?,?,?,?,?,?)", round_rows)
+                self.conn.executemany("INSERT INTO client_metrics VALUES (?,?,?,?,?,?,?)", per_client)
+
+        self._retry(insert)
 
     def has_run(self, run_id: str) -> bool:
         return self.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is not None
-
-    def _insert(
-        self,
-        run_id: str,
-        cfg: RunConfig,
-        created: str,
-        summary: dict[str, Any],
-        records: list[dict[str, Any]],
-        client_rows: list[tuple[int, int, str, float, float, int]],
-        run_dir: str | None,
-    ) -> None:
-        with self.conn:
-            self.conn.execute(
-                "INSERT INTO runs (run_id, created, group_key, method, dataset, partition, seed, rounds, config, "
-                "summary, run_dir, version, wall_time, diverged_round) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    run_id,
-                    created,
-                    cfg.group_key(),
-                    cfg.method,
-                    cfg.dataset,
-                    cfg.partition,
-                    cfg.seed,
-                    cfg.rounds,
-                    json.dumps(cfg.model_dump(), sort_keys=True),
-                    json.dumps(summary, sort_keys=True),
-                    run_dir,
-                    __version__,
-                    float(summary.get("wall_time", 0.0)),
-                    summary.get("diverged_round"),
-                ),
-            )
-            self.conn.executemany(
-                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?)",
-                [
-                    (
-                        run_id,
-                        r["round"],
-                        _num(r.get("train_loss")),
-                        _num(r.get("global_acc")),
-                        _num(r.get("global_local_acc")),
-                        _num(r.get("personal_acc")),
-                        json.dumps(r, sort_keys=True),
-                    )
-                    for r in records
-                ],
-            )
-            self.conn.executemany(
-                "INSERT INTO client_metrics VALUES (?,?,?,?,?,?,?)",
-                [(run_id, *row) for row in client_rows],
-            )
 
     def runs(self) -> list[dict[str, Any]]:
         cur = self.conn.execute(
