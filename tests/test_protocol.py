@@ -5,7 +5,6 @@ import pytest
 
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
-from fedskew.data.partition import PartitionError
 from fedskew.engine.loop import Simulation
 from fedskew.runner import run_experiment
 
@@ -47,8 +46,8 @@ def test_pfllib_dir_uses_least_samples_and_iid_is_all_classes():
     assert (data.train_hists + data.test_hists).sum(1).min() >= least
     cfg = make_config(None, {"protocol": "pfllib", "partition": "iid", "db": None, "clients": 10})
     assert (build_federated(cfg).train_hists > 0).sum(1).min() >= 9
-    with pytest.raises(PartitionError, match="pfllib"):
-        build_federated(make_config(None, {"protocol": "pfllib", "partition": "niid2", "db": None}))
+    with pytest.raises(ConfigError, match="protocol 'pfllib' supports"):  # refused before any data is read
+        make_config(None, {"protocol": "pfllib", "partition": "niid2", "db": None})
 
 
 def test_pfllib_keeps_buffers_on_clients_and_reports_best_round(tmp_path):

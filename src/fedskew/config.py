@@ -24,6 +24,8 @@ DOMAIN_DATASETS = ("digits_domains",)
 
 # the partitions protocol fedcac can draw client-wise class proportions from (FedCAC's Dirichlet and pathological)
 FEDCAC_PARTITIONS = ("dirfixed", "pat")
+# the partitions PFLlib's generator scripts have
+PFLLIB_PARTITIONS = ("iid", "pat", "dir")
 
 
 # settings that change where a run goes, how fast it runs or when it is stopped, not what it computes
@@ -169,6 +171,10 @@ class RunConfig(StrictSettings):
             raise ValueError(
                 f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}) and vice "
                 f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
+            )
+        if self.protocol == "pfllib" and self.partition not in PFLLIB_PARTITIONS:
+            raise ValueError(
+                f"protocol 'pfllib' supports partitions {', '.join(PFLLIB_PARTITIONS)}, not {self.partition!r}"
             )
         if self.protocol == "fedcac":
             if self.partition not in FEDCAC_PARTITIONS:

@@ -131,7 +131,7 @@ def _assemble(
 def build_domain_federated(cfg: RunConfig) -> FederatedData:
     """FedHEAL-style domain skew: ``clients / D`` clients per domain, each holding a random ``domain_fraction`` of
     its domain's training set (disjoint within a domain); the global test set is every domain's test split."""
-    domains = digits_domains(cfg.data_dir, size=cfg.image_size, seed=cfg.seed)
+    domains = digits_domains(cfg.data_dir, size=cfg.image_size, seed=cfg.seed, download=cfg.download)
     names = tuple(domains)
     d = len(names)
     if cfg.clients % d:
@@ -231,19 +231,17 @@ def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[np.ndarray, 
     return ds.x_train, ds.y_train, ds.x_test, ds.y_test
 
 
-def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
-    """FedCAC's protocol (docs/protocols.md): every client draws exactly ``samples_per_client`` training samples
-    from the official training split and ``test_samples_per_client`` local test samples from the official test
-    split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i. Samples
-    never repeat within a client but may be shared across clients (Fling). The global test set is the whole test
-    split. q and the train draw share one partition stream; the test draw has its own."""
-    x_tr, y_tr, x_te, y_te = train_and_test_pools(cfg, ds)
+def fixed_size_draws(
+    cfg: RunConfig, y_tr: np.ndarray, y_te: np.ndarray, n_train: int, n_test: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every client draws ``n_train`` samples from the train pool ``y_tr`` and ``n_test`` from the separate test pool
+    ``y_te``, both with its class proportions q_i (:func:`fedcac_proportions`). Samples never repeat within a client
+    but may be shared across clients (Fling); no test sample can be in any client's training split, since the pools
+    are disjoint. q and the train draw share one partition stream; the test draw has its own."""
     classes = np.unique(y_tr)  # q's columns: the classes present in the training pool
     rng = numpy_rng(cfg.seed, Purpose.PARTITION)
     q = fedcac_proportions(cfg, len(classes), rng)
-    train_parts = dirichlet_fixed(
-        y_tr, cfg.clients, cfg.alpha, rng, samples_per_client=cfg.samples_per_client, proportions=q
-    )
+    train_parts = dirichlet_fixed(y_tr, cfg.clients, cfg.alpha, rng, samples_per_client=n_train, proportions=q)
     # the test draw uses the same q restricted to the test pool's classes; a class a client's q gives mass to
     # must have test samples, else the client's test split could not follow its train proportions
     test_classes = np.unique(y_te)
@@ -252,8 +250,8 @@ def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
         c = int(classes[missing[0]])
         owners = np.flatnonzero(q[:, missing[0]] > 0).tolist()
         raise PartitionError(
-            f"protocol 'fedcac': class {c} has training samples but none in the test pool, so clients {owners} "
-            f"cannot draw test samples with their training proportions"
+            f"partition {cfg.partition!r} (protocol {cfg.protocol!r}): class {c} has training samples but none in "
+            f"the test pool, so clients {owners} cannot draw test samples with their training proportions"
         )
     q_test = np.zeros((cfg.clients, len(test_classes)))
     in_train = np.isin(test_classes, classes)
@@ -263,9 +261,19 @@ def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
         cfg.clients,
         cfg.alpha,
         numpy_rng(cfg.seed, Purpose.PARTITION, 1),
-        samples_per_client=cfg.test_samples_per_client,
+        samples_per_client=n_test,
         proportions=q_test,
     )
+    return train_parts, test_parts
+
+
+def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
+    """FedCAC's protocol (docs/protocols.md): every client draws exactly ``samples_per_client`` training samples
+    from the official training split and ``test_samples_per_client`` local test samples from the official test
+    split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i
+    (:func:`fixed_size_draws`). The global test set is the whole test split."""
+    x_tr, y_tr, x_te, y_te = train_and_test_pools(cfg, ds)
+    train_parts, test_parts = fixed_size_draws(cfg, y_tr, y_te, cfg.samples_per_client, cfg.test_samples_per_client)
     # one pool of the train pool then the test pool, compacted to the samples drawn (the whole pool would only be
     # converted to float and indexed)
     used_tr = np.unique(np.concatenate(train_parts))
@@ -287,11 +295,30 @@ def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     )
 
 
+def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``dirfixed`` under the default protocol: clients draw overlapping fixed-size samples (Fling), so splitting each
+    client's draw into train and test would put one client's test samples into other clients' training splits.
+    Instead the pool is first split, stratified, into a local-train pool (``train_ratio``) and a local-test pool, and
+    every client draws ``round(samples_per_client * train_ratio)`` training samples from the first and the rest from
+    the second with the same class proportions (:func:`fixed_size_draws`, as the fedcac protocol does with the
+    official splits). Returns per-client indices into ``y_pool``."""
+    tr_pool, te_pool = split_holdout(y_pool, 1.0 - cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 2))
+    n_train = int(round(cfg.samples_per_client * cfg.train_ratio))
+    n_test = cfg.samples_per_client - n_train
+    if n_train < 1 or n_test < 1:
+        raise PartitionError(
+            f"partition 'dirfixed': samples_per_client={cfg.samples_per_client} with train_ratio={cfg.train_ratio} "
+            f"leaves {n_train} training and {n_test} local test samples per client; both must be at least 1"
+        )
+    train_parts, test_parts = fixed_size_draws(cfg, y_pool[tr_pool], y_pool[te_pool], n_train, n_test)
+    return [tr_pool[p] for p in train_parts], [te_pool[p] for p in test_parts]
+
+
 def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
     if cfg.partition == "domain":
         return build_domain_federated(cfg)
-    ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir)
+    ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
     if cfg.protocol == "pfllib":
         return build_pfllib(cfg, ds)
     if cfg.protocol == "fedcac":
@@ -300,10 +327,14 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
     if cfg.imbalance_ratio is not None:  # global long tail first, then any partition of what remains
         keep = long_tail(y_pool, cfg.imbalance_ratio, numpy_rng(cfg.seed, Purpose.DATA, 1))
         x_pool, y_pool = x_pool[keep], y_pool[keep]
-    parts = make_partition(
-        cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
-    )
-    train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
+    if cfg.partition == "dirfixed":
+        train_parts, test_parts = dirfixed_local_split(cfg, y_pool)
+    else:
+        parts = make_partition(
+            cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
+        )
+        split_rng = numpy_rng(cfg.seed, Purpose.SPLIT, 1)
+        train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, split_rng)
     return _assemble(
         ds.name, ds.num_classes, x_pool, y_pool, train_parts, test_parts, x_gtest, y_gtest, torch.device(cfg.device)
     )
