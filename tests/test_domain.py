@@ -26,7 +26,7 @@ def _domain(name, n_train, n_test, seed):
 @pytest.fixture
 def fake_domains(monkeypatch):
     doms = {"a": _domain("a", 1000, 50, 0), "b": _domain("b", 200, 30, 1), "c": _domain("c", 500, 40, 2)}
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed: dict(doms))
+    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
     return doms
 
 

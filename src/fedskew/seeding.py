@@ -20,6 +20,7 @@ class Purpose(IntEnum):
     SHUFFLE = 4
     SPLIT = 5
     DATA = 6
+    DROPOUT = 7
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

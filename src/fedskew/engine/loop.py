@@ -2,11 +2,12 @@
 
 One round, as a reader should see it::
 
-    participants = sample(round)                       # seeded by (seed, round)
-    for cid in participants:
+    sampled = sample(round) - dropped_out(round)       # both seeded by (seed, round), independent streams
+    for cid in sampled:
         received = personal[cid] or global             # what this client gets (+ server broadcast extras)
         update   = local_train(method.client, ...)     # one reusable model, resident tensors, seeded order
-    rin      = stack_updates(updates)                  # validated, [K, ...] per tensor
+        stack.add(update)                              # validated into preallocated [K, ...] buffers (or rejected)
+    rin      = stack.round_input()                     # on_bad_update: fail raises, drop aggregates the rest
     server   = method.server.aggregate(rin, state)     # weights -> masks -> combine, or personalized
     evaluate(global / global_local / personal views)   # on the eval cadence
     record   -> metrics.jsonl, SQLite, progress bar
@@ -32,7 +33,7 @@ from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
-from fedskew.server.api import ClientUpdate, NonFiniteUpdateError, Params, ServerContext, check_model, stack_updates
+from fedskew.server.api import ClientUpdate, NonFiniteUpdateError, Params, ServerContext, UploadStack, check_model
 
 TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_round")
 
@@ -52,6 +53,19 @@ def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> 
         return list(range(num_clients))
     rng = numpy_rng(seed, Purpose.SAMPLING, rnd)
     return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+
+
+def dropped_out(seed: int, rnd: int, sampled: list[int], num_clients: int, p: float) -> list[int]:
+    """The sampled clients that fail to report in round ``rnd``, each with probability ``p``.
+
+    One uniform number per client of the federation is drawn from a stream keyed by (seed, round) of its own
+    (:attr:`Purpose.DROPOUT`); client ``c`` drops out when ``u[c] < p``. So sampling is the same with or without
+    dropout, whether a client drops out depends on nothing but (seed, round, client, p), and a larger ``p`` only
+    removes more clients."""
+    if p <= 0:
+        return []
+    u = numpy_rng(seed, Purpose.DROPOUT, rnd).random(num_clients)
+    return [c for c in sampled if u[c] < p]
 
 
 class Diverged(RuntimeError):
@@ -175,52 +189,57 @@ class Simulation:
     def round(self, rnd: int) -> RoundResult:
         cfg, data, method = self.cfg, self.data, self.method
         t0 = time.perf_counter()
-        participants = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
+        sampled = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
+        gone = set(dropped_out(cfg.seed, rnd, sampled, data.num_clients, cfg.client_dropout))
         broadcast = method.client.broadcast(self.client_server_state)
-        updates, bytes_down = [], 0
-        for cid in participants:
+        # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
+        stack = UploadStack(len(sampled) - len(gone), self.global_params)
+        losses: list[tuple[int, int, float]] = []  # (cid, samples, training loss) of the uploads the round counts
+        bytes_up = bytes_down = 0
+        for cid in sampled:
             received = self.params_for(cid)
-            bytes_down += self.wire_bytes(received) + payload_bytes(broadcast)
-            ctx = LocalContext(
-                cid=cid,
-                round=rnd,
-                model=self.model,
-                received=received,
-                client_state=self.client_states[cid],
-                broadcast=broadcast,
-                settings=self.settings,
-            )
-            client = data.clients[cid]
-            gen = torch_generator(cfg.seed, Purpose.SHUFFLE, cid, rnd)
-            update = local_train(method.client, ctx, client.x_train, client.y_train, gen, method.uploads)
-            if self.local_names:
-                self.client_states[cid]["local_params"] = {k: update.params[k] for k in self.local_names}
-            if method.personalized:
-                own = method.client.personal_model(self.client_states[cid])
-                self.trained[cid] = own if own is not None else update.params
-            updates.append(update)
+            bytes_down += self.wire_bytes(received) + payload_bytes(broadcast)  # sent, whether or not it reports
+            if cid in gone:  # crashed before reporting: no training, no state change
+                continue
+            update = self._train(cid, rnd, received, broadcast)
+            bytes_up += self.wire_bytes(update.params) + payload_bytes(update.extras)
+            rejected = stack.add(update)
+            if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
+                self._keep_trained(cid, update)
+            if rejected is None or cfg.on_bad_update == "fail":
+                losses.append((cid, update.num_samples, update.metrics.get("train_loss", math.nan)))
+            del update
         t1 = time.perf_counter()
-        train_loss = self._check_training(rnd, updates)
+        train_loss = self._check_training(rnd, losses)
+        if stack.rejected and cfg.on_bad_update == "fail":  # a malformed upload before a non-finite one
+            error = min(stack.rejected, key=lambda r: r.nonfinite).error()
+            if isinstance(error, NonFiniteUpdateError):  # fedskew trained these clients itself: that is divergence
+                raise Diverged(rnd, str(error))
+            raise error
 
-        try:
-            rin = stack_updates(
-                updates,
-                rnd=rnd,
-                global_params=self.global_params,
-                trainable=self.trainable,
-                label_hists=data.train_hists[participants],
+        record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
+        if cfg.client_dropout > 0 or cfg.on_bad_update == "drop":
+            record["sampled"] = len(sampled)
+        if cfg.client_dropout > 0:
+            record["dropped_out"] = sorted(gone)
+        if cfg.on_bad_update == "drop":
+            record["dropped"] = [r.as_record() for r in stack.rejected]
+        rin, out = None, None
+        if stack.count:
+            rin = stack.round_input(rnd=rnd, trainable=self.trainable, label_hists=data.train_hists[stack.cids])
+            del stack
+            self.client_server_state = method.client.server_update(rin, self.client_server_state)
+            out, self.server_state = method.server.aggregate(rin, self.server_state)
+            self._check_models(rnd, out.global_params, out.personal)
+            self.global_params = out.global_params
+            if out.personal:
+                self.personal.update(out.personal)
+        else:  # nobody to aggregate: every model and all server state stay as they are
+            record["skipped_aggregation"] = (
+                "every sampled client dropped out" if len(gone) == len(sampled) else "no valid upload"
             )
-        except NonFiniteUpdateError as exc:  # fedskew trained these clients itself: that is divergence
-            raise Diverged(rnd, str(exc)) from None
-        self.client_server_state = method.client.server_update(rin, self.client_server_state)
-        out, self.server_state = method.server.aggregate(rin, self.server_state)
-        self._check_models(rnd, out.global_params, out.personal)
-        self.global_params = out.global_params
-        if out.personal:
-            self.personal.update(out.personal)
         t2 = time.perf_counter()
 
-        record: dict[str, Any] = {"round": rnd, "participants": len(participants), "train_loss": train_loss}
         scores: dict[str, ClientScores] = {}
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         probe = None
@@ -228,12 +247,12 @@ class Simulation:
             record_eval, scores = self.evaluate()
             record.update(record_eval)
         t3 = time.perf_counter()
-        if evaluated and cfg.skew_probes:
+        if evaluated and cfg.skew_probes and rin is not None:
             probe = skew_probe(rin, self.global_params, cfg.skew_probes, cfg.seed)
         t4 = time.perf_counter()
         record.update(
             {
-                "bytes_up": sum(self.wire_bytes(u.params) + payload_bytes(u.extras) for u in updates),
+                "bytes_up": bytes_up,
                 "bytes_down": bytes_down,
                 "time_train": t1 - t0,
                 "time_aggregate": t2 - t1,
@@ -243,19 +262,45 @@ class Simulation:
                 "evaluated": evaluated,
             }
         )
-        if out.diagnostics:
+        if out is not None and out.diagnostics:
             record["diagnostics"] = out.diagnostics
         return RoundResult(record, scores, probe)
 
-    def _check_training(self, rnd: int, updates: list[ClientUpdate]) -> float:
-        """The round's sample-weighted training loss; :class:`Diverged` when a client's loss is not finite or the
-        round's exceeds ``divergence_factor × ln(classes)``."""
-        n = np.array([u.num_samples for u in updates], dtype=np.float64)
-        losses = np.array([u.metrics.get("train_loss", float("nan")) for u in updates])
-        for u, loss in zip(updates, losses, strict=True):
+    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> ClientUpdate:
+        """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``)."""
+        ctx = LocalContext(
+            cid=cid,
+            round=rnd,
+            model=self.model,
+            received=received,
+            client_state=self.client_states[cid],
+            broadcast=broadcast,
+            settings=self.settings,
+        )
+        client = self.data.clients[cid]
+        gen = torch_generator(self.cfg.seed, Purpose.SHUFFLE, cid, rnd)
+        return local_train(self.method.client, ctx, client.x_train, client.y_train, gen, self.method.uploads)
+
+    def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
+        """What the client keeps of the model it trained: its local entries and, for personalized methods, the
+        model the ``trained`` view evaluates."""
+        if self.local_names:
+            self.client_states[cid]["local_params"] = {k: update.params[k] for k in self.local_names}
+        if self.method.personalized:
+            own = self.method.client.personal_model(self.client_states[cid])
+            self.trained[cid] = own if own is not None else update.params
+
+    def _check_training(self, rnd: int, losses: list[tuple[int, int, float]]) -> float | None:
+        """The round's sample-weighted training loss over ``(cid, samples, loss)`` (``None`` when empty);
+        :class:`Diverged` when a client's loss is not finite or the round's exceeds ``divergence_factor ×
+        ln(classes)``."""
+        if not losses:
+            return None
+        for cid, _, loss in losses:
             if not math.isfinite(loss):
-                raise Diverged(rnd, f"client {u.cid}'s training loss is {loss}")
-        mean = float((n * losses).sum() / n.sum())
+                raise Diverged(rnd, f"client {cid}'s training loss is {loss}")
+        n = np.array([s for _, s, _ in losses], dtype=np.float64)
+        mean = float((n * np.array([loss for _, _, loss in losses])).sum() / n.sum())
         if mean > self.loss_limit:
             raise Diverged(
                 rnd,

@@ -12,12 +12,17 @@ uploaded, and the model that was broadcast. A server method is a :class:`ServerS
 Each piece is a small object whose state is explicit: ``init(ctx) -> state`` and ``__call__(..., state) ->
 (result, new_state)``. Stateless pieces return ``None`` as their state. Personalized methods (FedCAC, FedAMP)
 implement :class:`ServerStrategy` directly and return one model per client.
+
+Uploads pass one validation, :func:`check_update` (a :class:`Rejection` with the reason, or ``None``), which both
+``on_bad_update`` policies use: ``fail`` raises it, ``drop`` leaves the upload out of the round. The engine copies each
+valid upload into preallocated ``[K, ...]`` buffers as soon as it is trained (:class:`UploadStack`), so a round never
+holds its uploads twice; :func:`stack_updates` does the same for a list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +39,24 @@ class UpdateError(ValueError):
 
 class NonFiniteUpdateError(UpdateError):
     """An upload holding NaN or Inf. In a simulation, where fedskew trained the client itself, this is divergence."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why the server refused one client's upload (see :func:`check_update`)."""
+
+    cid: int
+    reason: str
+    nonfinite: bool = False  # NaN/Inf in a well-formed upload (in a simulation: that client diverged)
+
+    def error(self) -> UpdateError:
+        """The exception the ``fail`` policy raises for it."""
+        cls = NonFiniteUpdateError if self.nonfinite else UpdateError
+        return cls(f"client {self.cid}: {self.reason}")
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON form for the round's record: ``{"client": 3, "reason": "..."}``."""
+        return {"client": self.cid, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -71,18 +94,37 @@ class RoundInput:
     global_params: Params  # the model broadcast at the start of the round
     trainable: frozenset[str]
     label_hists: np.ndarray  # [K, num_classes] participants' histograms
+    rejected: tuple[Rejection, ...] = ()  # uploads left out under on_bad_update='drop'
 
     @property
     def num_participants(self) -> int:
         return len(self.cids)
 
-    def updates(self) -> Params:
-        """Per-client model updates ``w_k - w_global`` (float tensors only)."""
-        return {
-            name: stacked - self.global_params[name].unsqueeze(0)
-            for name, stacked in self.params.items()
-            if stacked.is_floating_point()
-        }
+    def update(self, name: str) -> Tensor:
+        """One tensor's per-client model updates ``w_k - w_global`` (``[K, *shape]``, the upload's dtype)."""
+        return self.params[name] - self.global_params[name].unsqueeze(0)
+
+    def updates(self) -> Mapping[str, Tensor]:
+        """Per-client model updates ``w_k - w_global`` of the float tensors, computed tensor by tensor when read
+        (never all at once, nothing cached): iterate, or index the tensor you need."""
+        return _Updates(self)
+
+
+class _Updates(Mapping[str, Tensor]):
+    def __init__(self, rin: RoundInput) -> None:
+        self._rin = rin
+        self._names = [n for n, t in rin.params.items() if t.is_floating_point()]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._rin.update(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass(frozen=True)
@@ -146,6 +188,127 @@ class Aggregation:
         return ServerOutput(params, None, diagnostics), {"weighting": wstate, "masking": mstate}
 
 
+def check_update(
+    update: ClientUpdate, global_params: Params, extras_template: Params | None = None
+) -> Rejection | None:
+    """The one validation of an upload: ``None`` if the server can use it, else the first problem found.
+
+    Checked against the broadcast model: the same tensor names (nothing missing, nothing unknown), shapes and
+    dtypes; a positive sample count; the extra tensors against ``extras_template`` (an accepted upload's extras:
+    same names, shapes and dtypes; ``None``: not compared); every floating tensor finite. Both policies use it:
+    ``fail`` raises :meth:`Rejection.error`, ``drop`` leaves the upload out of the round.
+    """
+    missing = [n for n in global_params if n not in update.params]
+    extra = [n for n in update.params if n not in global_params]
+    if missing or extra:
+        return Rejection(update.cid, f"upload has missing tensors {missing} / unknown tensors {extra}")
+    for n, ref in global_params.items():
+        t = update.params[n]
+        if t.shape != ref.shape:
+            return Rejection(update.cid, f"tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.dtype != ref.dtype:
+            return Rejection(update.cid, f"tensor '{n}' has dtype {t.dtype}, expected {ref.dtype}")
+    if update.num_samples <= 0:
+        return Rejection(update.cid, f"num_samples must be positive, got {update.num_samples}")
+    if extras_template is not None:
+        if sorted(update.extras) != sorted(extras_template):
+            return Rejection(update.cid, f"extras {sorted(update.extras)} differ from {sorted(extras_template)}")
+        for n, ref in extras_template.items():
+            t = update.extras[n]
+            if t.shape != ref.shape or t.dtype != ref.dtype:
+                return Rejection(
+                    update.cid, f"extra tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
+                )
+    for kind, tensors in (("tensor", update.params), ("extra tensor", update.extras)):
+        for n, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return Rejection(update.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
+    return None
+
+
+def validate_updates(
+    updates: Sequence[ClientUpdate], global_params: Params
+) -> tuple[list[ClientUpdate], list[Rejection]]:
+    """Split uploads into the valid ones and the rejected ones with reasons (:func:`check_update`); the first valid
+    upload's extra tensors are the reference for the others'."""
+    valid: list[ClientUpdate] = []
+    rejected: list[Rejection] = []
+    for u in updates:
+        bad = check_update(u, global_params, valid[0].extras if valid else None)
+        if bad is None:
+            valid.append(u)
+        else:
+            rejected.append(bad)
+    return valid, rejected
+
+
+class UploadStack:
+    """Uploads validated into preallocated ``[capacity, ...]`` buffers one at a time, as they arrive.
+
+    The engine adds each client's upload right after its training and drops the per-client copy, so a round never
+    holds the K uploads twice. :meth:`add` returns the :class:`Rejection` of an invalid upload (which is not
+    stored) and ``None`` otherwise; the caller applies its policy. Accepted uploads fill the rows in order; the
+    first one fixes the extra tensors every later one must match.
+    """
+
+    def __init__(self, capacity: int, global_params: Params) -> None:
+        self.global_params = global_params
+        self.capacity = capacity
+        self.params: Params = {
+            n: torch.empty((capacity, *t.shape), dtype=t.dtype, device=t.device) for n, t in global_params.items()
+        }
+        self.extras: Params | None = None  # allocated from the first accepted upload
+        self.cids: list[int] = []
+        self.num_samples: list[int] = []
+        self.rejected: list[Rejection] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.cids)
+
+    def add(self, update: ClientUpdate) -> Rejection | None:
+        template = None if self.extras is None else {n: buf[0] for n, buf in self.extras.items()}
+        bad = check_update(update, self.global_params, template)
+        if bad is not None:
+            self.rejected.append(bad)
+            return bad
+        if self.count >= self.capacity:
+            raise ValueError(f"UploadStack holds {self.capacity} uploads; client {update.cid} is one too many")
+        if self.extras is None:
+            self.extras = {
+                n: torch.empty((self.capacity, *t.shape), dtype=t.dtype, device=t.device)
+                for n, t in sorted(update.extras.items())
+            }
+        row = self.count
+        for n, buf in self.params.items():
+            buf[row].copy_(update.params[n])
+        for n, buf in self.extras.items():
+            buf[row].copy_(update.extras[n])
+        self.cids.append(update.cid)
+        self.num_samples.append(int(update.num_samples))
+        return None
+
+    def round_input(self, *, rnd: int, trainable: frozenset[str], label_hists: np.ndarray) -> RoundInput:
+        """The accepted uploads as a :class:`RoundInput` (views of the buffers' filled rows, no copy);
+        ``label_hists``: the accepted clients' histograms, in the order of :attr:`cids`."""
+        if not self.cids:
+            raise UpdateError("no valid upload in this round")
+        k = self.count
+        return RoundInput(
+            round=rnd,
+            cids=tuple(self.cids),
+            params={n: buf[:k] for n, buf in self.params.items()},
+            num_samples=torch.tensor([float(n) for n in self.num_samples], dtype=torch.float64),
+            extras={n: buf[:k] for n, buf in (self.extras or {}).items()},
+            global_params=self.global_params,
+            trainable=trainable,
+            label_hists=np.asarray(label_hists),
+        )
+
+
+ON_BAD_UPDATE = ("fail", "drop")
+
+
 def stack_updates(
     updates: Sequence[ClientUpdate],
     *,
@@ -153,50 +316,35 @@ def stack_updates(
     global_params: Params,
     trainable: frozenset[str],
     label_hists: np.ndarray,
+    on_bad_update: str = "fail",
 ) -> RoundInput:
-    """Validate the uploads against the broadcast model and stack them along a client axis.
+    """Validate the uploads against the broadcast model (:func:`check_update`) and stack them along a client axis.
 
-    Raises :class:`UpdateError` naming the client and tensor for a missing, extra, mis-shaped or non-finite upload.
+    ``on_bad_update='fail'`` raises :class:`UpdateError` naming the client and tensor for a missing, extra,
+    mis-shaped or wrong-dtype upload (:class:`NonFiniteUpdateError` for NaN/Inf); ``'drop'`` leaves such uploads
+    out (``RoundInput.rejected`` says which and why; ``label_hists`` rows follow ``updates``) and raises only when
+    none is left.
     """
+    if on_bad_update not in ON_BAD_UPDATE:
+        raise ValueError(f"on_bad_update must be one of {ON_BAD_UPDATE}, got {on_bad_update!r}")
     if not updates:
         raise UpdateError("no client uploaded in this round")
-    names = list(global_params)
-    for u in updates:
-        missing = [n for n in names if n not in u.params]
-        extra = [n for n in u.params if n not in global_params]
-        if missing or extra:
-            raise UpdateError(f"client {u.cid}: upload has missing tensors {missing} / unknown tensors {extra}")
-        for n in names:
-            t, ref = u.params[n], global_params[n]
-            if t.shape != ref.shape:
-                raise UpdateError(
-                    f"client {u.cid}: tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
-                )
-            if t.dtype != ref.dtype:
-                raise UpdateError(f"client {u.cid}: tensor '{n}' has dtype {t.dtype}, expected {ref.dtype}")
-        if u.num_samples <= 0:
-            raise UpdateError(f"client {u.cid}: num_samples must be positive, got {u.num_samples}")
-    extra_names = sorted(updates[0].extras)
-    for u in updates:
-        if sorted(u.extras) != extra_names:
-            raise UpdateError(f"client {u.cid}: extras {sorted(u.extras)} differ from {extra_names}")
-    params = {n: torch.stack([u.params[n] for u in updates]) for n in names}
-    extras = {n: torch.stack([u.extras[n] for u in updates]) for n in extra_names}
-    for kind, stacked in (("tensor", params), ("extra tensor", extras)):
-        for n, t in stacked.items():  # one finiteness check per stacked tensor; find the client only on failure
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad = torch.isfinite(t).flatten(1).all(1).logical_not().nonzero().flatten().tolist()
-                raise NonFiniteUpdateError(f"client {updates[bad[0]].cid}: {kind} '{n}' contains NaN or Inf")
-    return RoundInput(
-        round=rnd,
-        cids=tuple(u.cid for u in updates),
-        params=params,
-        num_samples=torch.tensor([float(u.num_samples) for u in updates], dtype=torch.float64),
-        extras=extras,
-        global_params=global_params,
-        trainable=trainable,
-        label_hists=np.asarray(label_hists),
-    )
+    stack = UploadStack(len(updates), global_params)
+    kept: list[int] = []
+    for i, u in enumerate(updates):
+        bad = stack.add(u)
+        if bad is None:
+            kept.append(i)
+        elif on_bad_update == "fail":
+            raise bad.error()
+    if not kept:
+        reasons = "; ".join(f"client {r.cid}: {r.reason}" for r in stack.rejected)
+        raise UpdateError(f"no valid upload in this round ({reasons})")
+    hists = np.asarray(label_hists)
+    if len(kept) < len(updates):
+        hists = hists[kept]
+    rin = stack.round_input(rnd=rnd, trainable=trainable, label_hists=hists)
+    return replace(rin, rejected=tuple(stack.rejected)) if stack.rejected else rin
 
 
 def check_model(params: Params, template: Params, what: str) -> list[str]:

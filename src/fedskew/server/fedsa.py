@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from fedskew.server.api import Params, RoundInput
+from fedskew.server.combine import column_blocks
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")
 ALPHA_NORMS = ("per_position", "literal")
@@ -90,8 +91,9 @@ def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = 
     """Mean, population variance, constancy, skewness (and a weighted mean) of every column of ``X``.
 
     ``X`` is ``K x M`` in any float dtype; the statistics are computed in float64 over blocks of columns
-    (one reused ``K x block`` float64 buffer pair; on CUDA a single block), so no ``K x M`` float64 copy of a
-    large layer is ever materialized. ``weights`` (``[K]``, already normalized) adds ``weighted_mean``.
+    (:func:`fedskew.server.combine.column_blocks`, one reused ``K x block`` float64 buffer pair), so no
+    ``K x M`` float64 copy of a large layer is ever materialized.
+    ``weights`` (``[K]``, already normalized) adds ``weighted_mean``.
 
     On constant columns (min == max, exactly) the means are the common value and the variance is 0 exactly
     (spec 7): a float mean of identical values can be an ulp off, which would leave squared deviations of
@@ -108,12 +110,13 @@ def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = 
     if weights is not None:
         wmean = torch.empty(m, **dev_kw)
         weights = torch.as_tensor(weights).to(**dev_kw).reshape(-1)
-    block = m if X.device.type != "cpu" else max(1, min(m, CHUNK_ELEMENTS // k))
+    blocks = list(column_blocks(k, m, X.device, CHUNK_ELEMENTS if X.device.type == "cpu" else None))
+    block = blocks[0].stop - blocks[0].start if blocks else 0
     buf = torch.empty((k, block), **dev_kw)
     scratch = torch.empty((k, block), **dev_kw)
     # few, large kernels per block (each one is a parallel region on CPU)
-    for s in range(0, m, block):
-        e = min(s + block, m)
+    for cols in blocks:
+        s, e = cols.start, cols.stop
         xb = X[:, s:e]
         torch.amax(xb, 0, out=hi[s:e])
         torch.amin(xb, 0, out=lo[s:e])

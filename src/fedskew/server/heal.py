@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from fedskew.server.api import Aggregation, Params, RoundInput, ServerContext
-from fedskew.server.combine import WeightedMean
+from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
 
 DISTANCES = ("l2_per_tensor", "squared")
@@ -63,7 +63,8 @@ def _float_names(rin: RoundInput) -> list[str]:
 
 @dataclass(frozen=True)
 class SignHistory:
-    """One client's FPHL table: per element, how many of its ``rounds`` updates were non-negative (int32)."""
+    """One client's FPHL table: per element, how many of its ``rounds`` updates were non-negative, in the narrowest
+    integer dtype that holds ``rounds`` (:func:`count_dtype`: one byte per element for 255 participations)."""
 
     nonneg: dict[str, Tensor]
     rounds: int
@@ -74,6 +75,24 @@ class SignHistory:
 
 
 HealMaskState = dict[int, SignHistory]
+
+
+def count_dtype(rounds: int) -> torch.dtype:
+    """The narrowest integer dtype for counts up to ``rounds``: the FPHL tables (one count per element of every
+    participant's model) stay a quarter of the model's float32 size for the first 255 participations."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if rounds <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def consistent(up: Tensor, past: Tensor, n: int, need: int) -> Tensor:
+    """FPHL's mask from exact integer counts: ``agree >= need``, where ``agree`` is the number of the ``n`` past
+    updates with this update's sign (``past`` non-negative ones where ``up``, else ``n - past``). Compared in the
+    table's own dtype (``0 <= past <= n``), so ``need`` outside ``[0, n]`` is decided here, not cast."""
+    if need > n:  # no count reaches it (and n - need < 0 would wrap around in an unsigned table)
+        return torch.zeros_like(up)
+    return torch.where(up, past >= need, past <= n - need)
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ class HealMasks:
             nonneg_now = {name: rin.params[name][i] >= rin.global_params[name] for name in names}
             history = state.get(cid)
             if history is None:  # first participation: unmasked, the table starts from this update
-                counts = {name: up.to(torch.int32) for name, up in nonneg_now.items()}
+                counts = {name: up.to(count_dtype(1)) for name, up in nonneg_now.items()}
                 new_state[cid] = SignHistory(counts, 1)
                 continue
             if sorted(history.nonneg) != sorted(names):
@@ -133,6 +152,8 @@ class HealMasks:
                     f"upload has {sorted(names)}"
                 )
             n = history.rounds
+            # c > tau  <=>  agree·den > num·n  <=>  agree >= num·n // den + 1  (>= tau: agree >= ceil(num·n / den))
+            need = num * n // den + 1 if self.strict else -(-num * n // den)
             counts = {}
             for name, up in nonneg_now.items():
                 past = history.nonneg[name]
@@ -140,16 +161,32 @@ class HealMasks:
                     raise ValueError(
                         f"client {cid}: tensor '{name}' changed shape since its last participation"
                     )
-                # agreeing past rounds: non-negative count where this update is >= 0, the rest where it is < 0
-                agree = torch.where(up, past.to(torch.int64), n - past.to(torch.int64))
-                lhs, rhs = agree * den, num * n  # c > tau  <=>  agree·den > num·n  (exact integers)
-                masks[name][i] = lhs > rhs if self.strict else lhs >= rhs
-                counts[name] = past + up.to(torch.int32)
+                masks[name][i] = consistent(up, past, n, max(need, 0))
+                if n + 1 > torch.iinfo(past.dtype).max:
+                    past = past.to(count_dtype(n + 1))
+                counts[name] = past + up  # the table's dtype (bool promotes to it)
             new_state[cid] = SignHistory(counts, n + 1)
         return masks, new_state
 
 
 # ----------------------------------------------------------------------------------------------------- FAEL
+
+
+def masked_update_sq_norms(x: Tensor, start: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``[K]`` float64 squared Euclidean norms of the rows of ``(x - start) ⊙ mask`` (``x``: ``[K, M]``), computed
+    block by block of columns (no ``K × M`` float64 copy)."""
+    k, m = x.shape
+    sq = torch.zeros(k, dtype=torch.float64, device=x.device)
+    buf = None
+    for cols in column_blocks(k, m, x.device):
+        if buf is None:
+            buf = torch.empty((k, cols.stop - cols.start), dtype=torch.float64, device=x.device)
+        delta = buf[:, : cols.stop - cols.start]
+        delta.copy_(x[:, cols]).sub_(start[cols].to(torch.float64))
+        if mask is not None:
+            delta.masked_fill_(~mask[:, cols], 0.0)
+        sq += delta.square_().sum(1)
+    return sq
 
 
 def fael_distances(rin: RoundInput, masks: Params | None, distance: str = "l2_per_tensor") -> np.ndarray:
@@ -160,16 +197,14 @@ def fael_distances(rin: RoundInput, masks: Params | None, distance: str = "l2_pe
     """
     if distance not in DISTANCES:
         raise ValueError(f"unknown FAEL distance {distance!r}; expected one of {DISTANCES}")
-    d = torch.zeros(rin.num_participants, dtype=torch.float64)
+    k = rin.num_participants
+    d = torch.zeros(k, dtype=torch.float64)
     for name, stacked in rin.params.items():
         if name not in rin.trainable or not stacked.is_floating_point():
             continue
-        delta = stacked.to(torch.float64) - rin.global_params[name].to(torch.float64).unsqueeze(0)
-        if masks is not None and name in masks:
-            delta = delta * masks[name].to(torch.float64)
-        flat = delta.reshape(delta.shape[0], -1)
-        part = flat.norm(dim=1) if distance == "l2_per_tensor" else (flat * flat).sum(dim=1)
-        d += part.cpu()
+        mask = None if masks is None or name not in masks else masks[name].reshape(k, -1)
+        sq = masked_update_sq_norms(stacked.reshape(k, -1), rin.global_params[name].reshape(-1), mask)
+        d += (sq.sqrt() if distance == "l2_per_tensor" else sq).cpu()
     return d.numpy()
 
 

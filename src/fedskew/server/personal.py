@@ -17,22 +17,31 @@ from torch import Tensor
 
 from fedskew.client.personal import MASK_PREFIX
 from fedskew.server.api import Params, RoundInput, ServerContext, ServerOutput, State, Weighting
-from fedskew.server.combine import WeightedMean
+from fedskew.server.combine import WeightedMean, column_blocks
 
 COLLAB_TOL = 1e-12  # spec 7: exact ties with the threshold collaborate
 
 
 def mix(a: Tensor, stacked: Tensor) -> Tensor:
-    """Row-mixing of client values: ``out[i] = Σ_j a[i, j] · stacked[j]`` in float64, cast back."""
-    flat = stacked.reshape(stacked.shape[0], -1).to(torch.float64)
-    return (a.to(torch.float64) @ flat).reshape(stacked.shape).to(stacked.dtype)
+    """Row-mixing of client values: ``out[i] = Σ_j a[i, j] · stacked[j]`` in float64 (block by block of columns,
+    no ``K × M`` float64 copy), cast back."""
+    k = stacked.shape[0]
+    flat = stacked.reshape(k, -1)
+    a64 = a.to(device=flat.device, dtype=torch.float64)
+    out = torch.empty_like(flat)
+    for cols in column_blocks(k, flat.shape[1], flat.device):
+        out[:, cols] = a64 @ flat[:, cols].to(torch.float64)
+    return out.reshape(stacked.shape)
 
 
 def personal_models(rin: RoundInput, trainable_values: Params) -> dict[int, Params]:
-    """Per participant: the given ``[K, ...]`` values for trainable tensors, its own upload for buffers."""
+    """Per participant: the given ``[K, ...]`` values for trainable tensors, its own upload for buffers. Each row is
+    a copy, so a client's model does not keep the round's ``[K, ...]`` tensors (and uploads) alive."""
     out: dict[int, Params] = {}
     for k, cid in enumerate(rin.cids):
-        out[cid] = {n: (trainable_values[n][k] if n in trainable_values else t[k]) for n, t in rin.params.items()}
+        out[cid] = {
+            n: (trainable_values[n][k] if n in trainable_values else t[k]).clone() for n, t in rin.params.items()
+        }
     return out
 
 
@@ -144,8 +153,10 @@ def squared_distances(rin: RoundInput) -> Tensor:
     d = torch.zeros(k, k, dtype=torch.float64)
     for n, t in rin.params.items():
         if n in rin.trainable:
-            flat = t.reshape(k, -1).to(torch.float64)
-            d += torch.cdist(flat, flat).pow(2)
+            flat = t.reshape(k, -1)
+            for cols in column_blocks(k, flat.shape[1], flat.device):
+                block = flat[:, cols].to(torch.float64)
+                d += torch.cdist(block, block).pow(2).cpu()
     return d
 
 
