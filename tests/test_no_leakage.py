@@ -1,63 +1,89 @@
-"""No sample a model is tested on may be trained on: for every partition × protocol, no client's local test sample
-and no global test sample appears in any client's training split.
+"""No sample a model is tested on may be trained on: for every valid partition × protocol, no client's local test
+sample and no global test sample appears in any client's training split.
 
-Samples are identified by content (image bytes and label), restricted to images that occur once in the dataset
-(digits has a few exact duplicates; a duplicate pair could sit in train and test legitimately)."""
-
-import hashlib
-from collections import Counter
+Samples are identified by their source index (``ClientData.train_index`` / ``test_index``,
+``FederatedData.test_index``: the dataset's training split, then its test split; fedskew/data/federated.py). Every
+check first verifies that the recorded indices are where the tensors came from (the images and labels at those
+source indices are the tensors' rows), so the bookkeeping cannot hide a leak."""
 
 import numpy as np
 import pytest
 import torch
 
+import fedskew.data.federated as fed
 from fedskew.config import FEDCAC_PARTITIONS, PFLLIB_PARTITIONS, ConfigError, make_config
-from fedskew.data.federated import build_federated
-from fedskew.data.readers import load_dataset
+from fedskew.data.partition import PartitionError
+from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
 
-PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "quantity"]
+PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "quantity"]  # on digits; domain needs digits_domains
 PROTOCOLS = ["fedskew", "pfllib", "fedcac"]
 VALID = {"fedskew": PARTITIONS, "pfllib": PFLLIB_PARTITIONS, "fedcac": FEDCAC_PARTITIONS}  # others are refused
 COMBOS = [(p, proto) for proto in PROTOCOLS for p in VALID[proto]]
 
 
-def _keys(x: torch.Tensor, y: torch.Tensor) -> list[bytes]:
-    xb = ((x.cpu().float() + 1.0) * 127.5).round().to(torch.uint8).reshape(len(x), -1).numpy()
-    yb = y.cpu().numpy()
-    return [
-        hashlib.blake2b(row.tobytes() + int(lab).to_bytes(2, "little"), digest_size=12).digest()
-        for row, lab in zip(xb, yb, strict=True)
-    ]
+def _source(parts: list[ImageDataset]) -> tuple[np.ndarray, np.ndarray]:
+    """The source index space of datasets ``parts`` (one, or the domains in order): every training split, then every
+    test split."""
+    xs = [d.x_train for d in parts] + [d.x_test for d in parts if d.x_test is not None]
+    ys = [d.y_train for d in parts] + [d.y_test for d in parts if d.y_test is not None]
+    return np.concatenate(xs), np.concatenate(ys)
 
 
-def _unique_keys() -> set[bytes]:
-    ds = load_dataset("digits")
-    x = torch.from_numpy(ds.x_train).float().div(127.5).sub(1.0)
-    counts = Counter(_keys(x, torch.from_numpy(ds.y_train)))
-    return {k for k, n in counts.items() if n == 1}
+def _check_indices(x: torch.Tensor, y: torch.Tensor, index: np.ndarray | None, source: tuple) -> None:
+    assert index is not None and index.dtype == np.int64 and index.shape == (len(y),)
+    sx, sy = source
+    assert torch.equal(x.cpu(), fed.to_float(sx[index], "cpu"))
+    assert np.array_equal(y.cpu().numpy(), sy[index])
 
 
-UNIQUE = _unique_keys()
-
-
-def _leaks(data) -> tuple[int, int, int]:
-    """(local-test samples found in some train split, global-test samples found in some train split, local tests)"""
-    train = set()
+def leak_report(data: fed.FederatedData, source: tuple) -> dict[str, int]:
+    """Checks the recorded source indices against the tensors, then counts local-test and global-test samples that
+    sit in some client's training split."""
     for c in data.clients:
-        train.update(k for k in _keys(c.x_train, c.y_train) if k in UNIQUE)
-    local = [k for c in data.clients for k in _keys(c.x_test, c.y_test) if k in UNIQUE]
-    glob = [k for k in _keys(data.x_test, data.y_test) if k in UNIQUE]
-    return sum(k in train for k in local), sum(k in train for k in glob), len(local)
+        _check_indices(c.x_train, c.y_train, c.train_index, source)
+        _check_indices(c.x_test, c.y_test, c.test_index, source)
+    _check_indices(data.x_test, data.y_test, data.test_index, source)
+    train = np.unique(np.concatenate([c.train_index for c in data.clients]))
+    local = np.concatenate([c.test_index for c in data.clients])
+    return {
+        "local_leaks": int(np.isin(local, train).sum()),
+        "local_tests": len(local),
+        "global_leaks": int(np.isin(data.test_index, train).sum()),
+        "global_tests": len(data.test_index),
+    }
 
 
-def _values(partition: str, protocol: str) -> dict:
-    values = {"dataset": "digits", "partition": partition, "protocol": protocol, "clients": 10, "seed": 1}
+def assert_no_leak(data: fed.FederatedData, source: tuple) -> dict[str, int]:
+    r = leak_report(data, source)
+    assert r["local_tests"] > 0 and r["global_tests"] > 0
+    assert (r["local_leaks"], r["global_leaks"]) == (0, 0), (
+        f"{r['local_leaks']}/{r['local_tests']} local-test and {r['global_leaks']}/{r['global_tests']} global-test "
+        "samples are in some client's training split"
+    )
+    return r
+
+
+def _values(partition: str, protocol: str, seed: int = 1) -> dict:
+    values = {"dataset": "digits", "partition": partition, "protocol": protocol, "clients": 10, "seed": seed}
     values.update({"samples_per_client": 100, "test_samples_per_client": 30, "db": None})
     if partition == "niid2":
         values["clients"] = 6
     if partition == "quantity":  # quantity skew Dir(alpha) over sizes: 0.1 leaves clients with one sample
         values["alpha"] = 1.0
     return values
+
+
+def test_every_valid_combination_is_covered():
+    covered = set(COMBOS) | {("domain", "fedskew")}  # domain: the tests below
+    for proto in PROTOCOLS:
+        for partition in [*PARTITIONS, "domain"]:
+            dataset = "digits_domains" if partition == "domain" else "digits"
+            try:
+                make_config(None, {**_values(partition, proto), "dataset": dataset})
+            except ConfigError:
+                assert (partition, proto) not in covered
+            else:
+                assert (partition, proto) in covered, f"{partition} × {proto} is valid but not checked"
 
 
 @pytest.mark.parametrize("protocol", ["pfllib", "fedcac"])
@@ -67,35 +93,79 @@ def test_the_combinations_left_out_are_refused(protocol):
             make_config(None, _values(partition, protocol))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("partition, protocol", COMBOS)
-def test_no_test_sample_is_in_any_training_split(partition, protocol):
-    data = build_federated(make_config(None, _values(partition, protocol)))
-    local_leaks, global_leaks, n_local = _leaks(data)
-    assert n_local > 0
-    assert (local_leaks, global_leaks) == (0, 0), f"{local_leaks}/{n_local} local-test samples leak"
+def test_no_test_sample_is_in_any_training_split(partition, protocol, seed):
+    data = fed.build_federated(make_config(None, _values(partition, protocol, seed)))
+    assert_no_leak(data, _source([load_dataset("digits")]))
+    if protocol == "pfllib":  # PFLlib has no global test set of its own: it is the union of the clients' tests
+        local = np.concatenate([c.test_index for c in data.clients])
+        assert np.array_equal(np.sort(data.test_index), np.sort(local))
+
+
+@pytest.mark.parametrize("partition", ["iid", "dir", "pat"])
+def test_no_leak_under_a_global_long_tail(partition):
+    data = fed.build_federated(make_config(None, {**_values(partition, "fedskew"), "imbalance_ratio": 10}))
+    assert_no_leak(data, _source([load_dataset("digits")]))
 
 
 def test_dirfixed_default_protocol_keeps_fixed_sizes_and_proportions():
     cfg = make_config(None, {"partition": "dirfixed", "clients": 10, "samples_per_client": 100, "db": None})
-    data = build_federated(cfg)
+    data = fed.build_federated(cfg)
     assert all(len(c.y_train) == 75 and len(c.y_test) == 25 for c in data.clients)
     # train and test follow the same class proportions (the same q), up to rounding
     tr = data.train_hists / data.train_hists.sum(1, keepdims=True)
     te = data.test_hists / data.test_hists.sum(1, keepdims=True)
     assert np.abs(tr - te).max() < 0.1
+    # a client's samples split as every other partition's are: floor(train_ratio * n) for training
+    cfg = make_config(None, {"partition": "dirfixed", "clients": 10, "samples_per_client": 50, "db": None})
+    assert all((len(c.y_train), len(c.y_test)) == (37, 13) for c in fed.build_federated(cfg).clients)
+
+
+def test_dirfixed_default_protocol_is_seeded():
+    def indices(seed):
+        values = {"partition": "dirfixed", "clients": 10, "samples_per_client": 100, "seed": seed, "db": None}
+        cfg = make_config(None, values)
+        return [(c.train_index, c.test_index) for c in fed.build_federated(cfg).clients]
+
+    a, b, other = indices(3), indices(3), indices(4)
+    assert all(np.array_equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True))
+    assert not all(np.array_equal(pa[0], po[0]) for pa, po in zip(a, other, strict=True))
+
+
+def test_dirfixed_default_protocol_refuses_what_the_pools_cannot_supply():
+    cfg = make_config(None, {"partition": "dirfixed", "clients": 10, "samples_per_client": 600, "db": None})
+    with pytest.raises(PartitionError, match=r"local-train pool of \d+ .* local-test pool of \d+") as err:
+        fed.build_federated(cfg)
+    assert "samples_per_client=600" in str(err.value) and "train_ratio=0.75" in str(err.value)
+
+
+def _fake_domain(name, n_train, n_test, seed):
+    rng = np.random.default_rng(seed)
+    return ImageDataset(
+        name,
+        rng.integers(0, 255, (n_train, 3, 8, 8), dtype=np.uint8),
+        rng.integers(0, 10, n_train).astype(np.int64),
+        rng.integers(0, 255, (n_test, 3, 8, 8), dtype=np.uint8),
+        rng.integers(0, 10, n_test).astype(np.int64),
+        10,
+    )
+
+
+def test_domain_partition_has_no_leak_on_small_fake_domains(monkeypatch):
+    doms = {"a": _fake_domain("a", 1000, 50, 0), "b": _fake_domain("b", 200, 30, 1), "c": _fake_domain("c", 500, 40, 2)}
+    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    values = {"dataset": "digits_domains", "partition": "domain", "clients": 6, "domain_fraction": 0.1, "db": None}
+    data = fed.build_federated(make_config(None, values))
+    r = assert_no_leak(data, _source(list(doms.values())))
+    assert r["global_tests"] == 120  # the global test set is every domain's test split
 
 
 def test_domain_partition_has_no_leak(shared_data):
     root = shared_data("mnist").parent
     shared_data("usps")
-    cfg = make_config(
-        None,
-        {"dataset": "digits_domains", "partition": "domain", "data_dir": str(root), "clients": 9, "db": None},
-    )
-    data = build_federated(cfg)
-    train = set()
-    for c in data.clients:
-        train.update(_keys(c.x_train, c.y_train))
-    local = [k for c in data.clients for k in _keys(c.x_test, c.y_test)]
-    # domain clients hold disjoint random pieces of their domain's training split; the global test is the test split
-    assert not any(k in train for k in local)
+    values = {"dataset": "digits_domains", "partition": "domain", "data_dir": str(root), "clients": 9, "db": None}
+    cfg = make_config(None, values)
+    data = fed.build_federated(cfg)
+    domains = digits_domains(root, size=cfg.image_size, seed=cfg.seed)  # cached: the same arrays
+    assert_no_leak(data, _source([domains[n] for n in data.domains]))

@@ -1,8 +1,18 @@
-"""A federation's data, resident on the device: per-client train/test tensors and a global test set."""
+"""A federation's data, resident on the device: per-client train/test tensors and a global test set.
+
+Every sample also carries its **source index**, the position of the sample in the dataset as read: the dataset's
+training split first, then its test split (index ``len(y_train) + j`` is ``x_test[j]``); for ``digits_domains`` the
+domains' training splits concatenated in domain order, then their test splits in the same order. A holdout taken from
+a dataset without a test split (digits) keeps its training-split indices. ``ClientData.train_index`` /
+``test_index`` and ``FederatedData.test_index`` hold these indices (int64 numpy arrays, row ``i`` of a tensor came
+from source index ``index[i]``), so that where every sample came from can be checked, e.g. that no test sample sits
+in a training split (tests/test_no_leakage.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +41,9 @@ class ClientData:
     y_train: Tensor
     x_test: Tensor
     y_test: Tensor
+    # source index of every row of x_train / x_test (module docstring); None only for hand-built data
+    train_index: np.ndarray | None = None
+    test_index: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class FederatedData:
     domains: tuple[str, ...] = ()
     client_domain: np.ndarray | None = None  # [N] domain index of each client
     test_domain: Tensor | None = None  # domain index of each global test sample
+    test_index: np.ndarray | None = None  # source index of every global test sample (module docstring)
 
     @property
     def num_clients(self) -> int:
@@ -60,6 +74,17 @@ class FederatedData:
     @property
     def num_train(self) -> np.ndarray:
         return self.train_hists.sum(1)
+
+
+class Pool(NamedTuple):
+    """Samples as uint8 images ``x``, labels ``y`` and the source index of each (module docstring)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    index: np.ndarray
+
+    def take(self, idx: np.ndarray) -> Pool:
+        return Pool(self.x[idx], self.y[idx], self.index[idx])
 
 
 def to_float(x: np.ndarray, device: torch.device | str) -> Tensor:
@@ -94,36 +119,37 @@ def partition_params(cfg: RunConfig) -> dict[str, object]:
 def _assemble(
     name: str,
     num_classes: int,
-    x_pool: np.ndarray,
-    y_pool: np.ndarray,
+    pool: Pool,
     train_parts: list[np.ndarray],
     test_parts: list[np.ndarray],
-    x_gtest: np.ndarray,
-    y_gtest: np.ndarray,
+    gtest: Pool,
     dev: torch.device,
     **domain_fields: object,
 ) -> FederatedData:
-    x_all = to_float(x_pool, dev)
-    y_all = torch.from_numpy(y_pool.astype(np.int64)).to(dev)
+    """The federation from per-client train/test indices into ``pool``; ``gtest`` is the global test set."""
+    x_all = to_float(pool.x, dev)
+    y_all = torch.from_numpy(pool.y.astype(np.int64)).to(dev)
     clients = []
     for cid, (tr, te) in enumerate(zip(train_parts, test_parts, strict=True)):
         tr_t = torch.from_numpy(tr).to(dev)
         te_t = torch.from_numpy(te).to(dev)
-        clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t]))
+        tr_i, te_i = pool.index[tr], pool.index[te]
+        clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t], tr_i, te_i))
     owner = torch.cat([torch.full((len(te),), cid, dtype=torch.long) for cid, te in enumerate(test_parts)]).to(dev)
     return FederatedData(
         name=name,
         num_classes=num_classes,
-        in_channels=int(x_pool.shape[1]),
-        image_size=int(x_pool.shape[2]),
+        in_channels=int(pool.x.shape[1]),
+        image_size=int(pool.x.shape[2]),
         clients=clients,
-        x_test=to_float(x_gtest, dev),
-        y_test=torch.from_numpy(y_gtest.astype(np.int64)).to(dev),
-        train_hists=label_histograms(y_pool, train_parts, num_classes),
-        test_hists=label_histograms(y_pool, test_parts, num_classes),
+        x_test=to_float(gtest.x, dev),
+        y_test=torch.from_numpy(gtest.y.astype(np.int64)).to(dev),
+        train_hists=label_histograms(pool.y, train_parts, num_classes),
+        test_hists=label_histograms(pool.y, test_parts, num_classes),
         local_x=torch.cat([c.x_test for c in clients]),
         local_y=torch.cat([c.y_test for c in clients]),
         local_owner=owner,
+        test_index=gtest.index,
         **domain_fields,  # type: ignore[arg-type]
     )
 
@@ -145,21 +171,25 @@ def build_domain_federated(cfg: RunConfig) -> FederatedData:
     offsets = np.cumsum([0, *sizes])
     pooled = [offsets[dom] + idx for dom, idx in parts]
     train_parts, test_parts = train_test_split_clients(pooled, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
-    x_pool = np.concatenate([domains[n].x_train for n in names])
-    y_pool = np.concatenate([domains[n].y_train for n in names])
-    x_test = np.concatenate([domains[n].x_test for n in names])
+    n_train = int(offsets[-1])
+    pool = Pool(
+        np.concatenate([domains[n].x_train for n in names]),
+        np.concatenate([domains[n].y_train for n in names]),
+        np.arange(n_train, dtype=np.int64),
+    )
     y_test = np.concatenate([domains[n].y_test for n in names])
+    gtest = Pool(
+        np.concatenate([domains[n].x_test for n in names]), y_test, n_train + np.arange(len(y_test), dtype=np.int64)
+    )
     dev = torch.device(cfg.device)
     test_domain = np.concatenate([np.full(len(domains[n].y_test), i) for i, n in enumerate(names)])
     return _assemble(
         cfg.dataset,
         domains[names[0]].num_classes,
-        x_pool,
-        y_pool,
+        pool,
         train_parts,
         test_parts,
-        x_test,
-        y_test,
+        gtest,
         dev,
         domains=names,
         client_domain=np.array([dom for dom, _ in parts]),
@@ -176,6 +206,7 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
         x_pool, y_pool = np.concatenate([ds.x_train, ds.x_test]), np.concatenate([ds.y_train, ds.y_test])
     else:
         x_pool, y_pool = ds.x_train, ds.y_train
+    pool = Pool(x_pool, y_pool, np.arange(len(y_pool), dtype=np.int64))  # the merged pool is the source order
     rng = numpy_rng(cfg.seed, Purpose.PARTITION)
     least = pfllib_least_samples(len(y_pool), cfg.clients, cfg.batch_size, cfg.train_ratio)
     if cfg.partition in ("pat", "iid"):
@@ -190,15 +221,7 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
     test_idx = np.concatenate(test_parts)
     return _assemble(
-        ds.name,
-        ds.num_classes,
-        x_pool,
-        y_pool,
-        train_parts,
-        test_parts,
-        x_pool[test_idx],
-        y_pool[test_idx],
-        torch.device(cfg.device),
+        ds.name, ds.num_classes, pool, train_parts, test_parts, pool.take(test_idx), torch.device(cfg.device)
     )
 
 
@@ -222,13 +245,16 @@ def fedcac_proportions(cfg: RunConfig, num_classes: int, rng: np.random.Generato
     raise PartitionError(f"protocol 'fedcac' supports partitions dirfixed and pat, not {cfg.partition!r}")
 
 
-def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[Pool, Pool]:
     """The dataset's official train and test splits, or, without a test split, a stratified ``holdout`` of the
-    training split as the test pool: ``(x_train, y_train, x_test, y_test)``."""
+    training split as the test pool: ``(train pool, test pool)``, with source indices."""
+    n = len(ds.y_train)
     if ds.x_test is None or ds.y_test is None:
         pool_idx, hold_idx = split_holdout(ds.y_train, cfg.holdout, numpy_rng(cfg.seed, Purpose.SPLIT, 0))
-        return ds.x_train[pool_idx], ds.y_train[pool_idx], ds.x_train[hold_idx], ds.y_train[hold_idx]
-    return ds.x_train, ds.y_train, ds.x_test, ds.y_test
+        train = Pool(ds.x_train, ds.y_train, np.arange(n, dtype=np.int64))
+        return train.take(pool_idx), train.take(hold_idx)
+    test_index = n + np.arange(len(ds.y_test), dtype=np.int64)
+    return Pool(ds.x_train, ds.y_train, np.arange(n, dtype=np.int64)), Pool(ds.x_test, ds.y_test, test_index)
 
 
 def fixed_size_draws(
@@ -272,45 +298,41 @@ def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     from the official training split and ``test_samples_per_client`` local test samples from the official test
     split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i
     (:func:`fixed_size_draws`). The global test set is the whole test split."""
-    x_tr, y_tr, x_te, y_te = train_and_test_pools(cfg, ds)
-    train_parts, test_parts = fixed_size_draws(cfg, y_tr, y_te, cfg.samples_per_client, cfg.test_samples_per_client)
+    tr, te = train_and_test_pools(cfg, ds)
+    train_parts, test_parts = fixed_size_draws(cfg, tr.y, te.y, cfg.samples_per_client, cfg.test_samples_per_client)
     # one pool of the train pool then the test pool, compacted to the samples drawn (the whole pool would only be
     # converted to float and indexed)
     used_tr = np.unique(np.concatenate(train_parts))
     used_te = np.unique(np.concatenate(test_parts))
-    x_pool = np.concatenate([x_tr[used_tr], x_te[used_te]])
-    y_pool = np.concatenate([y_tr[used_tr], y_te[used_te]])
+    a, b = tr.take(used_tr), te.take(used_te)
+    pool = Pool(np.concatenate([a.x, b.x]), np.concatenate([a.y, b.y]), np.concatenate([a.index, b.index]))
     train_parts = [np.searchsorted(used_tr, p) for p in train_parts]
     test_parts = [len(used_tr) + np.searchsorted(used_te, p) for p in test_parts]
-    return _assemble(
-        ds.name,
-        ds.num_classes,
-        x_pool,
-        y_pool,
-        train_parts,
-        test_parts,
-        x_te,
-        y_te,
-        torch.device(cfg.device),
-    )
+    return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, te, torch.device(cfg.device))
 
 
 def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``dirfixed`` under the default protocol: clients draw overlapping fixed-size samples (Fling), so splitting each
     client's draw into train and test would put one client's test samples into other clients' training splits.
-    Instead the pool is first split, stratified, into a local-train pool (``train_ratio``) and a local-test pool, and
-    every client draws ``round(samples_per_client * train_ratio)`` training samples from the first and the rest from
-    the second with the same class proportions (:func:`fixed_size_draws`, as the fedcac protocol does with the
-    official splits). Returns per-client indices into ``y_pool``."""
+    Instead the pool is first split, stratified, into a local-train pool (``train_ratio`` of every class) and a
+    local-test pool (the rest), and every client draws its training samples from the first and its local test samples
+    from the second, both with its class proportions q_i (:func:`fixed_size_draws`, as the fedcac protocol does with
+    the official splits). A client's ``samples_per_client`` are split as :func:`train_test_split_clients` splits any
+    client (``floor(train_ratio * n)`` for training, at least 1 of each). Seeded by ``cfg.seed`` alone. Returns
+    per-client indices into ``y_pool``; a pool too small for the draws raises :class:`PartitionError` naming both
+    pools' sizes."""
+    n = cfg.samples_per_client  # >= 2 (RunConfig)
+    n_train = min(max(int(np.floor(cfg.train_ratio * n + 1e-9)), 1), n - 1)
     tr_pool, te_pool = split_holdout(y_pool, 1.0 - cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 2))
-    n_train = int(round(cfg.samples_per_client * cfg.train_ratio))
-    n_test = cfg.samples_per_client - n_train
-    if n_train < 1 or n_test < 1:
+    try:
+        train_parts, test_parts = fixed_size_draws(cfg, y_pool[tr_pool], y_pool[te_pool], n_train, n - n_train)
+    except PartitionError as e:
         raise PartitionError(
-            f"partition 'dirfixed': samples_per_client={cfg.samples_per_client} with train_ratio={cfg.train_ratio} "
-            f"leaves {n_train} training and {n_test} local test samples per client; both must be at least 1"
-        )
-    train_parts, test_parts = fixed_size_draws(cfg, y_pool[tr_pool], y_pool[te_pool], n_train, n_test)
+            f"partition 'dirfixed' (protocol {cfg.protocol!r}): each of the {cfg.clients} clients draws "
+            f"{n_train} training samples from a local-train pool of {len(tr_pool)} and {n - n_train} local test "
+            f"samples from a disjoint local-test pool of {len(te_pool)} (samples_per_client={n}, "
+            f"train_ratio={cfg.train_ratio}), which the pools cannot supply: {e}"
+        ) from e
     return [tr_pool[p] for p in train_parts], [te_pool[p] for p in test_parts]
 
 
@@ -323,18 +345,15 @@ def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> Fede
         return build_pfllib(cfg, ds)
     if cfg.protocol == "fedcac":
         return build_fedcac(cfg, ds)
-    x_pool, y_pool, x_gtest, y_gtest = train_and_test_pools(cfg, ds)
+    pool, gtest = train_and_test_pools(cfg, ds)
     if cfg.imbalance_ratio is not None:  # global long tail first, then any partition of what remains
-        keep = long_tail(y_pool, cfg.imbalance_ratio, numpy_rng(cfg.seed, Purpose.DATA, 1))
-        x_pool, y_pool = x_pool[keep], y_pool[keep]
+        pool = pool.take(long_tail(pool.y, cfg.imbalance_ratio, numpy_rng(cfg.seed, Purpose.DATA, 1)))
     if cfg.partition == "dirfixed":
-        train_parts, test_parts = dirfixed_local_split(cfg, y_pool)
+        train_parts, test_parts = dirfixed_local_split(cfg, pool.y)
     else:
         parts = make_partition(
-            cfg.partition, y_pool, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
+            cfg.partition, pool.y, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
         )
         split_rng = numpy_rng(cfg.seed, Purpose.SPLIT, 1)
         train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, split_rng)
-    return _assemble(
-        ds.name, ds.num_classes, x_pool, y_pool, train_parts, test_parts, x_gtest, y_gtest, torch.device(cfg.device)
-    )
+    return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, gtest, torch.device(cfg.device))
