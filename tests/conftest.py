@@ -58,3 +58,33 @@ def digits_simulation(method: str, args: dict | None = None, rounds: int = 2, **
     values = {"clients": 4, "rounds": rounds, "method": method, "method_args": args or {}, "db": None}
     cfg = make_config(None, {**values, "skew_probes": 0, "seed": 5, **over})
     return Simulation(cfg, build_federated(cfg))
+
+
+def _fake_domain(name, n_train, n_test, seed):
+    import numpy as np
+
+    from fedskew.data.readers import ImageDataset
+
+    rng = np.random.default_rng(seed)
+    return ImageDataset(
+        name,
+        rng.integers(0, 255, (n_train, 3, 8, 8), dtype=np.uint8),
+        rng.integers(0, 10, n_train).astype(np.int64),
+        rng.integers(0, 255, (n_test, 3, 8, 8), dtype=np.uint8),
+        rng.integers(0, 10, n_test).astype(np.int64),
+        10,
+    )
+
+
+@pytest.fixture
+def fake_domains(monkeypatch):
+    """Three small random RGB domains (1000/200/500 training samples) in place of the Digits suite's files."""
+    import fedskew.data.federated as fed
+
+    doms = {
+        "a": _fake_domain("a", 1000, 50, 0),
+        "b": _fake_domain("b", 200, 30, 1),
+        "c": _fake_domain("c", 500, 40, 2),
+    }
+    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    return doms

@@ -6,28 +6,8 @@ import pytest
 import fedskew.data.federated as fed
 from fedskew.config import ConfigError, make_config
 from fedskew.data.partition import PartitionError
-from fedskew.data.readers import ImageDataset
 from fedskew.engine.evaluate import ClientScores, domain_summary
 from fedskew.engine.loop import Simulation
-
-
-def _domain(name, n_train, n_test, seed):
-    rng = np.random.default_rng(seed)
-    return ImageDataset(
-        name,
-        rng.integers(0, 255, (n_train, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_train).astype(np.int64),
-        rng.integers(0, 255, (n_test, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_test).astype(np.int64),
-        10,
-    )
-
-
-@pytest.fixture
-def fake_domains(monkeypatch):
-    doms = {"a": _domain("a", 1000, 50, 0), "b": _domain("b", 200, 30, 1), "c": _domain("c", 500, 40, 2)}
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
-    return doms
 
 
 def _cfg(tmp_path, **kw):

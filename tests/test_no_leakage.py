@@ -140,21 +140,8 @@ def test_dirfixed_default_protocol_refuses_what_the_pools_cannot_supply():
     assert "samples_per_client=600" in str(err.value) and "train_ratio=0.75" in str(err.value)
 
 
-def _fake_domain(name, n_train, n_test, seed):
-    rng = np.random.default_rng(seed)
-    return ImageDataset(
-        name,
-        rng.integers(0, 255, (n_train, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_train).astype(np.int64),
-        rng.integers(0, 255, (n_test, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_test).astype(np.int64),
-        10,
-    )
-
-
-def test_domain_partition_has_no_leak_on_small_fake_domains(monkeypatch):
-    doms = {"a": _fake_domain("a", 1000, 50, 0), "b": _fake_domain("b", 200, 30, 1), "c": _fake_domain("c", 500, 40, 2)}
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+def test_domain_partition_has_no_leak_on_small_fake_domains(fake_domains):
+    doms = fake_domains
     values = {"dataset": "digits_domains", "partition": "domain", "clients": 6, "domain_fraction": 0.1, "db": None}
     data = fed.build_federated(make_config(None, values))
     r = assert_no_leak(data, _source(list(doms.values())))
