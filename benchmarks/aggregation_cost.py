@@ -38,7 +38,8 @@ from torch import nn
 
 from fedskew.client.personal import CriticalMasks
 from fedskew.models import build_model
-from fedskew.server.api import Aggregation, ClientUpdate, RoundInput, stack_updates
+from fedskew.protocol import ClientUpdate, RoundInput
+from fedskew.server.api import Aggregation, stack_updates
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fedsa import FedSACombine
 from fedskew.server.personal import FedAMP, FedCAC

@@ -60,7 +60,12 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
 
     from fedskew.models import build_model
     from fedskew.server import api, heal
-    from fedskew.server.api import Aggregation, ClientUpdate, ServerContext
+
+    try:
+        from fedskew.protocol import ClientUpdate, ServerContext
+    except ImportError:  # --src of a checkout from before fedskew/protocol.py
+        from fedskew.server.api import ClientUpdate, ServerContext
+    from fedskew.server.api import Aggregation
     from fedskew.server.combine import WeightedMean
     from fedskew.server.fedsa import FedSACombine
     from fedskew.server.weights import SampleWeights

@@ -10,7 +10,8 @@ from torch import nn
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
-from fedskew.server.api import ServerContext, stack_updates
+from fedskew.protocol import ServerContext
+from fedskew.server.api import stack_updates
 
 
 class Tiny(nn.Module):

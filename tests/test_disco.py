@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.server.api import Aggregation, ClientUpdate, ServerContext, stack_updates
+from fedskew.protocol import ClientUpdate, ServerContext
+from fedskew.server.api import Aggregation, stack_updates
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights, disco_terms, disco_weights, discrepancy
 

@@ -11,7 +11,8 @@ import torch
 from fedskew.cli import main
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
-from fedskew.engine.loop import TIMING_KEYS, Simulation, payload_bytes, sample_clients
+from fedskew.engine.loop import Simulation, payload_bytes, sample_clients
+from fedskew.protocol import TIMING_KEYS
 from fedskew.results.rundir import RunDirError
 from fedskew.runner import run_experiment
 

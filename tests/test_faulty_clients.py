@@ -13,15 +13,9 @@ import torch
 import fedskew.engine.loop as loop
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
-from fedskew.engine.loop import TIMING_KEYS, Diverged, Simulation, dropped_out, sample_clients
-from fedskew.server.api import (
-    ClientUpdate,
-    NonFiniteUpdateError,
-    UpdateError,
-    check_update,
-    stack_updates,
-    validate_updates,
-)
+from fedskew.engine.loop import Diverged, Simulation, dropped_out, sample_clients
+from fedskew.protocol import TIMING_KEYS, ClientUpdate, NonFiniteUpdateError, UpdateError
+from fedskew.server.api import check_update, stack_updates, validate_updates
 
 
 def _cfg(tmp_path, **kw):

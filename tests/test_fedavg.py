@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.server.api import Aggregation, ClientUpdate, UpdateError, stack_updates
+from fedskew.protocol import ClientUpdate, UpdateError
+from fedskew.server.api import Aggregation, stack_updates
 from fedskew.server.combine import WeightedMean, weighted_mean
 from fedskew.server.weights import SampleWeights, UniformWeights
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fedskew.client.personal import MASK_PREFIX, CriticalMasks, critical_mask, sensitivity
-from fedskew.server.api import ClientUpdate, stack_updates
+from fedskew.protocol import ClientUpdate
+from fedskew.server.api import stack_updates
 from fedskew.server.personal import (
     FedCAC,
     collaboration_threshold,

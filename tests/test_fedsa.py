@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.server.api import Aggregation, ClientUpdate, RoundInput, stack_updates
+from fedskew.protocol import ClientUpdate, RoundInput
+from fedskew.server.api import Aggregation, stack_updates
 from fedskew.server.fedsa import (
     FedSACombine,
     cluster,

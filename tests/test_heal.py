@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.server.api import Aggregation, ClientUpdate, ServerContext, stack_updates
+from fedskew.protocol import ClientUpdate, ServerContext
+from fedskew.server.api import Aggregation, stack_updates
 from fedskew.server.combine import WeightedMean
 from fedskew.server.heal import FaelWeights, HealMasks, SignHistory, fael_distances, heal_aggregation
 from fedskew.server.weights import SampleWeights, UniformWeights

@@ -16,7 +16,7 @@ import pytest
 
 from fedskew.cli import main
 from fedskew.config import make_config
-from fedskew.engine.loop import TIMING_KEYS
+from fedskew.protocol import TIMING_KEYS
 from fedskew.results import store
 from fedskew.results.rundir import LOCK, RunDirectory, RunDirError
 from fedskew.runner import DatabaseWriteError, record_in_db, run_experiment

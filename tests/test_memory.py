@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fedskew.server.combine as combine
-from fedskew.server.api import ClientUpdate, RoundInput, UploadStack, stack_updates
+from fedskew.protocol import ClientUpdate, RoundInput
+from fedskew.server.api import UploadStack, stack_updates
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.heal import SignHistory, consistent, count_dtype, fael_distances, heal_aggregation
 from fedskew.server.personal import mix, squared_distances
@@ -168,7 +169,8 @@ MEASURE = textwrap.dedent(
     from pathlib import Path
     import numpy as np, torch
     from fedskew.models import build_model
-    from fedskew.server.api import Aggregation, ClientUpdate, UploadStack
+    from fedskew.protocol import ClientUpdate
+    from fedskew.server.api import Aggregation, UploadStack
     from fedskew.server.combine import WeightedMean
     from fedskew.server.weights import SampleWeights
 

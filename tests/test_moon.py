@@ -19,7 +19,7 @@ from fedskew.client.algorithms import Moon
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.methods import resolve_method
 from fedskew.models import build_model, projection_width
-from fedskew.server.api import ServerContext
+from fedskew.protocol import ServerContext
 
 
 def _model(projection=16, seed=0):

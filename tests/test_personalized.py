@@ -11,11 +11,12 @@ from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSetti
 from fedskew.client.personal import PERSONAL, Ditto, is_head
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
-from fedskew.engine.loop import TIMING_KEYS, Simulation, payload_bytes
+from fedskew.engine.loop import Simulation, payload_bytes
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
+from fedskew.protocol import TIMING_KEYS, ClientUpdate
 from fedskew.runner import run_experiment
-from fedskew.server.api import ClientUpdate, stack_updates
+from fedskew.server.api import stack_updates
 from fedskew.server.personal import FedAMP, amp_mixing, squared_distances
 from fedskew.server.weights import SampleWeights, UniformWeights
 

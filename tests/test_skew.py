@@ -8,7 +8,8 @@ import torch
 
 from fedskew.cli import main
 from fedskew.engine.probe import skew_probe
-from fedskew.server.api import ClientUpdate, stack_updates
+from fedskew.protocol import ClientUpdate
+from fedskew.server.api import stack_updates
 
 
 def test_probe_records_client_values_means_and_aggregate():

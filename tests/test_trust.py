@@ -11,7 +11,8 @@ from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation
-from fedskew.server.api import ClientUpdate, NonFiniteUpdateError, UpdateError, check_model, stack_updates
+from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, UpdateError
+from fedskew.server.api import check_model, stack_updates
 
 
 def _cfg(tmp_path, **kw):

@@ -10,12 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedskew.schema import StrictSettings, describe_errors
-
-
-class ConfigError(ValueError):
-    """A configuration value fedskew cannot run with; the message names the key and the value."""
-
+from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain"]
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, Upload
 from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
-from fedskew.schema import StrictSettings, describe_errors
+from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights
@@ -30,12 +30,6 @@ from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import FaelWeights, HealMasks
 from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
-
-
-def _config_error(msg: str) -> Exception:
-    from fedskew.config import ConfigError
-
-    return ConfigError(msg)
 
 
 class NoParams(StrictSettings):
@@ -322,15 +316,15 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
         part, _, field_name = key.rpartition(".")
         if part:
             if part not in mine or part not in owners.get(field_name, []):
-                raise _config_error(f"method {method!r} has no hyper-parameter {key!r} (part {part!r})")
+                raise ConfigError(f"method {method!r} has no hyper-parameter {key!r} (part {part!r})")
         elif key not in owners:
             valid = sorted(k if len(o) == 1 else f"{o[0]}.{k}" for k, o in owners.items())
-            raise _config_error(
+            raise ConfigError(
                 f"method {method!r} has no hyper-parameter {key!r}; valid: {', '.join(valid) or 'none'}"
             )
         elif len(owners[key]) > 1:
             qualified = " or ".join(f"{o}.{key}" for o in owners[key])
-            raise _config_error(f"method {method!r}: hyper-parameter {key!r} is ambiguous here; use {qualified}")
+            raise ConfigError(f"method {method!r}: hyper-parameter {key!r} is ambiguous here; use {qualified}")
         else:
             part, field_name = owners[key][0], key
         mine[part][field_name] = value
@@ -340,7 +334,7 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
             out.append(model(**mine[name]))
         except ValidationError as exc:
             detail = "; ".join(describe_errors(exc))
-            raise _config_error(f"method {method!r}, part {name!r}: {detail}") from None
+            raise ConfigError(f"method {method!r}, part {name!r}: {detail}") from None
     return out
 
 
@@ -352,7 +346,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
     tokens = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in name.split("+")]
     if not all(tokens):
-        raise _config_error(f"method {name!r}: empty part in composition")
+        raise ConfigError(f"method {name!r}: empty part in composition")
     client_name = tokens[0] if tokens[0] in CLIENTS else "fedavg"
     plugin_names = tokens[1:] if tokens[0] in CLIENTS else tokens
     plugin_names += [t for t in CLIENTS[client_name].implies if t not in plugin_names]
@@ -360,9 +354,9 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         if t not in SERVER_PLUGINS:
             known = ", ".join(sorted(set(CLIENTS) | set(SERVER_PLUGINS)))
             where = "server plug-in" if t in plugin_names and t in CLIENTS else "part"
-            raise _config_error(f"method {name!r}: unknown {where} {t!r} (known: {known})")
+            raise ConfigError(f"method {name!r}: unknown {where} {t!r} (known: {known})")
     if len(set(plugin_names)) != len(plugin_names):
-        raise _config_error(f"method {name!r}: a plug-in is repeated")
+        raise ConfigError(f"method {name!r}: a plug-in is repeated")
     client = CLIENTS[client_name]
     plugins = [SERVER_PLUGINS[t] for t in plugin_names]
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
@@ -381,25 +375,25 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
             uploads.append(pieces.pop("upload"))
         for role, piece in pieces.items():
             if role in roles:
-                raise _config_error(f"method {name!r}: two plug-ins both set the server's {role}")
+                raise ConfigError(f"method {name!r}: two plug-ins both set the server's {role}")
             roles[role] = piece
     combine = roles.get("combine")
     if isinstance(combine, FedSACombine):
         if "masking" in roles:
-            raise _config_error(f"method {name!r}: FedSA's combine does not take element masks")
+            raise ConfigError(f"method {name!r}: FedSA's combine does not take element masks")
         if combine.low_weighting == "uniform" and ("weighting" in roles or _given(args, "weights")):
-            raise _config_error(
+            raise ConfigError(
                 f"method {name!r}: FedSA with low_weighting=uniform ignores client weights; "
                 "add -m low_weighting=samples to use them in the low-dispersion mean"
             )
     if "weighting" in roles and _given(args, "weights"):
-        raise _config_error(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
+        raise ConfigError(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
     server: ServerStrategy
     if "personalize" in roles:
         clash = [r for r in ("combine", "masking") if r in roles]
         if clash:
-            raise _config_error(
+            raise ConfigError(
                 f"method {name!r}: a personalized server step (one model per client) cannot take a {clash[0]}"
             )
         server = roles["personalize"](weighting)

@@ -26,6 +26,10 @@ def _admits_bool(annotation: Any) -> bool:
     return origin is not None and origin not in (tuple, list, dict, set, frozenset)
 
 
+class ConfigError(ValueError):
+    """A configuration value fedskew cannot run with; the message names the key and the value."""
+
+
 class StrictSettings(BaseModel):
     """Unknown keys refused, floats finite, booleans only where a field is boolean."""
 

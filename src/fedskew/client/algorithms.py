@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import projection_width
-from fedskew.server.api import Params, RoundInput, ServerContext, State
+from fedskew.protocol import Params, RoundInput, ServerContext, State
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.server.api import ClientUpdate, Params, RoundInput, ServerContext, State
+from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, State
 
 
 @dataclass(frozen=True)

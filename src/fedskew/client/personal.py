@@ -21,9 +21,8 @@ from torch import Tensor
 
 from fedskew.client.algorithms import proximal
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
-from fedskew.server.api import Params
+from fedskew.protocol import MASK_PREFIX, Params
 
-MASK_PREFIX = "cac_mask/"
 PERSONAL = "personal_model"  # client_state key of a client's own model (Ditto, FedAMP)
 
 

@@ -32,10 +32,9 @@ from fedskew.engine.evaluate import ClientScores, domain_summary, evaluate_globa
 from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model, head_keys, norm_keys
+from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, Params, ServerContext
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
-from fedskew.server.api import ClientUpdate, NonFiniteUpdateError, Params, ServerContext, UploadStack, check_model
-
-TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_round")
+from fedskew.server.api import UploadStack, check_model
 
 
 def payload_bytes(tensors: Params) -> int:

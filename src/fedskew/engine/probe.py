@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fedskew.server.api import Params, RoundInput
+from fedskew.protocol import Params, RoundInput
 from fedskew.server.fedsa import _cv, column_stats, high_dispersion
 
 LAMBDA = 0.2

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedskew.server.api import Params, RoundInput
+from fedskew.protocol import Params, RoundInput
 
 BLOCK_ELEMENTS = {"cpu": 1 << 22}  # float64 elements of one K × block working buffer (32 MiB); per device type
 BLOCK_ELEMENTS_DEFAULT = 1 << 26  # accelerators: fewer, larger kernels (512 MiB)

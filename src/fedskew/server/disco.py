@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.server.api import Params, RoundInput, ServerContext, State
+from fedskew.protocol import Params, RoundInput, ServerContext, State
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.server.api import Params, RoundInput
+from fedskew.protocol import Params, RoundInput
 from fedskew.server.combine import column_blocks
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")

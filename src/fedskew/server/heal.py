@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.server.api import Aggregation, Params, RoundInput, ServerContext
+from fedskew.protocol import Params, RoundInput, ServerContext
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
 

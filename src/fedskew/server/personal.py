@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedskew.client.personal import MASK_PREFIX
-from fedskew.server.api import Params, RoundInput, ServerContext, ServerOutput, State, Weighting
+from fedskew.protocol import MASK_PREFIX, Params, RoundInput, ServerContext, State
+from fedskew.server.api import ServerOutput, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 
 COLLAB_TOL = 1e-12  # spec 7: exact ties with the threshold collaborate

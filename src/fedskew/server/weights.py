@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedskew.server.api import Params, RoundInput, ServerContext, State
+from fedskew.protocol import Params, RoundInput, ServerContext, State
 
 
 def normalize(raw: Tensor) -> Tensor:

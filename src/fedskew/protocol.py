@@ -1,0 +1,122 @@
+"""What the client side and the server side of a federated round exchange, and nothing else.
+
+Both sides, the engine, the results store and any deployment (a Flower app) import these types from here; this module
+imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor the reverse
+(``tests/test_boundaries.py`` keeps it so).
+
+* :class:`ClientUpdate`: what one client uploads after local training (model, sample count, extra tensors, metrics);
+* :class:`ServerContext`: what the server knows before the first round;
+* :class:`RoundInput`: one round's valid uploads stacked along a leading client axis, as every server piece reads them;
+* :class:`Rejection`, :class:`UpdateError`: an upload the server refuses, and why;
+* the names of the extra tensors a client part uploads for a server part (:data:`MASK_PREFIX`, FedCAC's masks) and
+  the timing fields of a round's record (:data:`TIMING_KEYS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+MASK_PREFIX = "cac_mask/"  # FedCAC: the critical mask of tensor n travels as extras[MASK_PREFIX + n]
+TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_round")  # per-round wall times
+
+Params = dict[str, Tensor]
+State = Any
+
+
+class UpdateError(ValueError):
+    """A client upload that the server refuses (NaN/Inf, wrong shape or dtype, unknown tensor)."""
+
+
+class NonFiniteUpdateError(UpdateError):
+    """An upload holding NaN or Inf. In a simulation, where fedskew trained the client itself, this is divergence."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why the server refused one client's upload (see :func:`check_update`)."""
+
+    cid: int
+    reason: str
+    nonfinite: bool = False  # NaN/Inf in a well-formed upload (in a simulation: that client diverged)
+
+    def error(self) -> UpdateError:
+        """The exception the ``fail`` policy raises for it."""
+        cls = NonFiniteUpdateError if self.nonfinite else UpdateError
+        return cls(f"client {self.cid}: {self.reason}")
+
+    def as_record(self) -> dict[str, Any]:
+        """JSON form for the round's record: ``{"client": 3, "reason": "..."}``."""
+        return {"client": self.cid, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """What one client uploads after local training."""
+
+    cid: int
+    params: Params
+    num_samples: int
+    extras: Params = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the server knows before the first round."""
+
+    num_clients: int
+    num_classes: int
+    template: Params  # the initial global state dict (names, shapes, dtypes)
+    trainable: frozenset[str]  # names of trainable parameters; the other state-dict entries are buffers
+    num_train: np.ndarray  # [N] training samples per client
+    label_hists: np.ndarray  # [N, num_classes] training label histogram per client
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """One round's uploads, stacked along a leading client axis."""
+
+    round: int
+    cids: tuple[int, ...]
+    params: Params  # name -> [K, *shape]
+    num_samples: Tensor  # [K] float64
+    extras: Params  # name -> [K, ...]
+    global_params: Params  # the model broadcast at the start of the round
+    trainable: frozenset[str]
+    label_hists: np.ndarray  # [K, num_classes] participants' histograms
+    rejected: tuple[Rejection, ...] = ()  # uploads left out under on_bad_update='drop'
+
+    @property
+    def num_participants(self) -> int:
+        return len(self.cids)
+
+    def update(self, name: str) -> Tensor:
+        """One tensor's per-client model updates ``w_k - w_global`` (``[K, *shape]``, the upload's dtype)."""
+        return self.params[name] - self.global_params[name].unsqueeze(0)
+
+    def updates(self) -> Mapping[str, Tensor]:
+        """Per-client model updates ``w_k - w_global`` of the float tensors, computed tensor by tensor when read
+        (never all at once, nothing cached): iterate, or index the tensor you need."""
+        return _Updates(self)
+
+
+class _Updates(Mapping[str, Tensor]):
+    def __init__(self, rin: RoundInput) -> None:
+        self._rin = rin
+        self._names = [n for n, t in rin.params.items() if t.is_floating_point()]
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._rin.update(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
