@@ -111,7 +111,11 @@ class RunConfig(StrictSettings):
     )
     # evaluation and output
     eval_every: int = Field(1, ge=1)
-    eval_batch_size: int = Field(2048, ge=1)
+    eval_batch_size: Literal["auto"] | int = Field(
+        "auto",
+        description="evaluation batch (auto: on CPU the largest whose biggest layer output stays under 16 MiB, "
+        "so no memory is re-mapped every batch; 2048 on a GPU)",
+    )
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
     skew_probes: int = Field(
         4, ge=0, description="per layer, positions whose client values are recorded for `fedskew skew` (0: off)"
@@ -128,6 +132,13 @@ class RunConfig(StrictSettings):
     )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
+
+    @field_validator("eval_batch_size")
+    @classmethod
+    def _eval_batch_ok(cls, v: str | int) -> str | int:
+        if v != "auto" and v < 1:
+            raise ValueError("must be auto or a positive batch size")
+        return v
 
     @field_validator("checkpoint_every")
     @classmethod

@@ -28,7 +28,15 @@ from torch import nn
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import FederatedData
-from fedskew.engine.evaluate import ClientScores, domain_summary, evaluate_global, predict_scores, summarize
+from fedskew.engine.evaluate import (
+    ClientScores,
+    auto_eval_batch,
+    domain_summary,
+    evaluate_global,
+    pooled,
+    predict_scores,
+    summarize,
+)
 from fedskew.engine.probe import skew_probe
 from fedskew.methods import Method, resolve_method
 from fedskew.models import build_model, head_keys, norm_keys
@@ -65,6 +73,14 @@ def dropped_out(seed: int, rnd: int, sampled: list[int], num_clients: int, p: fl
         return []
     u = numpy_rng(seed, Purpose.DROPOUT, rnd).random(num_clients)
     return [c for c in sampled if u[c] < p]
+
+
+def _same_samples(data: FederatedData) -> bool:
+    """Whether the global test set is exactly the clients' local test splits in client order (by source index)."""
+    parts = [c.test_index for c in data.clients]
+    if data.test_index is None or any(p is None for p in parts):
+        return False
+    return bool(np.array_equal(np.concatenate(parts), data.test_index))
 
 
 class Diverged(RuntimeError):
@@ -175,6 +191,11 @@ class Simulation:
             initial = {k: self.global_params[k] for k in self.local_names}
             for state in self.client_states.values():
                 state["local_params"] = initial
+        self.eval_batch = (
+            auto_eval_batch(self.model, data.x_test) if cfg.eval_batch_size == "auto" else cfg.eval_batch_size
+        )
+        # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
+        self.global_is_local_union = _same_samples(data)
         # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
         self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
         self.server_state = self.method.server.init(self.ctx)
@@ -342,7 +363,7 @@ class Simulation:
 
     # ---- evaluation views --------------------------------------------------------------------------------
     def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
-        data, bs = self.data, self.cfg.eval_batch_size
+        data, bs = self.data, self.eval_batch
         correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
         for c in data.clients:
             self.model.load_state_dict(params_of(c.cid))
@@ -352,13 +373,17 @@ class Simulation:
         return ClientScores(correct, loss, count)
 
     def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
-        data, bs = self.data, self.cfg.eval_batch_size
+        """Every view once: each distinct (model, sample) pair is scored at most once."""
+        data, bs = self.data, self.eval_batch
         self.model.load_state_dict(self.global_params)
-        rec = evaluate_global(self.model, data.x_test, data.y_test, bs)
-        if data.domains:
+        rec: dict[str, float] = {}
+        if data.domains:  # one pass, per domain; the global numbers pool the domains
             assert data.test_domain is not None
             ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
+            rec.update(pooled("global", ds))
             rec.update(domain_summary(data.domains, ds))
+        elif not (self.global_is_local_union and not self.local_names):
+            rec.update(evaluate_global(self.model, data.x_test, data.y_test, bs))
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
             scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
         else:  # one pass over all clients' test sets
@@ -367,6 +392,8 @@ class Simulation:
                     self.model, data.local_x, data.local_y, data.local_owner, data.num_clients, bs
                 )
             }
+            if self.global_is_local_union and not data.domains:
+                rec.update(pooled("global", scores["global_local"]))
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
             scores["personal"] = self._per_client_scores(self.personal_params)
