@@ -65,7 +65,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.005)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads for both loops (fedskew's default is 1; 0: torch's)"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,6 +88,7 @@ def main() -> None:
             "batch_size": args.batch_size,
             "lr": args.lr,
             "device": args.device,
+            "threads": args.threads,
             "db": None,
         },
     )
