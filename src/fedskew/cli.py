@@ -384,10 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.config import ConfigError
     from fedskew.data.partition import PartitionError
     from fedskew.data.readers import DataError
+    from fedskew.protocol import UpdateError
     from fedskew.results.rundir import RunDirError
     from fedskew.results.store import DatabaseError
     from fedskew.runner import DatabaseWriteError
-    from fedskew.server.api import UpdateError
 
     args = build_parser().parse_args(argv)
     command = args.command or "run"
