@@ -151,9 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     imp.add_argument("--db", default="runs/fedskew.db")
 
-    rep = sub.add_parser("report", help="markdown table of runs grouped by config, mean ± std over seeds")
-    rep.add_argument("--db", default="runs/fedskew.db")
-    rep.add_argument("--metric", default="global_acc", help="global_acc | global_local_acc | personal_acc | ...")
+    rep = sub.add_parser(
+        "report",
+        help="table of experiments (whole config but the seed), mean ± std over distinct seeds",
+        description="One row per experiment (the whole resolved configuration except the seed); the settings that "
+        "differ between rows are columns, the shared ones are listed once. Each seed counts once (its latest run).",
+    )
+    rep.add_argument("--db", default="runs/fedskew.db", help="SQLite results database (default runs/fedskew.db)")
+    rep.add_argument(
+        "--metric",
+        action="append",
+        default=None,
+        help="metric(s), repeatable or comma-separated (default global_acc): global_local_acc, personal_acc, "
+        "domain_acc_avg, domain_acc/<name>, ...",
+    )
+    rep.add_argument("--format", choices=("markdown", "csv", "latex"), default="markdown", help="default markdown")
+    rep.add_argument(
+        "--last-n",
+        type=int,
+        default=None,
+        metavar="N",
+        help="recompute the last-N mean from the stored round records (default: each run's summary, its --last-n)",
+    )
     return p
 
 
@@ -251,16 +270,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    args = ", ".join(f"{k}={v}" for k, v in sorted(cfg.method_args.items()))  # fedavg (weights=uniform)
+    method = escape(f"{cfg.method} ({args})" if args else cfg.method)  # a list value is not rich markup
     table = Table(
-        title=f"fedskew {cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
+        title=f"fedskew {method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
         f"{cfg.rounds} rounds, seed {cfg.seed})"
     )
     table.add_column("metric")
     table.add_column("final", justify="right")
     table.add_column("best (round)", justify="right")
-    table.add_column(f"last {summary['last_n']} mean ± std", justify="right")
+    # the mean covers at most the evaluated rounds (a 3-round run averages 3, not the configured 10)
+    n = min(summary["last_n"], summary.get("evaluated_rounds", summary["last_n"]))
+    table.add_column(f"last {n} mean ± std", justify="right")
     labels = {
         "global_acc": "global model, global test",
         "global_local_acc": "global model, clients' tests (weighted)",
@@ -272,9 +296,11 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         "trained_acc": "personal, after training (weighted)",
         "trained_acc_mean": "personal, after training (mean)",
         "trained_acc_worst10": "personal, after training, worst-10%",
-        "domain_acc_avg": "global model, mean over domains (AVG)",
-        "domain_acc_std": "std across domains (STD, lower is better)",
     }
+    # domain skew: one row per domain (``domain_acc/<name>``), then AVG and STD across them
+    labels.update({k: f"global model, domain {k.split('/', 1)[1]}" for k in summary if k.startswith("domain_acc/")})
+    labels["domain_acc_avg"] = "global model, mean over domains (AVG)"
+    labels["domain_acc_std"] = "std across domains (STD, lower is better)"
     for key, label in labels.items():
         if key not in summary:
             continue
@@ -291,6 +317,13 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         console.print(
             f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
             f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s"
+        )
+    if summary.get("domains"):
+        missing = summary.get("domains_missing") or []
+        console.print(
+            f"domains: {', '.join(summary['domains'])}"
+            + (f" [bold yellow](missing, no files found: {', '.join(missing)})[/]" if missing else ""),
+            highlight=False,
         )
     console.print(
         f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json)" + (f"; database {cfg.db}" if cfg.db else "")
@@ -369,14 +402,24 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedskew.results.report import markdown_report
+    from fedskew.results.report import report_from_db
     from fedskew.results.store import ResultsDB
 
     if not Path(args.db).is_file():
         print(f"error: no results database at {args.db}", file=sys.stderr)
         return 2
+    if args.last_n is not None and args.last_n < 1:
+        print(f"error: --last-n must be a positive number of rounds, got {args.last_n}", file=sys.stderr)
+        return 2
+    metrics = [m.strip() for item in (args.metric or ["global_acc"]) for m in item.split(",") if m.strip()]
     with ResultsDB(args.db) as db:
-        print(markdown_report(db.runs(), args.metric))
+        rep = report_from_db(db, metrics, last_n=args.last_n)
+    print(rep.render(args.format))
+    if args.format == "csv" and rep.rows:  # the CSV holds the table only; what it shares goes to stderr
+        print(f"settings common to every row: {'; '.join(rep.common) or '-'}", file=sys.stderr)
+        for note in rep.notes:
+            print(f"note: {note}", file=sys.stderr)
+    sys.stdout.flush()  # a closed pipe (`fedskew report | head`) shows here, inside main's handler
     return 0
 
 
@@ -421,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted before the first round finished; nothing was kept for this run", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (`fedskew report | head`): stop quietly, with the status a process killed
+        # by SIGPIPE has (128 + 13), as `yes | head` does; stdout goes to devnull so the exit flush cannot fail again
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

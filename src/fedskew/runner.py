@@ -287,6 +287,21 @@ def run_experiment(
             "diverged_reason": diverged.reason if diverged else None,
             "checkpoints": ckpt_count,
             "checkpoint_time": ckpt_time,
+            # domain skew: the domains the run used, and those of the Digits suite whose files were not found
+            **(
+                {
+                    "domains": list(data.domains),
+                    "domains_missing": [
+                        d
+                        for d in ("mnist", "usps", "svhn", "synth")
+                        if cfg.dataset == "digits_domains"
+                        and {"mnist", "usps", "svhn", "synth"} & set(data.domains)
+                        and d not in data.domains
+                    ],
+                }
+                if data.domains
+                else {}
+            ),
         }
     )
     summary["headline"] = headline(cfg, summary)

@@ -80,10 +80,13 @@ CREATE TABLE IF NOT EXISTS client_metrics (
 
 
 def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
-    """Best round and mean/std of the last ``last_n`` evaluated rounds, for every accuracy key present."""
+    """Best round and mean/std of the last ``last_n`` evaluated rounds (all of them when fewer), for every accuracy
+    key present, per-domain accuracies (``domain_acc/<name>``) included."""
     evaluated = [r for r in records if r.get("evaluated")]
     out: dict[str, Any] = {"rounds": len(records), "evaluated_rounds": len(evaluated), "last_n": last_n}
-    for key in SUMMARY_KEYS:
+    # domain skew: every domain's accuracy (``domain_acc/<name>``), in the records' domain order
+    per_domain = list(dict.fromkeys(k for r in evaluated for k in r if k.startswith("domain_acc/")))
+    for key in (*SUMMARY_KEYS, *per_domain):
         vals = [(r["round"], r[key]) for r in evaluated if key in r]
         if not vals:
             continue
@@ -97,6 +100,7 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
             "last_n_std": float(tail.std()),
             "final": vals[-1][1],
         }
+
     def mean(key: str) -> float | None:  # None when no round finished (a run that diverged in round 1)
         return float(np.mean([r[key] for r in records])) if records else None
 
@@ -108,7 +112,29 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
 
 
 def default_run_dir(cfg: RunConfig, stamp: str) -> Path:
-    safe = cfg.method.replace("+", "_")
+    """``runs/<stamp>-<method>[_<args>]-<dataset>-<partition>-s<seed>``: ``<args>`` are the method's non-default
+    hyper-parameters, filesystem-safe (``--method fedavg -m weights=uniform`` -> ``fedavg_weights-uniform``), at
+    most 40 characters (a longer one is cut and ends in a hash of all of them)."""
+    import hashlib
+    import re
+
+    from fedskew.methods import resolve_method
+
+    tag, limit = "", 40
+    if cfg.method_args:
+        try:  # compared with the method's own defaults: `-m weights=samples` on fedavg names nothing
+            default, given = resolve_method(cfg.method, {}).args, resolve_method(cfg.method, cfg.method_args).args
+            args = {k: v for k, v in given.items() if k not in default or default[k] != v}
+        except ValueError:  # a composition that needs its arguments to be valid (fedsa+disco): all of them
+            args = dict(cfg.method_args)
+        tag = "_".join(
+            re.sub(r"[^A-Za-z0-9.]+", "-", f"{k}-{json.dumps(v) if isinstance(v, list | dict) else v}").strip("-")
+            for k, v in sorted(args.items())
+        )
+        if len(tag) > limit:
+            digest = hashlib.sha1(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:8]
+            tag = f"{tag[: limit - 9].rstrip('-_.')}-{digest}"
+    safe = cfg.method.replace("+", "_") + (f"_{tag}" if tag else "")
     return Path("runs") / f"{stamp}-{safe}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}"
 
 
