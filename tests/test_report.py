@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import _fake_domain
 
 from fedskew.cli import main, print_summary
 from fedskew.config import make_config
@@ -239,20 +240,6 @@ def test_run_summary_shows_method_args_and_the_rounds_averaged(tmp_path, capsys)
     assert "last 3 mean" in out and "last 10" not in out
 
 
-def _domain(name, n_train, n_test, seed):
-    from fedskew.data.readers import ImageDataset
-
-    rng = np.random.default_rng(seed)
-    return ImageDataset(
-        name,
-        rng.integers(0, 255, (n_train, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_train).astype(np.int64),
-        rng.integers(0, 255, (n_test, 3, 8, 8), dtype=np.uint8),
-        rng.integers(0, 10, n_test).astype(np.int64),
-        10,
-    )
-
-
 def _domain_cfg(tmp_path, **kw):
     return _tiny(
         tmp_path, dataset="digits_domains", partition="domain", clients=3, domain_fraction=0.1, model="mlp", **kw
@@ -281,7 +268,7 @@ def test_digits_domains_without_svhn_says_so_and_records_the_domains(tmp_path, c
     import fedskew.data.federated as fed
     from fedskew.runner import run_experiment
 
-    doms = {n: _domain(n, 300, 30, i) for i, n in enumerate(("mnist", "usps", "synth"))}
+    doms = {n: _fake_domain(n, 300, 30, i) for i, n in enumerate(("mnist", "usps", "synth"))}
     monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
     cfg = _domain_cfg(tmp_path)
     with pytest.warns(UserWarning, match="svhn"):
