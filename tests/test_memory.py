@@ -1,10 +1,10 @@
 """Aggregation without float64 copies of the stacked uploads: same numbers, bounded memory."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,14 +198,14 @@ MEASURE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="needs a writable /proc/self/clear_refs (Linux)"
+)
 def test_stacking_and_fedavg_peak_memory_is_close_to_the_uploads_size(tmp_path):
     """Uploads streamed into the stack and averaged: peak RSS ≤ 1.5 × the uploads (it was about 5× before)."""
     script = tmp_path / "measure.py"
     script.write_text(MEASURE)
     res = subprocess.run([sys.executable, str(script), "300"], capture_output=True, text=True, timeout=300)
-    if res.returncode != 0 and "clear_refs" in res.stderr:
-        pytest.skip("peak RSS cannot be reset here")
     assert res.returncode == 0, res.stderr
     ratio = json.loads(res.stdout.strip().splitlines()[-1])["ratio"]
     assert ratio <= 1.5, ratio

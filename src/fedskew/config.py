@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
@@ -133,18 +133,13 @@ class RunConfig(StrictSettings):
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
 
-    @field_validator("eval_batch_size")
+    @field_validator("eval_batch_size", "checkpoint_every")
     @classmethod
-    def _eval_batch_ok(cls, v: str | int) -> str | int:
-        if v != "auto" and v < 1:
-            raise ValueError("must be auto or a positive batch size")
-        return v
-
-    @field_validator("checkpoint_every")
-    @classmethod
-    def _checkpoint_every_ok(cls, v: str | int) -> str | int:
-        if v != "auto" and v < 0:
-            raise ValueError("must be auto, 0 (never) or a positive number of rounds")
+    def _auto_or_count(cls, v: str | int, info: ValidationInfo) -> str | int:
+        """``auto`` or a count: eval_batch_size >= 1, checkpoint_every >= 0 (0: never)."""
+        least = {"eval_batch_size": 1, "checkpoint_every": 0}[info.field_name]
+        if v != "auto" and v < least:
+            raise ValueError(f"must be auto or an integer >= {least}")
         return v
 
     @field_validator("model")
