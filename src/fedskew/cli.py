@@ -173,7 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="recompute the last-N mean from the stored round records (default: each run's summary, its --last-n)",
     )
+    for module in _command_modules():
+        module.add_parsers(sub)
     return p
+
+
+# subcommands defined next to what they drive: each module has add_parsers(sub) and HANDLERS (name -> handler)
+COMMAND_MODULES = ("fedskew.commands.sweep", "fedskew.commands.flower")
+
+
+def _command_modules() -> list[Any]:
+    import importlib
+    import importlib.util
+
+    return [importlib.import_module(m) for m in COMMAND_MODULES if importlib.util.find_spec(m) is not None]
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -444,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         "partition": cmd_partition,
         "db": cmd_db,
     }
+    for module in _command_modules():
+        handlers.update(module.HANDLERS)
     try:
         return handlers[command](args)
     except DatabaseWriteError as exc:  # after the compute: the run directory is complete

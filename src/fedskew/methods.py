@@ -13,7 +13,7 @@ Hyper-parameters come as one flat mapping (``method_args``); each key must belon
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +22,17 @@ from pydantic import BaseModel, Field, ValidationError
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, Upload
 from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
+from fedskew.registry import (
+    ALIASES,
+    CLIENTS,
+    SERVER_PLUGINS,
+    ClientPart,
+    NoParams,
+    ServerPlugin,
+    keep_local,
+    load_entry_points,
+    register_builtin,
+)
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
@@ -30,10 +41,6 @@ from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import FaelWeights, HealMasks
 from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
-
-
-class NoParams(StrictSettings):
-    """A part without hyper-parameters."""
 
 
 class ServerBaseParams(StrictSettings):
@@ -67,38 +74,7 @@ class AmpClientParams(StrictSettings):
     mu: float = Field(1e-4, ge=0)
 
 
-@dataclass(frozen=True)
-class ClientPart:
-    name: str
-    summary: str
-    paper: str
-    params: type[BaseModel]
-    build: Callable[[Any], LocalAlgorithm]
-    implies: tuple[str, ...] = ()  # server plug-ins this client part needs (added when not named)
-    personalized: bool = False  # keeps a personal model of its own (evaluated in the personal views)
-    # the default of the server's ``weights`` for this client part (its paper's server average); -m weights=... wins
-    weights: Literal["samples", "uniform"] = "samples"
-    # params -> keyword arguments for models.build_model (MOON's projection head)
-    model_options: Callable[[Any], dict[str, Any]] = lambda p: {}
-
-
-@dataclass(frozen=True)
-class ServerPlugin:
-    name: str
-    summary: str
-    paper: str
-    params: type[BaseModel]
-    roles: tuple[str, ...]  # subset of ("weighting", "masking", "combine", "personalize")
-    # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
-    # clients, see engine.loop.LOCAL_GROUPS) and "upload" (a client-side Upload)
-    build: Callable[[Any], dict[str, Any]]
-
-
-def _keep_local(*groups: str) -> Callable[[Any], dict[str, Any]]:
-    return lambda p: {"local": frozenset(groups)}
-
-
-CLIENTS: dict[str, ClientPart] = {
+_CORE_CLIENTS: dict[str, ClientPart] = {
     "fedavg": ClientPart(
         "fedavg",
         "plain local SGD on cross-entropy; server averages with sample-share weights (weights=uniform: 1/K)",
@@ -215,9 +191,8 @@ class AmpParams(StrictSettings):
     decay_every: int = Field(30, ge=1)
 
 
-ALIASES = {"fedpake": "fedsa", "separate": "local"}
 
-SERVER_PLUGINS: dict[str, ServerPlugin] = {
+_CORE_PLUGINS: dict[str, ServerPlugin] = {
     "disco": ServerPlugin(
         "disco",
         "weights ReLU(n_k - a*d_k + b) from dataset size and label-distribution discrepancy (a=0.5, b=0.1, kl)",
@@ -248,7 +223,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "local training only (baseline in FedCAC, Wu et al., NeurIPS 2023)",
         NoParams,
         (),
-        _keep_local("all"),
+        keep_local("all"),
     ),
     "fedper": ServerPlugin(
         "fedper",
@@ -256,7 +231,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818",
         NoParams,
         (),
-        _keep_local("head"),
+        keep_local("head"),
     ),
     "fedbn": ServerPlugin(
         "fedbn",
@@ -264,7 +239,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
         NoParams,
         (),
-        _keep_local("norm"),
+        keep_local("norm"),
     ),
     "fedcac": ServerPlugin(
         "fedcac",
@@ -287,6 +262,18 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         lambda p: {"personalize": lambda w: FedAMP(weighting=w, **p.model_dump())},
     ),
 }
+
+def _register_builtins() -> None:
+    from fedskew.catalog import CATALOGS
+
+    register_builtin(_CORE_CLIENTS, _CORE_PLUGINS, {"fedpake": "fedsa", "separate": "local"})
+    for module in CATALOGS:
+        register_builtin(module.CLIENTS, module.SERVER_PLUGINS, getattr(module, "ALIASES", None))
+
+
+_register_builtins()
+
+__all__ = ["ALIASES", "CLIENTS", "SERVER_PLUGINS", "ClientPart", "NoParams", "ServerPlugin", "resolve_method"]
 
 PERSONAL_GROUPS = frozenset({"head", "norm", "all"})  # local groups that make a method personalized
 
@@ -344,6 +331,7 @@ def _given(args: Mapping[str, Any], field_name: str) -> bool:
 
 def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
+    load_entry_points()
     tokens = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in name.split("+")]
     if not all(tokens):
         raise ConfigError(f"method {name!r}: empty part in composition")
@@ -391,7 +379,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
     server: ServerStrategy
     if "personalize" in roles:
-        clash = [r for r in ("combine", "masking") if r in roles]
+        clash = [r for r in ("combine", "masking", "update") if r in roles]
         if clash:
             raise ConfigError(
                 f"method {name!r}: a personalized server step (one model per client) cannot take a {clash[0]}"
@@ -399,7 +387,10 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         server = roles["personalize"](weighting)
     else:
         server = Aggregation(
-            weighting=weighting, combine=roles.get("combine", WeightedMean()), masking=roles.get("masking")
+            weighting=weighting,
+            combine=roles.get("combine", WeightedMean()),
+            masking=roles.get("masking"),
+            update=roles.get("update"),
         )
     counts: dict[str, int] = {}
     for p in parsed:

@@ -90,6 +90,9 @@ class RoundInput:
     trainable: frozenset[str]
     label_hists: np.ndarray  # [K, num_classes] participants' histograms
     rejected: tuple[Rejection, ...] = ()  # uploads left out under on_bad_update='drop'
+    # scalar metrics every participant reported, [K] float64 each: "train_loss", "steps" (local optimizer steps:
+    # FedNova's tau_k), and whatever a local algorithm adds (e.g. the loss before training)
+    metrics: Mapping[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_participants(self) -> int:

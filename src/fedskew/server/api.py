@@ -8,10 +8,12 @@ uploaded, and the model that was broadcast. A server method is a :class:`ServerS
     masks   = masking(round_input, state)            # optional: which client values enter each element (FedHEAL)
     weights = weighting(round_input, masks, state)    # one weight per client (size, uniform, Disco, FAEL)
     params  = combine(round_input, weights, masks)    # how stacked values become one (weighted mean, FedSA)
+    params  = update(round_input, params, weights, state)  # optional: the server's step (momentum, FedDyn)
 
 Each piece is a small object whose state is explicit: ``init(ctx) -> state`` and ``__call__(..., state) ->
-(result, new_state)``. Stateless pieces return ``None`` as their state. Personalized methods (FedCAC, FedAMP)
-implement :class:`ServerStrategy` directly and return one model per client.
+(result, new_state)``. Stateless pieces return ``None`` as their state; a combine is stateless unless it is a
+:class:`StatefulCombine` (it has ``init`` and takes and returns a state: FedFV's gradient history). Personalized
+methods (FedCAC, FedAMP) implement :class:`ServerStrategy` directly and return one model per client.
 
 Uploads pass one validation, :func:`check_update` (a :class:`Rejection` with the reason, or ``None``), which both
 ``on_bad_update`` policies use: ``fail`` raises it, ``drop`` leaves the upload out of the round. The engine copies each
@@ -21,7 +23,7 @@ holds its uploads twice; :func:`stack_updates` does the same for a list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -77,28 +79,68 @@ class Combine(Protocol):
         ...
 
 
+class StatefulCombine(Protocol):
+    """A combine that keeps state across rounds (FedFV's history of past updates)."""
+
+    def init(self, ctx: ServerContext) -> State: ...
+
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, dict[str, Any], State]: ...
+
+
+class ServerUpdate(Protocol):
+    """The server's own step after the combine: ``params`` is the combined model, the result the next global model
+    (FedAvgM's server momentum, FedDyn's correction by the mean of the clients' gradients)."""
+
+    def init(self, ctx: ServerContext) -> State: ...
+
+    def __call__(
+        self, rin: RoundInput, params: Params, weights: Tensor, state: State
+    ) -> tuple[Params, dict[str, Any], State]: ...
+
+
+def is_stateful(combine: Combine | StatefulCombine) -> bool:
+    return callable(getattr(combine, "init", None))
+
+
 @dataclass(frozen=True)
 class Aggregation:
-    """masks -> weights -> combine: the server step of FedAvg, +Disco, +HEAL and FedSA."""
+    """masks -> weights -> combine -> update: the server step of FedAvg, +Disco, +HEAL, FedSA, FedAvgM, ..."""
 
     weighting: Weighting
-    combine: Combine
+    combine: Combine | StatefulCombine
     masking: Masking | None = None
+    update: ServerUpdate | None = None
 
     def init(self, ctx: ServerContext) -> State:
-        return {
+        state = {
             "weighting": self.weighting.init(ctx),
             "masking": self.masking.init(ctx) if self.masking is not None else None,
         }
+        if is_stateful(self.combine):
+            state["combine"] = self.combine.init(ctx)  # type: ignore[union-attr]
+        if self.update is not None:
+            state["update"] = self.update.init(ctx)
+        return state
 
     def aggregate(self, rin: RoundInput, state: State) -> tuple[ServerOutput, State]:
         masks, mstate = (None, None)
         if self.masking is not None:
             masks, mstate = self.masking(rin, state["masking"])
         weights, wstate = self.weighting(rin, masks, state["weighting"])
-        params, diagnostics = self.combine(rin, weights, masks)
+        new_state = {"weighting": wstate, "masking": mstate}
+        if is_stateful(self.combine):
+            params, diagnostics, new_state["combine"] = self.combine(  # type: ignore[call-arg]
+                rin, weights, masks, state["combine"]
+            )
+        else:
+            params, diagnostics = self.combine(rin, weights, masks)  # type: ignore[call-arg]
+        if self.update is not None:
+            params, more, new_state["update"] = self.update(rin, params, weights, state["update"])
+            diagnostics = {**diagnostics, **more}
         diagnostics = {"weights": weights.tolist(), **diagnostics}
-        return ServerOutput(params, None, diagnostics), {"weighting": wstate, "masking": mstate}
+        return ServerOutput(params, None, diagnostics), new_state
 
 
 def check_update(
@@ -173,6 +215,7 @@ class UploadStack:
         self.extras: Params | None = None  # allocated from the first accepted upload
         self.cids: list[int] = []
         self.num_samples: list[int] = []
+        self.metrics: list[dict[str, float]] = []
         self.rejected: list[Rejection] = []
 
     @property
@@ -199,6 +242,7 @@ class UploadStack:
             buf[row].copy_(update.extras[n])
         self.cids.append(update.cid)
         self.num_samples.append(int(update.num_samples))
+        self.metrics.append({k: float(v) for k, v in update.metrics.items()})
         return None
 
     def round_input(self, *, rnd: int, trainable: frozenset[str], label_hists: np.ndarray) -> RoundInput:
@@ -216,7 +260,17 @@ class UploadStack:
             global_params=self.global_params,
             trainable=trainable,
             label_hists=np.asarray(label_hists),
+            metrics=stack_metrics(self.metrics),
         )
+
+
+def stack_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, Tensor]:
+    """The scalar metrics every upload reported, as ``[K]`` float64 tensors (a metric some client lacks is left out:
+    a server piece that needs it names it in its error)."""
+    if not metrics:
+        return {}
+    common = set(metrics[0]).intersection(*metrics[1:])
+    return {k: torch.tensor([m[k] for m in metrics], dtype=torch.float64) for k in sorted(common)}
 
 
 ON_BAD_UPDATE = ("fail", "drop")
