@@ -55,6 +55,13 @@ class LocalContext:
     steps: int = 0
     phase: str = "main"
     scratch: dict[str, Any] = field(default_factory=dict)
+    # set by local_train: the client's resident training tensors and its seeded generator (hooks that need a pass
+    # over the local data, e.g. FedALA's weight learning or a loss before training, draw from this generator)
+    x: Tensor | None = None
+    y: Tensor | None = None
+    generator: torch.Generator | None = None
+    # scalar metrics a hook reports with the upload (RoundInput.metrics on the server), e.g. {"loss_before": ...}
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,7 @@ def local_train(
     the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
     """
     model, s = ctx.model, ctx.settings
+    ctx.x, ctx.y, ctx.generator = x, y, generator
     model.load_state_dict(ctx.received)
     model.train()
     algo.begin(ctx)
@@ -201,5 +209,5 @@ def local_train(
         params=trained,
         num_samples=n,
         extras=extras,
-        metrics={"train_loss": train_loss, "steps": float(ctx.steps)},
+        metrics={**ctx.metrics, "train_loss": train_loss, "steps": float(ctx.steps)},
     )
