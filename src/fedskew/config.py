@@ -147,7 +147,8 @@ class RunConfig(StrictSettings):
     def _model_known(cls, v: str) -> str:
         from fedskew.models import MODELS
 
-        if v != "auto" and v not in MODELS:
+        # "custom:<name>" records a user's model (fedskew.run(model=...)); only the library API can supply it
+        if v != "auto" and v not in MODELS and not (v.startswith("custom:") and len(v) > 7):
             raise ValueError(f"unknown model {v!r}; choose auto or one of {', '.join(MODELS)}")
         return v
 

@@ -25,6 +25,7 @@ from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
 from fedskew.registry import (
     ALIASES,
     CLIENTS,
+    EXTRA_PIECES,
     SERVER_PLUGINS,
     ClientPart,
     NoParams,
@@ -346,6 +347,9 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     if len(set(plugin_names)) != len(plugin_names):
         raise ConfigError(f"method {name!r}: a plug-in is repeated")
     client = CLIENTS[client_name]
+    for plugin_name, reason in client.excludes:
+        if plugin_name in plugin_names:
+            raise ConfigError(f"method {name!r}: {client_name} does not compose with {plugin_name}: {reason}")
     plugins = [SERVER_PLUGINS[t] for t in plugin_names]
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
     parsed = _split_args(parts, args, name)
@@ -357,7 +361,13 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     local: frozenset[str] = frozenset()
     uploads: list[Upload] = []
     for plugin, params in zip(plugins, plugin_params, strict=True):
-        pieces = plugin.build(params)
+        pieces = dict(plugin.build(params))
+        built = set(pieces) - set(EXTRA_PIECES)
+        if built != set(plugin.roles) or set(pieces) - built - set(EXTRA_PIECES):
+            raise ConfigError(
+                f"method {name!r}: plug-in {plugin.name!r} declares roles {sorted(plugin.roles)} but its build "
+                f"returned {sorted(pieces)} (extras allowed: {', '.join(EXTRA_PIECES)})"
+            )
         local |= pieces.pop("local", frozenset())
         if "upload" in pieces:
             uploads.append(pieces.pop("upload"))
@@ -365,6 +375,10 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
             if role in roles:
                 raise ConfigError(f"method {name!r}: two plug-ins both set the server's {role}")
             roles[role] = piece
+    for piece in roles.values():  # a piece may refuse the composition it is in (FedNova's combine: no masks)
+        check = getattr(piece, "check_composition", None)
+        if callable(check):
+            check(name, client_name, frozenset(roles))
     combine = roles.get("combine")
     if isinstance(combine, FedSACombine):
         if "masking" in roles:

@@ -75,6 +75,7 @@ class ServerContext:
     trainable: frozenset[str]  # names of trainable parameters; the other state-dict entries are buffers
     num_train: np.ndarray  # [N] training samples per client
     label_hists: np.ndarray  # [N, num_classes] training label histogram per client
+    seed: int = 0  # the run seed: server-side pieces that draw random numbers key their streams with it (seeding.py)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ class ClientPart:
     params: type[BaseModel]
     build: Callable[[Any], LocalAlgorithm]
     implies: tuple[str, ...] = ()  # server plug-ins this client part needs (added when not named)
+    # (plug-in, reason) pairs this client part does not compose with: resolve_method refuses them with the reason
+    excludes: tuple[tuple[str, str], ...] = ()
     personalized: bool = False  # keeps a personal model of its own (evaluated in the personal views)
     # the default of the server's ``weights`` for this client part (its paper's server average); -m weights=... wins
     weights: Literal["samples", "uniform"] = "samples"

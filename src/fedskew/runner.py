@@ -27,7 +27,7 @@ from fedskew import __version__
 from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, dump_yaml, load_yaml, make_config
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.checkpoint import capture, restore
-from fedskew.engine.loop import Diverged, RoundResult, Simulation, resolve_model_name
+from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
 from fedskew.methods import resolve_method
 from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
 from fedskew.results.store import (
@@ -159,13 +159,16 @@ def run_experiment(
     on_round: Callable[[RoundResult], None] | None = None,
     on_start: Callable[[Simulation, int], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    data: FederatedData | None = None,
+    model: UserModel | None = None,
 ) -> RunOutcome:
     """Build the federation, run every round, write the run directory and (if configured) the database rows.
 
     ``resume``: continue the unfinished run in ``cfg.out`` from its last checkpoint (also done when ``cfg.out`` holds
     an unfinished run of the same configuration and seed). ``on_start(sim, first_round)`` is called before the
-    first round this call runs. Raises :class:`RunInterrupted` after checkpointing on SIGINT/SIGTERM, and
-    :class:`DatabaseWriteError` when only the database insert failed (the run directory is complete)."""
+    first round this call runs. ``data`` / ``model``: a federation and a model of the user's (:mod:`fedskew.api`)
+    instead of ``cfg.dataset`` / ``cfg.model``. Raises :class:`RunInterrupted` after checkpointing on SIGINT/SIGTERM,
+    and :class:`DatabaseWriteError` when only the database insert failed (the run directory is complete)."""
     note = on_note or (lambda msg: None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -175,12 +178,13 @@ def run_experiment(
     now = datetime.now(UTC)
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
-    data = build_federated(cfg)
+    data = data if data is not None else build_federated(cfg)
     method = resolve_method(cfg.method, cfg.method_args)
     # record the model `auto` stood for, so that config.yaml re-runs the same experiment
-    cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, data, method)})
+    model_name = resolve_model_name(cfg, data, method) if model is None else user_model_name(model)
+    cfg = cfg.model_copy(update={"model": model_name})
     resume = resume or (not overwrite and out_dir.is_dir() and _same_experiment(out_dir, cfg))
-    sim = Simulation(cfg, data, method)  # refuses what it cannot run before anything is written
+    sim = Simulation(cfg, data, method, model)  # refuses what it cannot run before anything is written
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite, resume=resume)
     for msg in rd.notes:
         note(msg)

@@ -21,6 +21,7 @@ class Purpose(IntEnum):
     SPLIT = 5
     DATA = 6
     DROPOUT = 7
+    FEDGEN = 8  # FedGen's server-side generator: its initial weights and each round's training draws
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

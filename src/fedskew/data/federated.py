@@ -88,9 +88,20 @@ class Pool(NamedTuple):
 
 
 def to_float(x: np.ndarray, device: torch.device | str) -> Tensor:
-    """uint8 images -> float32 in [-1, 1] ((x/255 - 0.5) / 0.5, as PFLlib stores them)."""
+    """uint8 images -> float32 in [-1, 1] ((x/255 - 0.5) / 0.5, as PFLlib stores them); floating-point features
+    (user data through :mod:`fedskew.api`) are taken as they are, as float32."""
     t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    if t.is_floating_point():
+        return t.float()
     return t.float().div_(127.5).sub_(1.0)
+
+
+def input_shape(x: np.ndarray) -> tuple[int, int]:
+    """``(in_channels, image_size)`` the model zoo builds for: square images ``[N, C, S, S]`` are (C, S); any other
+    sample shape is a flat feature vector of (product of the sample's dimensions, 1), which ``auto`` gives an MLP."""
+    if x.ndim == 4 and x.shape[2] == x.shape[3]:
+        return int(x.shape[1]), int(x.shape[2])
+    return int(np.prod(x.shape[1:])), 1
 
 
 def split_holdout(labels: np.ndarray, share: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -139,8 +150,8 @@ def _assemble(
     return FederatedData(
         name=name,
         num_classes=num_classes,
-        in_channels=int(pool.x.shape[1]),
-        image_size=int(pool.x.shape[2]),
+        in_channels=input_shape(pool.x)[0],
+        image_size=input_shape(pool.x)[1],
         clients=clients,
         x_test=to_float(gtest.x, dev),
         y_test=torch.from_numpy(gtest.y.astype(np.int64)).to(dev),

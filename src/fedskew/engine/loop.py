@@ -102,8 +102,35 @@ def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | Non
     return "cnn" if data.image_size >= 16 else "mlp"
 
 
-def init_model(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> nn.Module:
-    """Build the model with weights drawn from the run's init stream (global torch RNG left untouched)."""
+UserModel = nn.Module | Callable[[], nn.Module]
+
+
+def user_model_name(model: UserModel) -> str:
+    """How a user's model is recorded in config.yaml: ``custom:<class or function name>``."""
+    name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", type(model).__name__)
+    return f"custom:{name}"
+
+
+def init_model(
+    cfg: RunConfig, data: FederatedData, method: Method | None = None, user_model: UserModel | None = None
+) -> nn.Module:
+    """Build the model with weights drawn from the run's init stream (global torch RNG left untouched).
+
+    ``user_model``: a module of the user's (copied, its weights are the initial model) or a function returning one
+    (called under the init stream, so the seed fixes its weights), split into body + head by
+    :func:`fedskew.models.custom.split_model` (checked on a batch of client 0's data)."""
+    if user_model is not None:
+        from fedskew.models.custom import prepare_user_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+            example = data.clients[0].x_train[:2].cpu()
+            model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
+        return model.to(torch.device(cfg.device))
+    if cfg.model.startswith("custom:"):
+        raise ConfigError(
+            f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
         model = build_model(
@@ -159,11 +186,13 @@ class RoundResult:
 class Simulation:
     """A seeded, single-process simulation of one federation."""
 
-    def __init__(self, cfg: RunConfig, data: FederatedData, method: Method | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, data: FederatedData, method: Method | None = None, model: UserModel | None = None
+    ) -> None:
         self.cfg = cfg
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
-        self.model = init_model(cfg, data, self.method)
+        self.model = init_model(cfg, data, self.method, model)
         self.global_params: Params = snapshot(self.model)
         self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
         self.personal: dict[int, Params] = {}  # per-client models the server sent (personalized strategies)
@@ -184,6 +213,7 @@ class Simulation:
             trainable=self.trainable,
             num_train=data.num_train,
             label_hists=data.train_hists,
+            seed=cfg.seed,
         )
         local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
         self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
