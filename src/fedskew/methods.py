@@ -360,6 +360,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     roles: dict[str, Any] = {}
     local: frozenset[str] = frozenset()
     uploads: list[Upload] = []
+    wrappers: list[Any] = []  # LocalAlgorithm -> LocalAlgorithm: client-side additions a server piece needs
     for plugin, params in zip(plugins, plugin_params, strict=True):
         pieces = dict(plugin.build(params))
         built = set(pieces) - set(EXTRA_PIECES)
@@ -371,6 +372,8 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         local |= pieces.pop("local", frozenset())
         if "upload" in pieces:
             uploads.append(pieces.pop("upload"))
+        if "wrap_client" in pieces:  # e.g. AFL/q-FFL/FedFV: every client reports its loss before training
+            wrappers.append(pieces.pop("wrap_client"))
         for role, piece in pieces.items():
             if role in roles:
                 raise ConfigError(f"method {name!r}: two plug-ins both set the server's {role}")
@@ -380,6 +383,8 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         if callable(check):
             check(name, client_name, frozenset(roles))
     combine = roles.get("combine")
+    if not _given(args, "weights") and "weighting" not in roles and getattr(combine, "default_weights", None):
+        parsed[0] = base_params = ServerBaseParams(weights=combine.default_weights)  # the combine's paper average
     if isinstance(combine, FedSACombine):
         if "masking" in roles:
             raise ConfigError(f"method {name!r}: FedSA's combine does not take element masks")
@@ -417,9 +422,12 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     }
     personalized = client.personalized or "personalize" in roles or bool(local & PERSONAL_GROUPS)
     canonical = "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens)
+    algo = client.build(client_params)
+    for wrap in wrappers:
+        algo = wrap(algo)
     return Method(
         canonical,
-        client.build(client_params),
+        algo,
         server,
         resolved,
         personalized=personalized,
@@ -430,7 +438,8 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
 
 
 def describe_methods() -> list[tuple[str, str, str]]:
-    """(name, kind, one-line summary) for ``fedskew methods``."""
+    """(name, kind, one-line summary) for ``fedskew methods`` (plug-in packages' parts included)."""
+    load_entry_points()
     rows = [(c.name, "client", c.summary) for c in CLIENTS.values()]
     rows += [
         (p.name, f"server: {'/'.join(p.roles) or 'client-local state'}", p.summary) for p in SERVER_PLUGINS.values()

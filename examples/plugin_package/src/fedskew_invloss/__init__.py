@@ -1,0 +1,35 @@
+"""Example fedskew plug-in: a server weighting ∝ (local training loss)^(-power), installed through an entry point."""
+
+import torch
+from pydantic import Field
+
+from fedskew.registry import ServerPlugin
+from fedskew.schema import StrictSettings
+
+
+class InvLossParams(StrictSettings):
+    power: float = Field(1.0, ge=0)  # -m power=2: sharper preference for low-loss clients
+
+
+class InverseLossWeights:
+    """weights_k ∝ loss_k^(-power), normalized; stateless."""
+
+    def __init__(self, power: float) -> None:
+        self.power = power
+
+    def init(self, ctx):
+        return None
+
+    def __call__(self, rin, masks, state):
+        w = rin.metrics["train_loss"].clamp_min(1e-8).pow(-self.power)
+        return (w / w.sum()).to(torch.float64), None
+
+
+PLUGIN = ServerPlugin(
+    name="invloss_pkg",
+    summary="weights ∝ local training loss^(-power) (power=1)",
+    paper="fedskew example plug-in (examples/plugin_package)",
+    params=InvLossParams,
+    roles=("weighting",),
+    build=lambda p: {"weighting": InverseLossWeights(p.power)},
+)
