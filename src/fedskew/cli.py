@@ -15,9 +15,9 @@ from fedskew import __version__
 # flag name -> config key; every one of these overrides the YAML file
 RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--method": ("method", str, "method or composition (see `fedskew methods`)"),
-    "--dataset": ("dataset", str, "digits (embedded), mnist, ..."),
+    "--dataset": ("dataset", str, "digits (embedded), mnist, ..., folder or npz (your data, with --data-dir)"),
     "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
-    "--partition": ("partition", str, "iid | dir | pat | dirfixed | niid2 | quantity | domain"),
+    "--partition": ("partition", str, "iid | dir | pat | dirfixed | niid2 | quantity | domain | given"),
     "--protocol": (
         "protocol",
         str,
@@ -45,6 +45,7 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
     "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),
     "--image-size": ("image_size", int, "common image side of the domains (digits_domains)"),
+    "--resize": ("resize", int, "dataset folder: resize every image to N x N (needed when image sizes differ)"),
     "--on-bad-update": ("on_bad_update", str, "fail | drop: what a non-finite, mis-shaped or wrong-dtype upload does"),
     "--client-dropout": ("client_dropout", float, "probability that a sampled client fails to report (seeded)"),
     "--checkpoint-every": (
@@ -55,6 +56,7 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--seed": ("seed", int, "the one seed of the run"),
     "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
     "--threads": ("threads", int, "torch CPU threads (default 1; 0 = torch's default)"),
+    "--workers": ("workers", int, "processes training clients in parallel (default 1; results identical)"),
     "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
     "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
 }
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-ratio",
         "--domain-fraction",
         "--image-size",
+        "--resize",
         "--seed",
     ):
         _, typ, help_ = RUN_FLAGS[flag]

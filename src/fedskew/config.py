@@ -12,7 +12,8 @@ from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_v
 
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
-PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain"]
+# given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
+PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain", "given"]
 
 
 DOMAIN_DATASETS = ("digits_domains",)
@@ -36,6 +37,7 @@ NOT_IDENTITY = frozenset(
         "eval_batch_size",
         "divergence_factor",
         "checkpoint_every",
+        "workers",
     }
 )
 
@@ -73,6 +75,9 @@ class RunConfig(StrictSettings):
         0.01, gt=0, le=1, description="share of its domain's training set each client gets (domain; FedHEAL: 1%)"
     )
     image_size: int = Field(28, ge=8, description="common image side of the domains (digits_domains)")
+    resize: int | None = Field(
+        None, ge=8, description="dataset folder: resize every image to resize x resize (needed when sizes differ)"
+    )
     imbalance_ratio: float | None = Field(
         None,
         ge=1,
@@ -130,6 +135,12 @@ class RunConfig(StrictSettings):
     threads: int = Field(
         1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="processes that train the sampled clients in parallel (CPU; results identical to 1); each uses "
+        "one torch thread",
+    )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
 
@@ -174,9 +185,11 @@ class RunConfig(StrictSettings):
                 f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}) and vice "
                 f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
             )
-        if self.protocol == "pfllib" and self.partition not in PFLLIB_PARTITIONS:
+        _check_dataset(self)
+        if self.protocol == "pfllib" and self.partition not in (*PFLLIB_PARTITIONS, "given"):
             raise ValueError(
-                f"protocol 'pfllib' supports partitions {', '.join(PFLLIB_PARTITIONS)}, not {self.partition!r}"
+                f"protocol 'pfllib' supports partitions {', '.join(PFLLIB_PARTITIONS)} (and given, for per-client "
+                f"files), not {self.partition!r}"
             )
         if self.protocol == "fedcac":
             if self.partition not in FEDCAC_PARTITIONS:
@@ -194,12 +207,50 @@ class RunConfig(StrictSettings):
         return self
 
     def identity(self) -> dict[str, Any]:
-        """The settings that define an experiment (everything except seed and where output goes)."""
-        return self.model_dump(exclude=NOT_IDENTITY)
+        """The settings that define an experiment (everything except seed and where output goes). For a dataset that
+        *is* its data directory (folder, npz) the directory is part of it: two folders are two experiments."""
+        ident = self.model_dump(exclude=NOT_IDENTITY)
+        if _reads_data_dir(self.dataset):
+            ident["data_dir"] = self.data_dir
+        return ident
 
     def group_key(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _reads_data_dir(dataset: str) -> bool:
+    """Whether ``dataset`` is read from ``data_dir`` itself (``folder``, ``npz``, plug-ins declaring it)."""
+    from fedskew.data.readers import find_spec
+
+    spec = find_spec(dataset)
+    return spec is not None and spec.needs_data_dir
+
+
+def _check_dataset(cfg: RunConfig) -> None:
+    """What the dataset's reader needs and allows (fedskew.data.readers registry): a data_dir for the datasets that
+    are their folder, ``resize`` only where the reader takes it, ``partition given`` only for a reader of per-client
+    files, and no re-sampling of given clients. Unknown names are left to the reader, which lists the choices."""
+    from fedskew.data.readers import find_spec
+
+    spec = find_spec(cfg.dataset)
+    if spec is not None and spec.needs_data_dir and not cfg.data_dir:
+        raise ValueError(
+            f"dataset {cfg.dataset!r} reads the folder given as data_dir (--data-dir DIR): {spec.expected}"
+        )
+    if cfg.resize is not None and (spec is None or "resize" not in spec.options):
+        raise ValueError(f"resize applies to image-folder datasets (folder), not to dataset {cfg.dataset!r}")
+    if cfg.partition == "given":
+        if spec is not None and not spec.per_client:  # unknown names: user data given through fedskew.api
+            raise ValueError(
+                f"partition 'given' uses the clients of per-client data files (dataset npz with train/0.npz, ...); "
+                f"dataset {cfg.dataset!r} has none: choose a partition such as dir or iid"
+            )
+        if cfg.imbalance_ratio is not None:
+            raise ValueError(
+                f"partition 'given' keeps the clients' data as given: imbalance_ratio must be unset, got "
+                f"{cfg.imbalance_ratio!r}"
+            )
 
 
 def _format_validation_error(exc: ValidationError) -> str:

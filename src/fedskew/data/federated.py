@@ -6,7 +6,8 @@ domains' training splits concatenated in domain order, then their test splits in
 a dataset without a test split (digits) keeps its training-split indices. ``ClientData.train_index`` /
 ``test_index`` and ``FederatedData.test_index`` hold these indices (int64 numpy arrays, row ``i`` of a tensor came
 from source index ``index[i]``), so that where every sample came from can be checked, e.g. that no test sample sits
-in a training split (tests/test_no_leakage.py).
+in a training split (tests/test_no_leakage.py). For per-client data (``--partition given``) the source order is every
+client's training file in client order, then every client's test file in client order.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from fedskew.data.partition import (
     pfllib_least_samples,
     train_test_split_clients,
 )
-from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
+from fedskew.data.readers import ClientDatasets, ImageDataset, digits_domains, load_source
+from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, numpy_rng
 
 
@@ -358,11 +360,58 @@ def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.nd
     return [tr_pool[p] for p in train_parts], [te_pool[p] for p in test_parts]
 
 
-def build_federated(cfg: RunConfig, dataset: ImageDataset | None = None) -> FederatedData:
-    """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``."""
+def build_given_federated(cfg: RunConfig, src: ClientDatasets) -> FederatedData:
+    """The clients of per-client data files as they are (``--partition given``): client ``i`` trains on its training
+    file and is tested on its test file (without test files, its data is split with ``train_ratio``, seeded as every
+    partition). There is no separate global test set (as in PFLlib): the global test set is the union of the clients'
+    test splits. The number of clients is the data's: ``cfg.clients`` must match it."""
+    if cfg.partition != "given":
+        raise ConfigError(
+            f"{cfg.data_dir}: holds per-client files ({src.num_clients} clients), whose partition is given: set "
+            f"partition: given (--partition given) instead of {cfg.partition!r}"
+        )
+    if cfg.protocol not in ("fedskew", "pfllib"):
+        raise ConfigError(f"partition 'given' runs under protocol fedskew or pfllib, not {cfg.protocol!r}")
+    if cfg.clients != src.num_clients:
+        raise ConfigError(
+            f"{cfg.data_dir}: holds {src.num_clients} clients but clients={cfg.clients}: set clients: "
+            f"{src.num_clients} (--clients {src.num_clients})"
+        )
+    xs = list(src.x_train) + list(src.x_test or [])
+    ys = list(src.y_train) + list(src.y_test or [])
+    offsets = np.cumsum([0, *(len(y) for y in ys)])
+    ranges = [np.arange(offsets[i], offsets[i + 1], dtype=np.int64) for i in range(len(ys))]
+    k = src.num_clients
+    if src.x_test is not None:
+        train_parts, test_parts = ranges[:k], ranges[k:]
+    else:
+        split_rng = numpy_rng(cfg.seed, Purpose.SPLIT, 1)
+        train_parts, test_parts = train_test_split_clients(ranges, cfg.train_ratio, split_rng)
+    pool = Pool(np.concatenate(xs), np.concatenate(ys), np.arange(int(offsets[-1]), dtype=np.int64))
+    gtest = pool.take(np.concatenate(test_parts))
+    return _assemble(src.name, src.num_classes, pool, train_parts, test_parts, gtest, torch.device(cfg.device))
+
+
+def reader_options(cfg: RunConfig) -> dict[str, object]:
+    """The options of the dataset's reader set in the configuration (``resize`` for image folders)."""
+    return {"resize": cfg.resize} if cfg.resize is not None else {}
+
+
+def build_federated(cfg: RunConfig, dataset: ImageDataset | ClientDatasets | None = None) -> FederatedData:
+    """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``. Per-client
+    data (``ClientDatasets``, e.g. PFLlib's dataset folder) is used as given (:func:`build_given_federated`)."""
     if cfg.partition == "domain":
         return build_domain_federated(cfg)
-    ds = dataset if dataset is not None else load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+    ds = dataset
+    if ds is None:
+        ds = load_source(cfg.dataset, cfg.data_dir, download=cfg.download, **reader_options(cfg))
+    if isinstance(ds, ClientDatasets):
+        return build_given_federated(cfg, ds)
+    if cfg.partition == "given":
+        raise ConfigError(
+            f"dataset {ds.name!r} is one pool of samples without a client assignment, so partition 'given' has no "
+            f"clients to use: choose a partition such as dir or iid, or give per-client files (train/0.npz, ...)"
+        )
     if cfg.protocol == "pfllib":
         return build_pfllib(cfg, ds)
     if cfg.protocol == "fedcac":

@@ -1,0 +1,193 @@
+"""What every reader shares: the error types, the two shapes a dataset comes in, and the low-level helpers.
+
+A reader returns either an :class:`ImageDataset` (one pool of images with an optional official test split, which
+fedskew's partitions divide among clients) or a :class:`ClientDatasets` (data already divided among clients, used
+as the federation as it is: ``--partition given``).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import os
+import pickle
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PathLike = str | os.PathLike[str]
+
+
+class DataError(ValueError):
+    """A dataset file is missing, corrupt or truncated; the message names the file and the problem."""
+
+
+class DatasetNotFoundError(DataError):
+    """None of the searched directories holds the dataset; the message lists them and the expected files."""
+
+
+@dataclass(frozen=True, eq=False)
+class ImageDataset:
+    """A labelled image dataset: images ``[N, C, H, W]`` (user arrays may be features ``[N, ...]`` of another shape,
+    which the engine flattens for the MLP) and int64 labels ``[N]``.
+
+    Images are uint8 (scaled to [-1, 1] when the federation is built, as every built-in dataset) or floating point
+    (used as they are: arrays a user gives already normalised, e.g. PFLlib's). ``x_test``/``y_test`` are None when
+    the dataset has no official test split (``digits``, an image folder without ``test/``); a seeded ``holdout`` is
+    then taken. ``classes`` names the labels where the format has names (image folders), else it is empty.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray | None
+    y_test: np.ndarray | None
+    num_classes: int
+    classes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.x_train.ndim < 2 or len(self.x_train) != len(self.y_train):
+            raise DataError(
+                f"{self.name}: x_train must be [N, C, H, W] (or [N, ...] features) with one label per image, "
+                f"got {self.x_train.shape} and {self.y_train.shape}"
+            )
+        if (self.x_test is None) != (self.y_test is None):
+            raise DataError(f"{self.name}: x_test and y_test must both be given or both be None")
+        if (
+            self.x_test is not None
+            and self.y_test is not None
+            and (self.x_test.ndim != self.x_train.ndim or len(self.x_test) != len(self.y_test))
+        ):
+            raise DataError(
+                f"{self.name}: x_test must be shaped as x_train with one label per image, "
+                f"got {self.x_test.shape} and {self.y_test.shape}"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class ClientDatasets:
+    """Data already divided among clients: client ``i`` trains on ``x_train[i]``/``y_train[i]`` and is tested on
+    ``x_test[i]``/``y_test[i]`` (None for every client when the files hold no test split: each client's data is then
+    split with ``train_ratio``). Images ``[n_i, C, H, W]`` (uint8 or float, as :class:`ImageDataset`), labels int64 in
+    ``0 .. num_classes-1``. ``sources[i]`` names client ``i``'s file(s) for messages; ``meta`` holds what the format
+    stores beside the arrays (PFLlib's ``config.json``)."""
+
+    name: str
+    num_classes: int
+    x_train: list[np.ndarray]
+    y_train: list[np.ndarray]
+    x_test: list[np.ndarray] | None
+    y_test: list[np.ndarray] | None
+    sources: list[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k = len(self.x_train)
+        if k == 0:
+            raise DataError(f"{self.name}: no clients")
+        if len(self.y_train) != k or len(self.sources) != k:
+            raise DataError(f"{self.name}: {k} clients' images but {len(self.y_train)} label arrays")
+        if (self.x_test is None) != (self.y_test is None):
+            raise DataError(f"{self.name}: x_test and y_test must both be given or both be None")
+        if self.x_test is not None and self.y_test is not None and not len(self.x_test) == len(self.y_test) == k:
+            raise DataError(f"{self.name}: {k} clients' training data but {len(self.x_test)} test splits")
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.x_train)
+
+
+# =============================================================================================== file helpers
+
+
+def read_bytes(path: Path) -> bytes:
+    """File content, transparently gunzipped / bunzipped (detected by magic bytes, not by name)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc})") from exc
+    try:
+        if raw[:2] == b"\x1f\x8b":
+            return gzip.decompress(raw)
+        if raw[:3] == b"BZh":
+            return bz2.decompress(raw)
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
+        raise DataError(f"{path}: corrupt or truncated compressed file ({exc})") from exc
+    return raw
+
+
+def to_uint8(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Linearly map [lo, hi] to 0..255 with rounding."""
+    return np.clip(np.rint((x.astype(np.float64) - lo) * (255.0 / (hi - lo))), 0, 255).astype(np.uint8)
+
+
+_PICKLE_ALLOWED = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+}
+
+
+class ArrayUnpickler(pickle.Unpickler):
+    """Unpickler restricted to plain containers and numpy arrays (what CIFAR batches and PFLlib's client files hold):
+    any other class or function named in the pickle is refused, so a crafted file cannot run code."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in _PICKLE_ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset pickle")
+        if module == "numpy.core.multiarray":  # numpy 1.x pickles; numpy 2 moved the module
+            module = "numpy._core.multiarray" if hasattr(np, "_core") else module
+        return super().find_class(module, name)
+
+
+# what a corrupt pickle can raise while being read
+PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError)
+
+
+def unpickle_dict(path: Path) -> dict[str, object]:
+    """A pickled dict (Python-2 style bytes keys allowed) read with :class:`ArrayUnpickler`."""
+    try:
+        with path.open("rb") as f:
+            obj = ArrayUnpickler(f, encoding="bytes").load()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except PICKLE_ERRORS as exc:
+        raise DataError(f"{path}: corrupt or truncated pickle ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected a pickled dict, got {type(obj).__name__}")
+    return {k.decode("latin1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
+
+
+def cache_root() -> Path | None:
+    """``$FEDSKEW_CACHE`` (default ``$XDG_CACHE_HOME/fedskew`` or ``~/.cache/fedskew``); None when set to off."""
+    env = os.environ.get("FEDSKEW_CACHE")
+    if env is not None and env.strip().lower() in {"", "0", "off", "none", "false"}:
+        return None
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "fedskew"
+
+
+def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+    """Write an uncompressed .npz through a temporary sibling and a rename: a reader sees the whole file or none,
+    and a crash mid-write leaves no half-written cache entry. Raises OSError when the folder is not writable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

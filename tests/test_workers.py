@@ -1,0 +1,75 @@
+"""Clients trained in worker processes give the sequential run's results exactly (engine/workers.py)."""
+
+import json
+
+import pytest
+import torch
+
+from fedskew.config import make_config
+from fedskew.engine.workers import ClientWorkers, can_fork
+from fedskew.runner import run_experiment
+
+pytestmark = pytest.mark.skipif(can_fork("cpu") is not None, reason=str(can_fork("cpu")))
+
+
+def _records(run_dir):
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in lines]
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [
+        ("fedavg", {}),
+        ("scaffold+heal", {"join_ratio": 0.6}),  # client state (c_i) travels to the workers and back
+        ("fedcac", {}),  # uploads (masks) and personalized models
+        ("moon", {"client_dropout": 0.3}),
+    ],
+)
+def test_workers_give_the_sequential_metrics(tmp_path, one_thread, method, extra):
+    base = {"clients": 5, "rounds": 3, "method": method, "db": None, "seed": 2, "skew_probes": 0, **extra}
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "seq")}))
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "par"), "workers": 2}))
+    assert _records(tmp_path / "par") == _records(tmp_path / "seq")
+    assert torch.get_num_threads() == 1  # the parent's threads are left as they were
+
+
+def test_workers_resume_exactly(tmp_path, one_thread):
+    """Interrupted after round 2 with workers, resumed with workers: the sequential run's records."""
+    base = {"clients": 4, "rounds": 4, "method": "scaffold", "db": None, "seed": 1, "skew_probes": 0}
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "seq")}))
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(result):
+        if result.record["round"] == 2:
+            raise Stop
+
+    cfg = make_config(None, {**base, "out": str(tmp_path / "par"), "workers": 2, "checkpoint_every": 1})
+    with pytest.raises(Stop):
+        run_experiment(cfg, on_round=stop_after_two)
+    run_experiment(cfg, resume=True)
+    assert _records(tmp_path / "par") == _records(tmp_path / "seq")
+
+
+def test_worker_pool_trains_in_order_and_updates_client_state(one_thread):
+    from conftest import digits_simulation
+
+    seq, par = digits_simulation("scaffold"), digits_simulation("scaffold")
+    jobs = [(c, seq.params_for(c), {}) for c in range(4)]
+    expected = [seq._train(c, 1, r, b) for c, r, b in jobs]
+    with ClientWorkers(par, 2) as pool:
+        got = list(pool.train(par, 1, jobs))
+    assert [u.cid for u in got] == [0, 1, 2, 3]
+    for u, v in zip(expected, got, strict=True):
+        assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
+    for c in range(4):
+        assert all(torch.equal(seq.client_states[c]["scaffold_ci"][k], par.client_states[c]["scaffold_ci"][k])
+                   for k in seq.client_states[c]["scaffold_ci"])
+
+
+def test_workers_refused_where_they_cannot_run():
+    with pytest.raises(Exception, match="workers"):
+        make_config(None, {"workers": 0})
+    assert can_fork("meta") is not None
