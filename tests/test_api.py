@@ -88,17 +88,25 @@ def test_api_on_the_builtin_digits_equals_the_cli(tmp_path):
 def test_from_clients_accepts_torch_datasets_and_uses_them_as_given():
     from torch.utils.data import TensorDataset
 
+    from fedskew.config import make_config
+    from fedskew.data.federated import build_federated
+
     x, y = _digits_features()
     parts = [TensorDataset(torch.from_numpy(x[i::3]), torch.from_numpy(y[i::3])) for i in range(3)]
-    data = fedskew.from_clients(parts, train_ratio=0.8)
-    fed = data.federation("cpu")
+    data = fedskew.from_clients(parts)
+    cfg = make_config(None, {"dataset": data.name, "partition": "given", "clients": 3, "train_ratio": 0.8})
+    fed = build_federated(cfg, dataset=data)
     assert fed.num_clients == 3
     assert sum(len(c.y_train) + len(c.y_test) for c in fed.clients) == len(y)
     for i, c in enumerate(fed.clients):  # client i holds exactly its given samples
         got = torch.cat([c.x_train, c.x_test]).sort(0).values
         assert torch.equal(got, torch.from_numpy(x[i::3]).sort(0).values)
     res = fedskew.run("fedprox", data, model=TwoLayer(), rounds=2)
-    assert res.config["clients"] == 3 and len(res.records) == 2
+    assert res.config["clients"] == 3 and res.config["partition"] == "given" and len(res.records) == 2
+    tests = [(x[i::3][:20], y[i::3][:20]) for i in range(3)]
+    given = fedskew.from_clients([(x[i::3][20:], y[i::3][20:]) for i in range(3)], test=tests)
+    fed = build_federated(cfg, dataset=given)
+    assert [len(c.y_test) for c in fed.clients] == [20, 20, 20]
 
 
 @pytest.mark.parametrize(

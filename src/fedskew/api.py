@@ -41,8 +41,8 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from fedskew.client.local import LocalAlgorithm
-from fedskew.data.federated import ClientData, FederatedData, build_federated, input_shape, to_float
-from fedskew.data.partition import label_histograms
+from fedskew.data.federated import build_federated
+from fedskew.data.readers import ClientDatasets, ImageDataset
 from fedskew.engine.loop import UserModel
 from fedskew.models.custom import split_model
 from fedskew.protocol import Params, RoundInput, ServerContext, State
@@ -131,90 +131,6 @@ def _num_classes(num_classes: int | None, labels: Sequence[np.ndarray]) -> int:
     return k
 
 
-@dataclass(frozen=True)
-class ArrayPool:
-    """One labelled pool (and an optional test split) that fedskew partitions among clients with the run's
-    ``partition`` settings, exactly as it does a built-in dataset (:func:`from_arrays`)."""
-
-    name: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray | None
-    y_test: np.ndarray | None
-    num_classes: int
-
-
-@dataclass(frozen=True)
-class GivenClients:
-    """Per-client data used as given (:func:`from_clients`)."""
-
-    name: str
-    train: tuple[tuple[np.ndarray, np.ndarray], ...]
-    test: tuple[tuple[np.ndarray, np.ndarray], ...]
-    global_test: tuple[np.ndarray, np.ndarray] | None
-    num_classes: int
-
-    def federation(self, device: str) -> FederatedData:
-        """The federation: each client's data as given; the global test set is ``global_test`` or else the union
-        of the clients' test splits. Source indices number the training samples client after client, then the
-        test samples (so tests/test_no_leakage.py-style checks work on user data too)."""
-        dev = torch.device(device)
-        clients, offset = [], 0
-        n_train = sum(len(y) for _, y in self.train)
-        t_offset = n_train
-        test_index = []
-        for cid, ((xtr, ytr), (xte, yte)) in enumerate(zip(self.train, self.test, strict=True)):
-            tr_i = np.arange(offset, offset + len(ytr))
-            te_i = np.arange(t_offset, t_offset + len(yte))
-            offset += len(ytr)
-            t_offset += len(yte)
-            test_index.append(te_i)
-            clients.append(
-                ClientData(
-                    cid,
-                    to_float(xtr, dev),
-                    torch.from_numpy(ytr).to(dev),
-                    to_float(xte, dev),
-                    torch.from_numpy(yte).to(dev),
-                    tr_i,
-                    te_i,
-                )
-            )
-        owner = torch.cat([torch.full((len(c.y_test),), c.cid, dtype=torch.long) for c in clients]).to(dev)
-        local_x = torch.cat([c.x_test for c in clients])
-        local_y = torch.cat([c.y_test for c in clients])
-        if self.global_test is None:
-            gx, gy, gidx = local_x, local_y, np.concatenate(test_index)
-        else:
-            gx, gy = to_float(self.global_test[0], dev), torch.from_numpy(self.global_test[1]).to(dev)
-            gidx = np.arange(t_offset, t_offset + len(gy))
-        ys = [y for _, y in self.train]
-        yt = [y for _, y in self.test]
-        chan, size = input_shape(self.train[0][0])
-        return FederatedData(
-            name=self.name,
-            num_classes=self.num_classes,
-            in_channels=chan,
-            image_size=size,
-            clients=clients,
-            x_test=gx,
-            y_test=gy,
-            train_hists=_hists(ys, self.num_classes),
-            test_hists=_hists(yt, self.num_classes),
-            local_x=local_x,
-            local_y=local_y,
-            local_owner=owner,
-            test_index=gidx,
-        )
-
-
-def _hists(labels: Sequence[np.ndarray], num_classes: int) -> np.ndarray:
-    flat = np.concatenate(labels)
-    starts = np.cumsum([0, *[len(y) for y in labels]])
-    parts = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    return label_histograms(flat, parts, num_classes)
-
-
 def from_arrays(
     x: ArrayLike,
     y: ArrayLike,
@@ -223,7 +139,7 @@ def from_arrays(
     y_test: ArrayLike | None = None,
     num_classes: int | None = None,
     name: str = "arrays",
-) -> ArrayPool:
+) -> ImageDataset:
     """A pool of samples ``x`` ``[N, ...]`` with integer labels ``y`` ``[N]`` that ``run`` partitions among the
     clients (``partition``, ``alpha``, ``clients``, ... settings; per-client train/test split by ``train_ratio``).
     ``x_test``/``y_test``: the global test set (else a stratified ``holdout`` share of the pool). ``x`` may be uint8
@@ -239,22 +155,19 @@ def from_arrays(
         xt, yt = _check_xy(_as_numpy(x_test, "x_test"), _as_numpy(y_test, "y_test"), f"{name} test", k)
         if xt.shape[1:] != xs.shape[1:]:
             raise ConfigError(f"{name}: test samples have shape {xt.shape[1:]}, training samples {xs.shape[1:]}")
-    return ArrayPool(name, xs, ys, xt, yt, k)
+    return ImageDataset(name, xs, ys, xt, yt, k)
 
 
 def from_clients(
     train: Sequence[Any],
     *,
     test: Sequence[Any] | None = None,
-    global_test: Any = None,
     num_classes: int | None = None,
     name: str = "clients",
-    train_ratio: float = 0.75,
-    seed: int = 0,
-) -> GivenClients:
-    """Clients as given: ``train[k]`` is client k's ``(x, y)`` (arrays or tensors) or a torch ``Dataset``;
-    ``test[k]`` its local test data (else a stratified ``1 - train_ratio`` share of its data, drawn with ``seed``).
-    ``global_test``: the global test set (else the union of the clients' test splits)."""
+) -> ClientDatasets:
+    """Clients as given (``partition: given``): ``train[k]`` is client k's ``(x, y)`` (arrays or tensors) or a
+    torch ``Dataset``, ``test[k]`` its local test data (else each client's data is split with the run's
+    ``train_ratio``, seeded by the run's seed). The global test set is the union of the clients' test splits."""
     if len(train) < 1:
         raise ConfigError("from_clients needs at least one client")
     pairs = [dataset_arrays(d, f"client {k}") for k, d in enumerate(train)]
@@ -264,28 +177,21 @@ def from_clients(
     labels = [p[1] for p in pairs] + [t[1] for t in tests or []]
     k = _num_classes(num_classes, [np.asarray(y).astype(np.int64) for y in labels])
     pairs = [_check_xy(x, y, f"{name} client {i}", k) for i, (x, y) in enumerate(pairs)]
-    if tests is None:
-        from fedskew.data.federated import split_holdout
-
-        rng = np.random.default_rng(seed)
-        tests_list, train_list = [], []
-        for i, (x, y) in enumerate(pairs):
-            keep, hold = split_holdout(y, 1 - train_ratio, rng)
-            if len(keep) == 0 or len(hold) == 0:
-                raise ConfigError(f"{name} client {i}: {len(y)} samples cannot be split {train_ratio:.2f}/rest")
-            train_list.append((x[keep], y[keep]))
-            tests_list.append((x[hold], y[hold]))
-        pairs, tests = train_list, tests_list
-    else:
+    if tests is not None:
         tests = [_check_xy(x, y, f"{name} client {i} test", k) for i, (x, y) in enumerate(tests)]
     shape = pairs[0][0].shape[1:]
-    for i, (x, _) in enumerate(pairs + tests):
+    for i, (x, _) in enumerate(pairs + (tests or [])):
         if x.shape[1:] != shape:
             raise ConfigError(f"{name}: sample shape {x.shape[1:]} (part {i}) differs from {shape}")
-    gt = None
-    if global_test is not None:
-        gt = _check_xy(*dataset_arrays(global_test, "global_test"), f"{name} global test", k)
-    return GivenClients(name, tuple(pairs), tuple(tests), gt, k)
+    return ClientDatasets(
+        name,
+        k,
+        [x for x, _ in pairs],
+        [y for _, y in pairs],
+        [x for x, _ in tests] if tests is not None else None,
+        [y for _, y in tests] if tests is not None else None,
+        [f"client {i}" for i in range(len(pairs))],
+    )
 
 
 # ---- running ----------------------------------------------------------------------------------------------------
@@ -309,7 +215,7 @@ class RunResult:
 
 def run(
     method: str = "fedavg",
-    data: ArrayPool | GivenClients | str | None = None,
+    data: ImageDataset | ClientDatasets | str | None = None,
     *,
     model: UserModel | None = None,
     method_args: dict[str, Any] | None = None,
@@ -334,22 +240,21 @@ def run(
     federation = None
     if isinstance(data, str):
         values["dataset"] = data
-    elif isinstance(data, ArrayPool | GivenClients):
+    elif isinstance(data, ImageDataset | ClientDatasets):
         values["dataset"] = data.name
     elif data is not None:
         raise ConfigError(
             f"data must come from fedskew.from_arrays / from_clients or be a dataset name, got {type(data).__name__}"
         )
-    if isinstance(data, GivenClients):
-        values["clients"] = len(data.train)
+    if isinstance(data, ClientDatasets):
+        values["clients"] = data.num_clients
+        values.setdefault("partition", "given")
     with tempfile.TemporaryDirectory(prefix="fedskew-run-") as tmp:
         values["out"] = str(out) if out is not None else str(Path(tmp) / "run")
         # no database unless asked (make_config ignores None overrides, so it goes in as a file value)
         cfg = make_config({"db": str(db) if db is not None else None}, values)
-        if isinstance(data, ArrayPool):
-            federation = build_federated(cfg, dataset=data)  # type: ignore[arg-type]
-        elif isinstance(data, GivenClients):
-            federation = data.federation(cfg.device)
+        if isinstance(data, ImageDataset | ClientDatasets):
+            federation = build_federated(cfg, dataset=data)
         outcome = run_experiment(
             cfg,
             overwrite=overwrite,
