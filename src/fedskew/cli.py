@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="recompute the last-N mean from the stored round records (default: each run's summary, its --last-n)",
     )
+    rep.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="also write figures to DIR: accuracy vs round per setting (mean ± std over seeds, one curve per row) "
+        "and, for domain skew, per-domain accuracy bars with AVG/STD; each PNG with a JSON of its numbers",
+    )
     for module in _command_modules():
         module.add_parsers(sub)
     return p
@@ -430,11 +437,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     metrics = [m.strip() for item in (args.metric or ["global_acc"]) for m in item.split(",") if m.strip()]
     with ResultsDB(args.db) as db:
         rep = report_from_db(db, metrics, last_n=args.last_n)
+        if args.plot:
+            from fedskew.results.plots import report_figures
+
+            figures = report_figures(db, args.plot, metrics, last_n=args.last_n)
     print(rep.render(args.format))
     if args.format == "csv" and rep.rows:  # the CSV holds the table only; what it shares goes to stderr
         print(f"settings common to every row: {'; '.join(rep.common) or '-'}", file=sys.stderr)
         for note in rep.notes:
             print(f"note: {note}", file=sys.stderr)
+    if args.plot:  # on stderr: stdout stays the table (`--format csv > t.csv`)
+        print(f"{len(figures)} figure(s) in {args.plot}/ (each with a .json of its numbers):", file=sys.stderr)
+        for fig in figures:
+            print(f"  {fig.path}", file=sys.stderr)
     sys.stdout.flush()  # a closed pipe (`fedskew report | head`) shows here, inside main's handler
     return 0
 

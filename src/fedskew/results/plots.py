@@ -1,8 +1,10 @@
-"""Figures from a run directory (matplotlib, Agg backend: works headless)."""
+"""Figures (matplotlib, Agg backend: works headless): parameter skew of a run (``fedskew skew``), and the accuracy
+curves and per-domain bars of ``fedskew report --plot`` (each PNG with a JSON of the plotted numbers next to it)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +87,322 @@ def skew_figure(
     }
     summary["rounds"] = rounds
     return summary
+
+
+# ---- report figures: accuracy curves per setting, per-domain bars ------------------------------------------------
+# the keys that define a *setting* (the data and the federation); an experiment's other keys (method, its arguments,
+# lr, epochs, rounds, ...) tell the curves of one setting's figure apart
+SETTING_KEYS = (
+    "dataset",
+    "protocol",
+    "partition",
+    "alpha",
+    "classes_per_client",
+    "pat_scheme",
+    "min_size",
+    "samples_per_client",
+    "test_samples_per_client",
+    "domain_fraction",
+    "image_size",
+    "imbalance_ratio",
+    "clients",
+    "train_ratio",
+    "holdout",
+    "join_ratio",
+    "client_dropout",
+)
+# which setting keys a partition uses (the others are not shown in a figure's title)
+_PARTITION_KEYS = {
+    "dir": ("alpha", "min_size"),
+    "pat": ("classes_per_client", "pat_scheme"),
+    "dirfixed": ("alpha", "samples_per_client"),
+    "quantity": ("alpha",),
+    "domain": ("domain_fraction", "image_size"),
+}
+METRIC_LABELS = {
+    "global_acc": "global model, global test set",
+    "global_local_acc": "global model, clients' test splits (sample-weighted)",
+    "global_local_acc_mean": "global model, clients' test splits (mean over clients)",
+    "personal_acc": "personalized models (sample-weighted)",
+    "personal_acc_mean": "personalized models (mean over clients)",
+    "trained_acc": "personal models after training (sample-weighted)",
+    "domain_acc_avg": "global model, mean over domains (AVG)",
+    "domain_acc_std": "std of accuracy across domains (STD)",
+}
+
+
+def metric_label(metric: str) -> str:
+    if metric.startswith("domain_acc/"):
+        return f"global model, domain {metric.split('/', 1)[1]}"
+    return METRIC_LABELS.get(metric, metric)
+
+
+@dataclass
+class Series:
+    """One curve: an experiment's metric per round, mean and std (population, ddof=0) over its seeds, in %.
+    ``std`` is None at a round only one seed reached; ``n`` is how many seeds each round has."""
+
+    label: str
+    rounds: list[int]
+    mean: list[float]
+    std: list[float | None]
+    n: list[int]
+    seeds: list[int]
+
+
+@dataclass
+class FigureInfo:
+    """A written figure: the PNG, the JSON of everything drawn in it (next to the PNG), and that data."""
+
+    kind: str  # "curves" | "domains"
+    path: Path
+    data_path: Path
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _setting(ident: dict[str, Any]) -> dict[str, Any]:
+    return {k: ident.get(k) for k in SETTING_KEYS}
+
+
+def _setting_title(s: dict[str, Any]) -> str:
+    part = s.get("partition")
+    params = ", ".join(f"{k}={_fmt(s.get(k))}" for k in _PARTITION_KEYS.get(str(part), ()) if s.get(k) is not None)
+    text = f"{s.get('dataset')}, {part}" + (f" ({params})" if params else "") + f", {s.get('clients')} clients"
+    if s.get("join_ratio") not in (None, 1.0):
+        text += f", join {s['join_ratio']:g}"
+    if s.get("protocol") not in (None, "fedskew"):
+        text += f", protocol {s['protocol']}"
+    return text
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, dict | list):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def _slug(setting: dict[str, Any]) -> str:
+    import hashlib
+    import re
+
+    digest = hashlib.sha1(json.dumps(setting, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    base = re.sub(r"[^A-Za-z0-9.]+", "-", f"{setting.get('dataset')}-{setting.get('partition')}").strip("-")
+    return f"{base}-{digest}"
+
+
+def experiment_labels(experiments: list[Any]) -> list[str]:
+    """Legend labels for experiments of one setting: the method as typed, plus the arguments and settings that tell
+    it apart from the others (``fedavg (weights=uniform)``, ``fedprox (mu=0.1) lr=0.01``)."""
+    idents = [e.identity for e in experiments]
+    keys = list(dict.fromkeys(k for i in idents for k in i if k not in ("method", "method_args", *SETTING_KEYS)))
+    differ = [k for k in keys if len({json.dumps(i.get(k), sort_keys=True, default=str) for i in idents}) > 1]
+    labels = []
+    for e in experiments:
+        same = [o for o in idents if o.get("method") == e.identity.get("method")]
+        args = e.identity.get("method_args") or {}
+        shown = [k for k in args if len({json.dumps(o.get("method_args", {}).get(k), default=str) for o in same}) > 1]
+        text = e.name + (f" ({', '.join(f'{k}={_fmt(args[k])}' for k in sorted(shown))})" if shown else "")
+        text += "".join(f" {k}={_fmt(e.identity.get(k))}" for k in differ)
+        labels.append(text)
+    return labels
+
+
+def _series(label: str, runs: list[dict[str, Any]], records: dict[str, list[dict[str, Any]]], metric: str) -> Series:
+    per_round: dict[int, list[float]] = {}
+    for r in runs:
+        for rec in records.get(r["run_id"], []):
+            if rec.get("evaluated", True) and isinstance(rec.get(metric), int | float):
+                per_round.setdefault(int(rec["round"]), []).append(100.0 * float(rec[metric]))
+    rounds = sorted(per_round)
+    vals = [np.asarray(per_round[t]) for t in rounds]
+    return Series(
+        label,
+        rounds,
+        [float(v.mean()) for v in vals],
+        [float(v.std()) if len(v) > 1 else None for v in vals],
+        [len(v) for v in vals],
+        [int(r["seed"]) for r in runs],
+    )
+
+
+def _write(fig: Any, path: Path, data: dict[str, Any], kind: str) -> FigureInfo:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    data_path = path.with_suffix(".json")
+    data_path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    return FigureInfo(kind, path, data_path, data)
+
+
+def _style(i: int, n: int) -> dict[str, Any]:
+    """Colour and line style of series ``i`` of ``n``: 10 colours, then the same colours dashed, dotted, ..."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10").colors
+    return {"color": colors[i % 10], "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
+
+
+def _legend_columns(n: int) -> int:
+    return 1 if n <= 16 else 2 if n <= 40 else 3
+
+
+def _curves(panels: list[tuple[str, list[Series]]], title: str) -> Any:
+    """One panel per metric, one line per experiment with a ± std band, one legend beside the panels."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    labels = list(dict.fromkeys(s.label for _, ss in panels for s in ss))
+    ncol = _legend_columns(len(labels))
+    width = 5.6 * len(panels) + 2.8 * ncol
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, max(4.2, 0.2 * len(labels) / ncol + 1.5)), squeeze=False)
+    handles: dict[str, Any] = {}
+    for ax, (metric, series) in zip(axes[0], panels, strict=True):
+        for s in series:
+            style = _style(labels.index(s.label), len(labels))
+            seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
+            (line,) = ax.plot(s.rounds, s.mean, lw=1.5, label=f"{s.label} ({seeds})", **style)
+            handles.setdefault(s.label, line)
+            if any(d is not None for d in s.std):
+                lo = [m - (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
+                hi = [m + (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
+                ax.fill_between(s.rounds, lo, hi, color=style["color"], alpha=0.15, lw=0)
+        ax.set_xlabel("communication round")
+        ax.set_ylabel(f"accuracy (%)\n{metric_label(metric)}", fontsize=8)
+        ax.set_title(metric, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{title}: mean ± std over seeds (band)", fontsize=10)
+    fig.legend(
+        list(handles.values()),
+        [h.get_label() for h in handles.values()],
+        loc="center left",
+        bbox_to_anchor=(1.0 - 2.8 * ncol / width, 0.5),
+        fontsize=7,
+        ncol=ncol,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1.0 - 2.8 * ncol / width, 1))
+    return fig
+
+
+def accuracy_figures(
+    runs: list[dict[str, Any]],
+    records: dict[str, list[dict[str, Any]]],
+    out_dir: str | Path,
+    metrics: list[str] | tuple[str, ...] = ("global_acc",),
+    *,
+    last_n: int | None = None,
+) -> list[FigureInfo]:
+    """The figures of ``fedskew report --plot``: per setting (:data:`SETTING_KEYS`) one PNG of accuracy vs round,
+    one panel per metric, one curve per experiment (the report's rows) with a band of ± one std over its seeds;
+    and for domain-skew settings one bar chart of per-domain accuracy (mean of the last N evaluated rounds, mean ±
+    std over seeds) with every experiment's AVG and STD in its legend entry. ``runs`` are database rows
+    (:meth:`ResultsDB.runs`), ``records`` each run's round records. Every PNG has a JSON next to it holding the
+    plotted numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    from fedskew.results.report import group_experiments
+
+    out = Path(out_dir)
+    settings: dict[str, list[Any]] = {}
+    for e in group_experiments(runs, ignore=("last_n",) if last_n else ()):
+        settings.setdefault(json.dumps(_setting(e.identity), sort_keys=True, default=str), []).append(e)
+    figures: list[FigureInfo] = []
+    for key, exps in settings.items():
+        setting = json.loads(key)
+        labels = experiment_labels(exps)
+        title = _setting_title(setting)
+        panels = []
+        for metric in metrics:
+            series = [_series(lab, e.latest, records, metric) for lab, e in zip(labels, exps, strict=True)]
+            if any(s.rounds for s in series):
+                panels.append((metric, [s for s in series if s.rounds]))
+        if panels:
+            fig = _curves(panels, title)
+            data = {
+                "setting": setting,
+                "title": title,
+                "panels": [{"metric": m, "series": [s.__dict__ for s in ss]} for m, ss in panels],
+            }
+            figures.append(_write(fig, out / f"curves-{_slug(setting)}.png", data, "curves"))
+        bars = _domain_bars(exps, labels, records, last_n, title)
+        if bars is not None:
+            fig, data = bars
+            data.update(setting=setting, title=title)
+            figures.append(_write(fig, out / f"domains-{_slug(setting)}.png", data, "domains"))
+    return figures
+
+
+def _domain_bars(
+    exps: list[Any], labels: list[str], records: dict[str, list[dict[str, Any]]], last_n: int | None, title: str
+) -> tuple[Any, dict[str, Any]] | None:
+    """Per experiment (x axis) one bar per domain, mean ± std over seeds of the last-N mean accuracy, with the
+    experiment's AVG and STD across domains written above its bars."""
+    import matplotlib.pyplot as plt
+
+    from fedskew.results.report import stat_from_records, stat_from_summary
+
+    domains = list(
+        dict.fromkeys(
+            k.split("/", 1)[1] for e in exps for r in e.latest for k in r["summary"] if k.startswith("domain_acc/")
+        )
+    )
+    if not domains:
+        return None
+
+    def pm(runs: list[dict[str, Any]], metric: str) -> tuple[float | None, float | None]:
+        stats = [
+            stat_from_records(records.get(r["run_id"], []), metric, last_n)
+            if last_n
+            else stat_from_summary(r["summary"], metric)
+            for r in runs
+        ]
+        vals = np.array([100.0 * s.last for s in stats if s is not None])
+        if not len(vals):
+            return None, None
+        return float(vals.mean()), (float(vals.std()) if len(vals) > 1 else None)
+
+    def show(p: tuple[float | None, float | None]) -> str:
+        return "-" if p[0] is None else f"{p[0]:.1f}" + (f"±{p[1]:.1f}" if p[1] is not None else "")
+
+    groups = []
+    for lab, e in zip(labels, exps, strict=True):
+        per = {d: pm(e.latest, f"domain_acc/{d}") for d in domains}
+        avg, std = pm(e.latest, "domain_acc_avg"), pm(e.latest, "domain_acc_std")
+        groups.append({"label": lab, "seeds": [r["seed"] for r in e.latest], "domains": per, "AVG": avg, "STD": std})
+    width = min(30.0, max(6.4, 1.5 + 0.28 * len(groups) * (len(domains) + 1)))
+    fig, ax = plt.subplots(figsize=(width, 5.2))
+    bar = 0.8 / len(domains)
+    x = np.arange(len(groups))
+    colors = plt.get_cmap("tab10").colors
+    for k, d in enumerate(domains):
+        means = [g["domains"][d][0] if g["domains"][d][0] is not None else np.nan for g in groups]
+        errs = [g["domains"][d][1] or 0.0 for g in groups]
+        ax.bar(x + (k - (len(domains) - 1) / 2) * bar, means, bar, yerr=errs, capsize=2, color=colors[k % 10], label=d)
+    for i, g in enumerate(groups):
+        ax.text(i, 101, f"AVG {show(g['AVG'])}\nSTD {show(g['STD'])}", ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(x, [g["label"] for g in groups], rotation=35 if len(groups) > 3 else 0, ha="right", fontsize=7)
+    n = f"last {last_n}" if last_n else "last-N"
+    ax.set_ylabel(f"accuracy (%), mean of the {n} rounds")
+    ax.set_ylim(0, 112)
+    ax.set_yticks(range(0, 101, 20))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, title="domain (its test split)", title_fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set_title(f"{title}: per-domain accuracy (bars: mean ± std over seeds; AVG ↑, STD ↓ across domains)", fontsize=9)
+    fig.tight_layout()
+    return fig, {"domains": domains, "groups": groups, "last_n": last_n}
+
+
+def report_figures(db: Any, out_dir: str | Path, metrics: list[str], *, last_n: int | None = None) -> list[FigureInfo]:
+    """:func:`accuracy_figures` over every run of a :class:`fedskew.results.store.ResultsDB` (round records from its
+    ``rounds`` table)."""
+    from fedskew.results.report import round_records
+
+    runs = db.runs()
+    return accuracy_figures(runs, round_records(db.conn, [r["run_id"] for r in runs]), out_dir, metrics, last_n=last_n)

@@ -1,0 +1,232 @@
+"""``fedskew sweep SPEC.yaml`` and ``fedskew reproduce PAPER``: many runs with one progress display, one database,
+failures listed at the end (the others go on), and the table they add up to."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+SCALE_HELP = (
+    "smoke: a pipeline check on a small subset (minutes on a CPU); small: a stated reduction (about an hour on one "
+    "GPU); paper: the paper's rounds, local epochs, clients and model"
+)
+
+
+def add_parsers(sub: Any) -> None:
+    sw = sub.add_parser(
+        "sweep",
+        help="run a grid of experiments from a YAML spec (docs/sweeps.md), idempotently, into one database",
+        description="Runs every point of the spec's cases x zip x grid x methods x seeds, --jobs at a time. A "
+        "finished run is skipped, an interrupted one resumed; a failed run is listed at the end and the others go "
+        "on. Ctrl-C checkpoints the running runs; the same command continues.",
+    )
+    sw.add_argument("spec", help="the sweep spec (YAML)")
+    sw.add_argument("--jobs", "-j", type=int, default=None, help="runs at a time, each in its own process (default 1)")
+    sw.add_argument("--out", default=None, help="root of the run directories (default: the spec's out)")
+    sw.add_argument("--db", default=None, help="the results database (default: the spec's db, or OUT/fedskew.db)")
+    sw.add_argument("--metric", action="append", default=None, help="metric(s) of the final table (default: spec's)")
+    sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
+    sw.add_argument("--quiet", action="store_true", help="no progress display")
+
+    rp = sub.add_parser(
+        "reproduce",
+        help="a paper's main tables as a sweep, printed with the paper's numbers beside ours",
+        description="Runs the tables of PAPER (fedsa, feddisco, fedcac, fedheal) over the settings whose data is "
+        "present, at a chosen scale, and writes the tables (ours beside the paper's), the orderings, the compute "
+        "against the paper's and the figures to --out. Methods or datasets this version lacks are listed, not "
+        "dropped. Idempotent like `fedskew sweep`.",
+    )
+    rp.add_argument("paper", help="fedsa (fedpake), feddisco, fedcac or fedheal")
+    rp.add_argument("--scale", choices=("smoke", "small", "paper"), default="smoke", help=SCALE_HELP)
+    rp.add_argument("--jobs", "-j", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    rp.add_argument("--out", default=None, help="output folder (default runs/reproduce/PAPER-SCALE)")
+    rp.add_argument("--data-dir", default=None, help="dataset folder (default $FEDSKEW_DATA)")
+    rp.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+    rp.add_argument("--seeds", default=None, help="comma-separated seeds (default: the scale's)")
+    rp.add_argument(
+        "--rows", default=None, help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco)"
+    )
+    rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
+    rp.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+class Display:
+    """One rich progress display: a bar over all runs, and one bar per running run with its round and accuracy.
+    Notes (a missing domain, a taken-over lock) are printed once each, above the bars."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True, soft_wrap=True)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=quiet,
+        )
+        self.overall = self.progress.add_task("runs", total=total, info="")
+        self.tasks: dict[str, Any] = {}
+        self.seen: set[str] = set()
+        self.counts: dict[str, int] = {}
+        self.labels: dict[str, str] = {}
+        self.done: set[str] = set()  # a worker's last events may arrive after its result: never re-add a bar
+        self.lock = threading.Lock()  # events come from the pool's listener thread, results from the main one
+
+    def __enter__(self) -> Display:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def event(self, ev: tuple[Any, ...]) -> None:
+        with self.lock:
+            self._event(ev)
+
+    def _event(self, ev: tuple[Any, ...]) -> None:
+        kind, name = ev[0], ev[1]
+        if kind == "start" and name not in self.done:
+            label = self.labels.get(name, name)
+            self.tasks[name] = self.progress.add_task(f"  {label}", total=ev[3], completed=ev[2] - 1, info="")
+        elif kind == "round" and name in self.tasks:
+            self.progress.update(self.tasks[name], completed=ev[2], info=ev[3])
+        elif kind == "note" and ev[2] not in self.seen:
+            self.seen.add(ev[2])
+            self.console.print(f"note ({self.labels.get(name, name)}): {ev[2]}", highlight=False, markup=False)
+
+    def result(self, res: Any) -> None:
+        with self.lock:
+            self.done.add(res.name)
+            if res.name in self.tasks:
+                self.progress.remove_task(self.tasks.pop(res.name))
+        self.counts[res.status] = self.counts.get(res.status, 0) + 1
+        info = ", ".join(f"{n} {s}" for s, n in self.counts.items())
+        self.progress.update(self.overall, advance=1, info=info)
+        if res.status == "failed":
+            from rich.markup import escape
+
+            what = escape(f"{self.labels.get(res.name, res.name)}: {res.error}")
+            self.console.print(f"[red]failed[/]: {what}", highlight=False)
+
+
+def _states(runs: list[Any]) -> list[str]:
+    from fedskew.sweep import run_state
+
+    lines = []
+    for run in runs:
+        state, detail = run_state(run)
+        word = {"done": "skip", "new": "run", "resume": "resume", "restart": "start over", "blocked": "blocked"}[state]
+        lines.append(f"  {word:<10} {run.name}" + (f"  ({detail})" if detail else ""))
+    return lines
+
+
+def _run_all(runs: list[Any], jobs: int, quiet: bool) -> Any:
+    from fedskew.sweep import run_sweep
+
+    with Display(len(runs), quiet) as display:
+        display.labels = {r.name: r.label for r in runs}
+        return run_sweep(runs, jobs=jobs, on_event=display.event, on_result=display.result)
+
+
+def _closing(outcome: Any, log_dir: Path) -> int:
+    """Print the counts and the failures with their errors; write the tracebacks; the exit status."""
+    counts: dict[str, int] = {}
+    for r in outcome.results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    resumed = sum(1 for r in outcome.results if r.detail == "resumed")
+    print(
+        f"\n{len(outcome.results)} runs: "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + (f" ({resumed} resumed from a checkpoint)" if resumed else "")
+    )
+    for r in outcome.by_status("diverged"):
+        print(f"diverged: {r.name} (kept, flagged in the table)")
+    if outcome.failed:
+        log = log_dir / "failures.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(f"== {r.name} ({r.run_dir})\n{r.trace or r.error}\n" for r in outcome.failed))
+        print(f"\n{len(outcome.failed)} run(s) failed (tracebacks in {log}):", file=sys.stderr)
+        for r in outcome.failed:
+            print(f"  {r.name}: {r.error}", file=sys.stderr)
+    if outcome.interrupted:
+        print("interrupted: the running runs checkpointed; the same command continues them", file=sys.stderr)
+        return 130
+    return 1 if outcome.failed else 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from fedskew.config import ConfigError
+    from fedskew.results.report import build_report
+    from fedskew.results.store import ResultsDB
+    from fedskew.sweep import expand, load_spec
+
+    spec = load_spec(args.spec)
+    jobs = args.jobs or spec.jobs or 1
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    runs = expand(spec, out=args.out, db=args.db)
+    db = runs[0].cfg.db if runs else None
+    print(f"sweep {spec.name}: {len(runs)} runs, {jobs} at a time; database {db}", file=sys.stderr)
+    if args.dry_run:
+        print("\n".join(_states(runs)))
+        return 0
+    outcome = _run_all(runs, jobs, args.quiet)
+    ids = set(outcome.run_ids())
+    if ids and db and Path(db).is_file():
+        with ResultsDB(db) as store:
+            mine = [r for r in store.runs() if r["run_id"] in ids]
+        metrics = [m.strip() for item in (args.metric or spec.metrics) for m in item.split(",") if m.strip()]
+        print(build_report(mine, metrics).render("markdown"))
+    root = Path(str(runs[0].cfg.out)).parent if runs else Path(".")
+    return _closing(outcome, root)
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    import torch
+
+    from fedskew.config import ConfigError
+    from fedskew.reproduce import load_paper, make_plan, planned_runs, run_reproduction
+
+    paper = load_paper(args.paper)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        raise ConfigError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    device = args.device or ("cuda" if torch.cuda.is_available() and args.scale != "smoke" else None)
+    rows = args.rows.split(",") if args.rows else None
+    plan = make_plan(paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows)
+    print(f"{paper.paper}: {paper.title}", file=sys.stderr)
+    print(f"scale {args.scale}: {paper.scales[args.scale].note.strip()}", file=sys.stderr)
+    shown = [s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings]
+    print(f"settings: {'; '.join(shown) or 'none'}", file=sys.stderr)
+    for sid, why in plan.missing_settings:
+        print(f"  setting {paper.settings[sid].label}: {why}", file=sys.stderr)
+    print(f"methods: {', '.join(r.label for r in plan.rows) or 'none'}", file=sys.stderr)
+    for r, why in plan.missing_rows:
+        print(f"  method {r.label} ({r.method}): {why}", file=sys.stderr)
+    if not plan.settings or not plan.rows:
+        print("error: nothing to run here (see the reasons above)", file=sys.stderr)
+        return 2
+    runs = planned_runs(plan)
+    print(f"{len(runs)} runs, {args.jobs} at a time, into {plan.out}/", file=sys.stderr)
+    if args.dry_run:
+        print("\n".join(_states(runs)))
+        return 0
+    with Display(len(runs), args.quiet) as display:
+        display.labels = {r.name: r.label for r in runs}
+        rep = run_reproduction(plan, jobs=args.jobs, on_event=display.event, on_result=display.result)
+    print(rep.markdown)
+    print(f"written: {', '.join(str(p) for p in rep.files[:3])}; {len(rep.files) - 3} figure(s) in {plan.out}/figures/")
+    return _closing(rep.outcome, plan.out)
+
+
+HANDLERS = {"sweep": cmd_sweep, "reproduce": cmd_reproduce}

@@ -1,0 +1,314 @@
+"""A paper's table from the runs of a reproduction: our mean ± std over seeds beside the paper's number in every cell,
+which orderings of methods agree, and the compute used against the paper's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedskew.reproduce.papers import Row, Table, parse_value
+from fedskew.reproduce.plan import Plan
+
+
+@dataclass
+class ShownColumn:
+    id: str  # the paper column (key of its values)
+    label: str
+    setting: str  # the planned setting whose runs fill it
+    metric: str | None  # None: the row's or the paper's metric keys
+    lower_is_better: bool = False
+
+
+@dataclass
+class Cell:
+    ours: tuple[float, float | None] | None = None  # mean, std (None for one seed), in %
+    seeds: int = 0
+    paper: tuple[float, float | None] | None = None
+    note: str = ""  # why there is no number of ours
+
+
+@dataclass
+class BuiltTable:
+    table: Table
+    columns: list[ShownColumn]
+    rows: list[Row]
+    cells: dict[tuple[str, int], Cell]
+    not_run: list[tuple[str, str]] = field(default_factory=list)  # (paper column label, why)
+    orderings: list[str] = field(default_factory=list)
+
+
+def _pm(values: list[float]) -> tuple[float, float | None]:
+    a = 100.0 * np.asarray(values, dtype=float)
+    return float(a.mean()), (float(a.std()) if len(a) > 1 else None)
+
+
+def show(v: tuple[float, float | None] | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v[0]:.2f}" + (f" ± {v[1]:.2f}" if v[1] is not None else "")
+
+
+def _value(summary: dict[str, Any], keys: list[str], statistic: str) -> float | None:
+    for key in keys:
+        s = summary.get(key)
+        if isinstance(s, dict) and isinstance(s.get(statistic), int | float):
+            return float(s[statistic])
+    return None
+
+
+def build_tables(
+    plan: Plan, runs: dict[tuple[str, str], list[dict[str, Any]]], failed: dict[tuple[str, str], str]
+) -> list[BuiltTable]:
+    """Every table of the paper. ``runs``: (row id, setting id) -> database rows of its finished runs (one per seed);
+    ``failed``: (row id, setting id) -> the error of a run that failed."""
+    paper = plan.paper
+    planned = {s.id: s for s in plan.settings}
+    missing_rows = {r.id: why for r, why in plan.missing_rows}
+    out = []
+    for t in paper.tables:
+        columns, not_run = [], []
+        for c in t.column_list():
+            reps = [s for s in plan.settings if s.represents == c.setting]
+            if not reps:
+                label = c.label or paper.settings[c.setting].label
+                if c.label:
+                    label += f" [{paper.settings[c.setting].label}]"
+                not_run.append((label, plan.setting_reason(c.setting) or "not planned"))
+            for s in reps:
+                stand_in = s.id != c.setting
+                if c.label:
+                    label = c.label + (f" [{s.setting.label}]" if stand_in else "")
+                else:
+                    label = s.setting.label + (f" (paper: {paper.settings[c.setting].label})" if stand_in else "")
+                columns.append(ShownColumn(str(c.id), label, s.id, c.metric, c.lower_is_better))
+        chosen = {r.id for r in plan.rows} | set(missing_rows)
+        rows = [r for r in paper.table_rows(t) if r.id in chosen]
+        cells: dict[tuple[str, int], Cell] = {}
+        for r in rows:
+            for j, col in enumerate(columns):
+                raw = t.values.get(r.id, {}).get(col.id)
+                cell = Cell(paper=parse_value(raw) if raw is not None else None)
+                keys = [col.metric] if col.metric else (r.metric or paper.metric.keys)
+                if r.id in missing_rows:
+                    cell.note = missing_rows[r.id]
+                elif (r.id, col.setting) in failed:
+                    cell.note = f"failed: {failed[(r.id, col.setting)]}"
+                else:
+                    got = runs.get((r.id, col.setting), [])
+                    vals = [
+                        v for v in (_value(x["summary"], keys, paper.metric.statistic) for x in got) if v is not None
+                    ]
+                    if vals:
+                        cell.ours, cell.seeds = _pm(vals), len(vals)
+                        gone = [str(x["seed"]) for x in got if x["summary"].get("diverged")]
+                        cell.note = f"diverged: seed {', '.join(gone)}" if gone else ""
+                    elif got:
+                        cell.note = "not measured (metric absent" + (
+                            f": domain not present, domains {', '.join(planned[col.setting].domains)})"
+                            if col.metric and col.metric.startswith("domain_acc/")
+                            else ")"
+                        )
+                    else:
+                        cell.note = "not run"
+                cells[(r.id, j)] = cell
+        built = BuiltTable(t, columns, rows, cells, not_run)
+        built.orderings = orderings(built)
+        out.append(built)
+    return out
+
+
+def orderings(bt: BuiltTable) -> list[str]:
+    """Per column: the methods ranked by us and by the paper (those with both numbers), Kendall's tau between the
+    two rankings, and where the paper's best method lands in ours."""
+    from scipy.stats import kendalltau
+
+    lines = []
+    for j, col in enumerate(bt.columns):
+        both = [(r, bt.cells[(r.id, j)]) for r in bt.rows if bt.cells[(r.id, j)].ours and bt.cells[(r.id, j)].paper]
+        if len(both) < 2:
+            continue
+        sign = 1.0 if col.lower_is_better else -1.0
+        ours = sorted(both, key=lambda rc: sign * rc[1].ours[0])  # type: ignore[index]
+        theirs = sorted(both, key=lambda rc: sign * rc[1].paper[0])  # type: ignore[index]
+        tau = kendalltau([c.ours[0] for _, c in both], [c.paper[0] for _, c in both]).statistic  # type: ignore[index]
+        best = theirs[0][0]
+        rank = [r.id for r, _ in ours].index(best.id) + 1
+        tau_text = "undefined (ties)" if tau is None or np.isnan(tau) else f"{tau:+.2f}"
+        lines.append(
+            f"{col.label}: ours {' > '.join(r.label for r, _ in ours)}; paper {' > '.join(r.label for r, _ in theirs)}"
+            f"; Kendall tau {tau_text} over {len(both)} methods; the paper's best ({best.label}) is ours #{rank}"
+        )
+    by_id = {r.id: r for r in bt.rows}
+    for j, col in enumerate(bt.columns):
+        gains = []
+        for base, plus in bt.table.pairs:
+            if base not in by_id or plus not in by_id:
+                continue
+            a, b = bt.cells[(base, j)], bt.cells[(plus, j)]
+            if a.ours and b.ours and a.paper and b.paper:
+                gains.append((by_id[plus].label, b.ours[0] - a.ours[0], b.paper[0] - a.paper[0]))
+        if gains:
+            same = sum(1 for _, o, p in gains if (o > 0) == (p > 0) and o != 0)
+            shown = "; ".join(f"{lab} {o:+.2f} (paper {p:+.2f})" for lab, o, p in gains)
+            lines.append(f"{col.label}: change over the host: {shown}; same direction in {same} of {len(gains)}")
+    return lines
+
+
+def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, str, str]]) -> str:
+    paper = plan.paper
+    sc = paper.scales[plan.scale]  # type: ignore[index]
+    lines = [
+        f"# {paper.paper}: reproduction at scale `{plan.scale}`",
+        "",
+        f"{paper.title}. Paper numbers: {paper.source}.",
+        f"Scale `{plan.scale}`: {sc.note.strip()}.",
+        "Settings run here: "
+        + "; ".join(
+            s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings
+        )
+        + ".",
+        f"Metric: {paper.metric.description.strip()} ({paper.metric.statistic}). Ours: mean ± std (population, "
+        f"ddof=0) over seeds {', '.join(map(str, plan.seeds))}; a single seed shows its value alone. Paper: as "
+        "published. A column marked (paper: X) runs the paper's protocol on an offline dataset and is set beside "
+        "the paper's number for X, a different dataset: compare orderings, not values.",
+        "",
+    ]
+    for bt in tables:
+        src = bt.table.source
+        lines += [
+            f"## {bt.table.title}",
+            "",
+            f"Source: {src.paper}, {src.table}" + (f" ({src.setting})" if src.setting else ""),
+            "",
+        ]
+        if bt.columns:
+            head = ["method"] + [x for c in bt.columns for x in (c.label, "paper")]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "---|" * len(head))
+            for r in bt.rows:
+                cells = []
+                for j in range(len(bt.columns)):
+                    c = bt.cells[(r.id, j)]
+                    ours = (show(c.ours) + (f" ({c.note})" if c.note else "")) if c.ours else c.note
+                    cells += [ours, show(c.paper)]
+                lines.append("| " + " | ".join([r.label, *cells]).replace("\n", " ") + " |")
+            lines.append("")
+        if bt.not_run:
+            lines.append("Paper columns not run here:")
+            lines += [f"- {label}: {why}" for label, why in bt.not_run]
+            lines.append("")
+        if bt.orderings:
+            lines.append("Orderings (methods with both numbers):")
+            lines += [f"- {o}" for o in bt.orderings]
+            lines.append("")
+    if plan.missing_rows:
+        lines.append("Methods of the tables that did not run:")
+        lines += [f"- {r.label} (`{r.method}`): {why}" for r, why in plan.missing_rows]
+        lines.append("")
+    lines += ["## Compute: ours against the paper's", "", "| | ours | paper |", "|---|---|---|"]
+    lines += [f"| {q} | {a} | {b} |" for q, a, b in compute]
+    lines.append("")
+    if paper.notes:
+        lines.append("Notes:")
+        lines += [f"- {n}" for n in paper.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _train_samples(run_dir: str | None) -> int | None:
+    try:
+        return int(np.asarray(json.loads((Path(str(run_dir)) / "clients.json").read_text())["train"]).sum())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def compute_table(plan: Plan, finished: list[tuple[dict[str, Any], str]]) -> list[tuple[str, str, str]]:
+    """(quantity, ours, paper) rows. ``finished``: (database row, run directory) of every finished run. A sample
+    pass is one sample through one local training step's forward and backward (rounds x local epochs x training
+    samples of the participating clients)."""
+    paper = plan.paper
+    setup = paper.paper_setup
+    cfgs = [r["config"] for r, _ in finished]
+
+    def distinct(key: str) -> str:
+        vals = sorted({str(c.get(key)) for c in cfgs})
+        return " / ".join(vals) if vals else "-"
+
+    passes, unknown = 0.0, 0
+    for r, run_dir in finished:
+        n = _train_samples(run_dir)
+        if n is None:
+            unknown += 1
+            continue
+        c = r["config"]
+        passes += r["summary"].get("rounds", 0) * c.get("local_epochs", 1) * n * c.get("join_ratio", 1.0)
+    paper_passes, paper_runs, notes = 0.0, 0, []
+    for t in paper.tables:
+        cols = {c.setting for c in t.column_list()}
+        for vals in t.values.values():
+            for sid in cols:
+                if not any(c.setting == sid and str(c.id) in vals for c in t.column_list()):
+                    continue
+                paper_runs += int(setup.get("seeds", 1))
+                s = paper.settings[sid]
+                if s.train_samples is None:
+                    notes.append(sid)
+                    continue
+                paper_passes += (
+                    setup["rounds"] * setup["local_epochs"] * s.train_samples * float(setup.get("join_ratio", 1.0))
+                ) * int(setup.get("seeds", 1))
+    wall = sum(float(r["summary"].get("wall_time") or 0.0) for r, _ in finished)
+    planned_runs = len(plan.settings) * len(plan.rows) * len(plan.seeds)
+    unknown_sets = sorted(set(notes))
+    return [
+        ("rounds", distinct("rounds"), str(setup.get("rounds"))),
+        ("local epochs", distinct("local_epochs"), str(setup.get("local_epochs"))),
+        ("clients", distinct("clients"), str(setup.get("clients"))),
+        ("model", distinct("model"), str(setup.get("model"))),
+        ("seeds per cell", str(len(plan.seeds)), str(setup.get("seeds"))),
+        ("runs", f"{len(finished)} finished of {planned_runs} planned", f"{paper_runs} (every published cell)"),
+        (
+            "training sample passes",
+            f"{passes:.3g}" + (f" ({unknown} run(s) without clients.json)" if unknown else ""),
+            f"{paper_passes:.3g}"
+            + (f" (without {', '.join(unknown_sets)}: sizes not known)" if unknown_sets else "")
+            + (f"; ours = {100 * passes / paper_passes:.2g}%" if paper_passes else ""),
+        ),
+        ("wall time (sum over runs)", f"{wall:.0f} s on {distinct('device')}", "not reported"),
+    ]
+
+
+def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, str, str]]) -> dict[str, Any]:
+    return {
+        "paper": plan.paper.paper,
+        "scale": plan.scale,
+        "seeds": plan.seeds,
+        "metric": plan.paper.metric.model_dump(),
+        "tables": [
+            {
+                "id": bt.table.id,
+                "title": bt.table.title,
+                "source": bt.table.source.model_dump(),
+                "columns": [c.__dict__ for c in bt.columns],
+                "rows": [
+                    {
+                        "id": r.id,
+                        "label": r.label,
+                        "method": r.method,
+                        "args": r.args,
+                        "cells": [bt.cells[(r.id, j)].__dict__ for j in range(len(bt.columns))],
+                    }
+                    for r in bt.rows
+                ],
+                "not_run": bt.not_run,
+                "orderings": bt.orderings,
+            }
+            for bt in tables
+        ],
+        "missing_rows": [{"id": r.id, "method": r.method, "why": why} for r, why in plan.missing_rows],
+        "missing_settings": [{"id": s, "why": why} for s, why in plan.missing_settings],
+        "compute": compute,
+    }

@@ -1,0 +1,535 @@
+"""``fedskew sweep SPEC.yaml``: many runs from one spec, in a process pool, into one database, idempotently.
+
+A spec (docs/sweeps.md) names a ``base`` configuration and the axes that vary it: ``cases`` (a list of partial
+configurations), ``zip`` (keys that move together), ``grid`` (a cartesian product over any configuration key,
+``method_args.KEY`` included), ``methods`` (method compositions with their ``-m`` arguments) and ``seeds``. Every
+point of the product is one run of :func:`fedskew.runner.run_experiment`, in its own run directory under ``out``
+whose name is derived from the run's configuration (so the same spec always maps to the same directories), and every
+run is recorded in the one database ``db``.
+
+Running a spec twice does no work twice: a finished run is skipped (and recorded in the database if it is not
+there yet), an interrupted one continues from its checkpoint, one that died before its first checkpoint starts
+over. A run that fails is listed at the end with its error; the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
+from fedskew.schema import StrictSettings, describe_errors
+
+# keys every run gets from the sweep itself, never from an axis
+_SWEEP_OWNED = ("out", "db", "seed")
+# identity keys already in the default run-folder name (store.default_run_dir), or shown elsewhere
+_NAMED = ("method", "method_args", "dataset", "partition")
+
+Event = tuple[Any, ...]  # ("start", name, first_round, rounds, pid) | ("round", name, rnd, info) | ("note", name, msg)
+
+
+class MethodEntry(StrictSettings):
+    """One method of a sweep: a composition (``fedprox+disco``) with its hyper-parameters (``-m`` arguments)."""
+
+    name: str = Field(min_length=1, description="method or composition, as `fedskew run --method`")
+    args: dict[str, Any] = Field(default_factory=dict, description="hyper-parameters, as `-m KEY=VALUE`")
+    label: str | None = Field(None, description="how the progress display names it (default: the name and args)")
+
+    def display(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in sorted(self.args.items()))
+        return self.label or (f"{self.name} ({args})" if args else self.name)
+
+
+class SweepSpec(StrictSettings):
+    """A sweep: ``base`` varied by ``cases`` x ``zip`` groups x ``grid`` x ``methods`` x ``seeds``."""
+
+    name: str | None = Field(None, description="the sweep's name (default: the spec file's name)")
+    base: dict[str, Any] = Field(default_factory=dict, description="settings every run shares (a config file)")
+    cases: list[dict[str, Any]] = Field(default_factory=list, description="alternative partial configurations")
+    zip: dict[str, list[Any]] | list[dict[str, list[Any]]] = Field(
+        default_factory=list, description="keys whose i-th values go together (one group, or a list of groups)"
+    )
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="cartesian product over these keys")
+    methods: list[str | MethodEntry] = Field(default_factory=list, description="method compositions with args")
+    seeds: list[int] | int | None = Field(None, description="seeds (a list), or a count n for seeds 0..n-1")
+    out: str | None = Field(None, description="root folder of the run directories (default runs/sweep-<name>)")
+    db: str | None = Field(None, description="the one results database (default <out>/fedskew.db)")
+    jobs: int | None = Field(None, ge=1, description="runs at a time (default 1; --jobs wins)")
+    metrics: list[str] = Field(default_factory=lambda: ["global_acc"], description="metrics of the final table")
+
+    @field_validator("grid")
+    @classmethod
+    def _grid_lists(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        empty = [k for k, vals in v.items() if not vals]
+        if empty:
+            raise ValueError(f"grid key(s) {empty} have no values; give each a non-empty list")
+        return v
+
+    @field_validator("zip")
+    @classmethod
+    def _zip_lengths(cls, v: Any) -> list[dict[str, list[Any]]]:
+        groups = [v] if isinstance(v, dict) else list(v)
+        for g in groups:
+            lengths = {k: len(vals) for k, vals in g.items()}
+            if not g or len(set(lengths.values())) != 1 or 0 in lengths.values():
+                raise ValueError(f"a zip group needs non-empty lists of one common length, got lengths {lengths}")
+        return groups
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: list[int] | int | None) -> list[int] | int | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"a seed count must be >= 1, got {v}")
+        if isinstance(v, list) and (not v or any(s < 0 for s in v) or len(set(v)) != len(v)):
+            raise ValueError(f"seeds must be distinct non-negative integers, got {v}")
+        return v
+
+    def seed_list(self) -> list[int]:
+        if self.seeds is None:
+            return [int(self.base.get("seed", 0))]
+        return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
+
+    def method_entries(self) -> list[MethodEntry | None]:
+        return [MethodEntry(name=m) if isinstance(m, str) else m for m in self.methods] or [None]
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read and validate a sweep spec; a problem is a :class:`ConfigError` naming the file and the key."""
+    values = load_yaml(path)
+    try:
+        spec = SweepSpec(**values)
+    except ValidationError as exc:
+        raise ConfigError(f"sweep spec {path}:\n  " + "\n  ".join(describe_errors(exc))) from None
+    if spec.name is None:
+        spec = spec.model_copy(update={"name": Path(path).stem})
+    return spec
+
+
+def dump_spec(spec: SweepSpec) -> str:
+    """The spec as YAML (what ``fedskew reproduce`` writes next to its table, re-runnable with ``fedskew sweep``)."""
+    data = spec.model_dump(exclude_defaults=True)
+    if spec.methods:
+        data["methods"] = [m if isinstance(m, str) else m.model_dump(exclude_defaults=True) for m in spec.methods]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# ---- expansion -------------------------------------------------------------------------------------------------
+@dataclass
+class PlannedRun:
+    """One run of a sweep: its folder name, its validated configuration, and where on each axis it sits."""
+
+    name: str
+    cfg: RunConfig
+    label: str  # for the progress display
+    point: dict[str, Any] = field(default_factory=dict)  # {"case": i, "method": j, "seed": s, ...}
+
+
+def _set(values: dict[str, Any], key: str, value: Any, where: str) -> None:
+    key = str(key).replace("-", "_")
+    if key in _SWEEP_OWNED:
+        raise ConfigError(
+            f"{where}: {key!r} is set by the sweep itself (top-level out/db, seeds:), not by a configuration key"
+        )
+    if key == "method_args":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: method_args must be a mapping, got {value!r}")
+        values["method_args"] = {**values.get("method_args", {}), **value}
+    elif key.startswith("method_args."):
+        arg = key.split(".", 1)[1].replace("-", "_")
+        values["method_args"] = {**values.get("method_args", {}), arg: value}
+    else:
+        values[key] = value
+
+
+def _axes(spec: SweepSpec) -> list[list[tuple[str, Any, dict[str, Any]]]]:
+    """Each axis as its points: (axis name, position on it, partial configuration)."""
+    axes: list[list[tuple[str, Any, dict[str, Any]]]] = []
+    if spec.cases:
+        axes.append([("case", i, dict(c)) for i, c in enumerate(spec.cases)])
+    for g, group in enumerate(spec.zip):  # type: ignore[arg-type]  (normalized to a list by the validator)
+        n = len(next(iter(group.values())))
+        axes.append([(f"zip{g}", i, {k: vals[i] for k, vals in group.items()}) for i in range(n)])
+    for key, vals in spec.grid.items():
+        axes.append([(key, v, {key: v}) for v in vals])
+    return axes
+
+
+def _slug(v: Any) -> str:
+    text = json.dumps(v, sort_keys=True) if isinstance(v, list | dict) else f"{v:g}" if isinstance(v, float) else v
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", str(text)).strip("-")
+
+
+def run_name(cfg: RunConfig, varying: Iterable[str]) -> str:
+    """The run's folder name: the default run name (method, non-default args, dataset, partition), the values of the
+    keys that vary in the sweep, the seed, and a hash of the whole experiment and seed (so two runs never share a
+    folder and a changed base setting never reuses an old one)."""
+    from fedskew.results.store import default_run_dir
+
+    stem = default_run_dir(cfg, "x").name[2:].rsplit("-s", 1)[0]  # "x-<method>-<dataset>-<partition>-s<seed>"
+    ident = cfg.identity()
+    extras = [f"{k}{_slug(ident.get(k))}" for k in varying if k not in _NAMED]
+    name = "-".join([stem, *extras])[:96].rstrip("-_.")
+    digest = hashlib.sha1(json.dumps({**ident, "seed": cfg.seed}, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{name}-s{cfg.seed}-{digest[:6]}"
+
+
+def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | None = None) -> list[PlannedRun]:
+    """Every run of ``spec``, each validated (a bad point is a :class:`ConfigError` naming it), seeds outermost
+    (all methods of seed 0 first, so a partial sweep already compares them). Points that expand to the same run are
+    run once."""
+    root = Path(out or spec.out or f"runs/sweep-{spec.name or 'sweep'}")
+    db_path = str(db or spec.db or root / "fedskew.db")
+    base = {str(k).replace("-", "_"): v for k, v in spec.base.items()}
+    for key in _SWEEP_OWNED:
+        if key in base and key != "seed":
+            raise ConfigError(f"sweep base: {key!r} is set by the sweep (top-level {key}:), not in base")
+    base.pop("seed", None)
+    axes = _axes(spec)
+    drafts: list[tuple[RunConfig, str, dict[str, Any]]] = []
+    for seed in spec.seed_list():
+        for combo in itertools.product(*axes):
+            for j, method in enumerate(spec.method_entries()):
+                values = copy.deepcopy(base)
+                point: dict[str, Any] = {"seed": seed}
+                where = f"sweep run (seed {seed}"
+                for axis, pos, partial in combo:
+                    point[axis] = pos
+                    where += f", {axis}={pos}"
+                    for k, v in partial.items():
+                        _set(values, k, v, where + ")")
+                if method is not None:
+                    point["method"] = j
+                    values["method"] = method.name
+                    values["method_args"] = {**values.get("method_args", {}), **method.args}
+                    where += f", method {method.display()}"
+                values.update(seed=seed, db=db_path)
+                try:
+                    cfg = make_config(values)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}): {exc}") from None
+                label = method.display() if method is not None else cfg.method
+                drafts.append((cfg, label, point))
+    idents = [cfg.identity() for cfg, _, _ in drafts]
+    keys = list(dict.fromkeys(k for ident in idents for k in ident))
+    varying = [k for k in keys if len({json.dumps(i.get(k), sort_keys=True, default=str) for i in idents}) > 1]
+    runs: dict[str, PlannedRun] = {}
+    for cfg, label, point in drafts:
+        name = run_name(cfg, varying)
+        # the hash alone identifies the run: a folder from before the spec grew (another key varies now, so the
+        # readable part of the name differs) is still this run's
+        earlier = sorted(
+            p.name for p in root.glob(f"*-{name.rsplit('-', 2)[1]}-{name.rsplit('-', 1)[1]}") if p.is_dir()
+        )
+        name = earlier[0] if earlier else name
+        if name not in runs:
+            cfg = cfg.model_copy(update={"out": str(root / name)})
+            extra = ", ".join(f"{k}={_slug(cfg.identity().get(k))}" for k in varying if k not in _NAMED)
+            runs[name] = PlannedRun(name, cfg, f"{label}{' ' + extra if extra else ''} s{cfg.seed}", point)
+    return list(runs.values())
+
+
+# ---- what is already there -------------------------------------------------------------------------------------
+def _same_experiment(saved: RunConfig, cfg: RunConfig) -> bool:
+    a, b = saved.identity(), cfg.identity()
+    if cfg.model == "auto":  # the run directory records the model `auto` stood for
+        a.pop("model"), b.pop("model")
+    return a == b and saved.seed == cfg.seed
+
+
+def run_state(run: PlannedRun) -> tuple[str, str]:
+    """(state, detail) of a run's folder: ``new``, ``done`` (finished or diverged: skipped), ``resume`` (unfinished
+    with a checkpoint), ``restart`` (unfinished, no checkpoint: started over), ``blocked`` (the folder holds
+    something else; the run fails with the reason)."""
+    from fedskew.results.rundir import CHECKPOINT, RunDirectory, is_run_dir
+
+    d = Path(str(run.cfg.out))
+    if not d.exists() or (d.is_dir() and not any(d.iterdir())):
+        return "new", ""
+    if not d.is_dir() or not is_run_dir(d):
+        return "blocked", f"{d} exists and is not a fedskew run directory; move it away"
+    status = RunDirectory(d).status()
+    try:
+        saved = make_config(load_yaml(d / "config.yaml"))
+    except ConfigError:
+        saved = None
+    if saved is not None and not _same_experiment(saved, run.cfg):
+        return "blocked", f"{d} holds a different experiment; move it away"
+    if status.get("status") in ("finished", "diverged") and (d / "summary.json").is_file():
+        return "done", str(status["status"])
+    if (d / CHECKPOINT).is_file() and saved is not None:
+        return "resume", f"after round {status.get('checkpoint_round')}"
+    return "restart", f"status {status.get('status', 'unknown')}, no checkpoint"
+
+
+# ---- running -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    """What a worker process needs for one run (plain data: it crosses a process boundary)."""
+
+    name: str
+    values: dict[str, Any]
+    state: str
+
+
+@dataclass
+class RunResult:
+    name: str
+    status: str  # finished | diverged | skipped | failed | interrupted | not started
+    run_dir: str
+    run_id: str | None = None
+    error: str | None = None
+    detail: str = ""
+    trace: str = ""
+    wall_time: float = 0.0
+
+
+def _info(record: dict[str, Any]) -> str:
+    for key in ("global_acc", "domain_acc_avg", "personal_acc_mean", "global_local_acc"):
+        if key in record:
+            return f"{key} {100 * record[key]:.2f}%"
+    return ""
+
+
+def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
+    """Run (or resume) one planned run; never raises: a failure comes back as a result with its error."""
+    from fedskew.runner import RunInterrupted, run_experiment
+
+    t0 = time.perf_counter()
+    out = str(task.values.get("out"))
+    detail = {"resume": "resumed", "restart": "started over"}.get(task.state, "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cfg = make_config(task.values)
+            outcome = run_experiment(
+                cfg,
+                overwrite=task.state == "restart",
+                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
+                on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
+                on_note=lambda msg: emit(("note", task.name, msg)),
+            )
+            status = "diverged" if outcome.summary.get("diverged") else "finished"
+            result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
+        except RunInterrupted as exc:
+            result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
+        except KeyboardInterrupt:
+            result = RunResult(task.name, "interrupted", out, detail="before its first round ended (nothing kept)")
+        except Exception as exc:  # noqa: BLE001 - any error of one run is reported, never stops the sweep
+            result = RunResult(
+                task.name, "failed", out, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
+            )
+    for w in caught:
+        emit(("note", task.name, str(w.message)))
+    result.wall_time = time.perf_counter() - t0
+    return result
+
+
+_QUEUE: Any = None
+
+
+def _init_worker(queue: Any) -> None:
+    global _QUEUE
+    _QUEUE = queue
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # between runs; a run installs its own checkpointing handler
+
+
+def _pool_task(task: Task) -> RunResult:
+    return execute_run(task, _QUEUE.put)
+
+
+def _mp_context() -> Any:
+    import multiprocessing as mp
+
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")  # workers fork from a clean server: no inherited threads or locks
+        ctx.set_forkserver_preload(["fedskew.runner"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+@dataclass
+class SweepOutcome:
+    results: list[RunResult]
+    interrupted: bool = False
+
+    def by_status(self, *statuses: str) -> list[RunResult]:
+        return [r for r in self.results if r.status in statuses]
+
+    @property
+    def failed(self) -> list[RunResult]:
+        return self.by_status("failed")
+
+    def run_ids(self) -> list[str]:
+        return [r.run_id for r in self.results if r.run_id]
+
+
+def _finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
+    """(run id, error) of a finished run directory, recording it in the database when it is not there yet."""
+    from fedskew.runner import record_in_db
+
+    try:
+        run_id = json.loads((Path(run_dir) / "summary.json").read_text())["run_id"]
+        if db:
+            record_in_db(db, run_dir)
+        return run_id, None
+    except Exception as exc:  # noqa: BLE001 - reported as this run's failure
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def run_sweep(
+    runs: list[PlannedRun],
+    *,
+    jobs: int = 1,
+    on_event: Callable[[Event], None] | None = None,
+    on_result: Callable[[RunResult], None] | None = None,
+) -> SweepOutcome:
+    """Run every planned run that is not done: ``jobs`` at a time in worker processes (``jobs=1``: one after the
+    other in this process). ``on_event`` gets the runs' progress events, ``on_result`` each run's result (skipped
+    runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new one, and
+    returns with ``interrupted``; running the sweep again continues where it stopped."""
+    emit = on_event or (lambda ev: None)
+    report = on_result or (lambda r: None)
+    results: dict[str, RunResult] = {}
+    todo: list[Task] = []
+    for run in runs:
+        state, detail = run_state(run)
+        out = str(run.cfg.out)
+        if state == "done":
+            run_id, error = _finished_id(out, run.cfg.db)
+            res = RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail)
+        elif state == "blocked":
+            res = RunResult(run.name, "failed", out, error=detail)
+        else:
+            todo.append(Task(run.name, run.cfg.model_dump(), state))
+            continue
+        results[run.name] = res
+        report(res)
+    interrupted = False
+    if jobs <= 1 or len(todo) <= 1:
+        for i, task in enumerate(todo):
+            try:
+                res = execute_run(task, emit)
+                results[task.name] = res
+                report(res)
+            except KeyboardInterrupt:  # between two runs
+                res = results.setdefault(task.name, RunResult(task.name, "interrupted", str(task.values.get("out"))))
+            if res.status == "interrupted":
+                interrupted = True
+                for rest in todo[i + 1 :]:
+                    results[rest.name] = RunResult(rest.name, "not started", str(rest.values.get("out")))
+                break
+    else:
+        interrupted = _run_pool(todo, jobs, emit, results, report)
+    return SweepOutcome([results[r.name] for r in runs if r.name in results], interrupted)
+
+
+def _run_pool(
+    todo: list[Task],
+    jobs: int,
+    emit: Callable[[Event], None],
+    results: dict[str, RunResult],
+    report: Callable[[RunResult], None],
+) -> bool:
+    from concurrent.futures import CancelledError, ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = _mp_context()
+    queue = ctx.Queue()
+    pids: dict[str, int] = {}
+
+    def drain() -> None:
+        while (ev := queue.get()) is not None:
+            if ev[0] == "start":
+                pids[ev[1]] = ev[4]
+            emit(ev)
+
+    listener = threading.Thread(target=drain, daemon=True)
+    listener.start()
+    interrupted = False
+    on_main = threading.current_thread() is threading.main_thread()
+
+    def forward_term(signum: int, frame: object) -> None:  # SIGTERM to the sweep: the running runs checkpoint
+        for pid in list(pids.values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, forward_term) if on_main else None
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+
+    pool = new_pool()
+    waiting = list(reversed(todo))  # submitted only as workers free up: after Ctrl-C no new run starts
+    running: dict[Any, Task] = {}
+
+    def finish(task: Task, res: RunResult) -> None:
+        pids.pop(task.name, None)
+        results[task.name] = res
+        report(res)
+
+    def step() -> bool:
+        """Submit what fits, wait for one run, record it; False when nothing is left."""
+        nonlocal pool, interrupted
+        while waiting and len(running) < jobs and not interrupted:
+            task = waiting.pop()
+            try:
+                fut = pool.submit(_pool_task, task)
+            except BrokenProcessPool:  # a worker died earlier: the others went with it; start fresh ones
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = new_pool()
+                fut = pool.submit(_pool_task, task)
+            running[fut] = task
+        if interrupted:
+            for task in reversed(waiting):
+                finish(task, RunResult(task.name, "not started", str(task.values.get("out"))))
+            waiting.clear()
+        if not running:
+            return False
+        fut = next(as_completed(running))
+        task = running.pop(fut)
+        try:
+            res = fut.result()
+        except (CancelledError, BrokenProcessPool):
+            res = RunResult(
+                task.name,
+                "failed",
+                str(task.values.get("out")),
+                error="its worker process died (killed, or out of memory?); run the sweep again to resume it "
+                "from its last checkpoint",
+            )
+        interrupted = interrupted or res.status == "interrupted"
+        finish(task, res)
+        return True
+
+    try:
+        while True:
+            try:
+                if not step():
+                    break
+            except KeyboardInterrupt:  # the workers got the signal too: their runs checkpoint after this round
+                interrupted = True
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        queue.put(None)
+        listener.join(timeout=5)
+    return interrupted

@@ -1,0 +1,146 @@
+"""`fedskew reproduce PAPER` (issue 16): the papers' numbers as package data with their sources, the plan (methods
+this version lacks listed, and run once registered; missing data listed), and `--scale smoke` for every paper."""
+
+import json
+
+import pytest
+from conftest import _fake_domain
+
+from fedskew.cli import main
+from fedskew.registry import NoParams, ServerPlugin, register, unregister
+from fedskew.reproduce import SCALES, load_paper, make_plan, paper_names
+from fedskew.reproduce.papers import parse_value
+from fedskew.reproduce.plan import method_status
+from fedskew.reproduce.table import build_tables
+from fedskew.sweep import expand, load_spec
+
+
+def test_paper_numbers_are_data_with_their_sources():
+    assert paper_names() == ["fedcac", "feddisco", "fedheal", "fedsa"]
+    assert load_paper("fedpake").paper == "fedsa"  # aliases
+    cells = {}
+    for name in paper_names():
+        paper = load_paper(name)
+        for t in paper.tables:
+            assert t.source.paper and t.source.table.startswith("Table")
+            for rid, vals in t.values.items():
+                for col, v in vals.items():
+                    cells[(name, t.id, rid, col)] = parse_value(v)
+    # spot checks against specs/methods.md §1.7, §2.6, §3.6, §4.6
+    assert cells[("fedsa", "table1", "fedavg", "patho_c10")] == (90.79, 0.08)
+    assert cells[("fedsa", "table1", "fedsa", "dir_c100_r34")] == (39.12, 0.04)
+    assert cells[("fedsa", "table3", "fedbabu", "dir001_c100")] == (71.67, None)
+    assert cells[("feddisco", "table1_2", "fedavg_disco", "fmnist_niid2")] == (87.56, None)
+    assert cells[("feddisco", "table1_2", "feddc", "ham_niid1")] == (54.48, None)
+    assert cells[("fedcac", "table2", "fedcac", "dir01_c10")] == (86.82, 1.18)
+    assert cells[("fedcac", "table1", "separate", "patho_tiny")] == (86.43, None)
+    assert cells[("fedheal", "table2", "fedavg_heal", "avg")] == (78.09, None)
+    assert cells[("fedheal", "table2", "fedproto_qffl", "office_std")] == (11.99, None)
+    assert len(cells) == 9 * 10 + 17 * 7 + 7 * 12 + (30 * 12 - 12 * 8 - 2 * 8)
+
+
+@pytest.mark.parametrize("name", ["fedsa", "feddisco", "fedcac", "fedheal"])
+def test_every_row_runs_or_is_listed_as_not_available(name):
+    paper = load_paper(name)
+    for scale in SCALES:
+        plan = make_plan(paper, scale)
+        for row, why in plan.missing_rows:
+            assert why.startswith("not available in this version"), (row.id, why)
+        assert {r.id for r in plan.rows} | {r.id for r, _ in plan.missing_rows} == {r.id for r in paper.rows}
+
+
+def test_an_unregistered_method_is_listed_and_runs_once_registered():
+    paper = load_paper("feddisco")
+    row = paper.rows[0].model_copy(update={"id": "mine", "label": "Mine", "method": "fedavg+mine_weights"})
+    table = paper.tables[0].model_copy(update={"values": {**paper.tables[0].values, "mine": {"fmnist_niid1": 90.0}}})
+    paper = paper.model_copy(update={"rows": [*paper.rows, row], "tables": [table]})
+    assert method_status(row) == "not available in this version (mine_weights not registered)"
+    plan = make_plan(paper, "smoke")
+    assert [(r.id, why) for r, why in plan.missing_rows] == [("mine", method_status(row))]
+    (built,) = build_tables(plan, {}, {})
+    cell = built.cells[("mine", 0)]
+    assert cell.ours is None and cell.note.startswith("not available in this version") and cell.paper == (90.0, None)
+    register(ServerPlugin("mine_weights", "test", "test", NoParams, (), lambda p: {}))
+    try:
+        plan = make_plan(paper, "smoke")
+        assert "mine" in [r.id for r in plan.rows] and not plan.missing_rows
+    finally:
+        unregister("mine_weights")
+
+
+def test_missing_data_is_listed_and_nothing_runs(tmp_path, capsys):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    assert main(["reproduce", "fedsa", "--scale", "small", "--data-dir", str(empty), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "dataset mnist not found" in err and "dataset cifar10 not found" in err
+    assert "error: nothing to run here" in err
+
+
+def _smoke(tmp_path, capsys, name, rows):
+    out = tmp_path / name
+    code = main(["reproduce", name, "--scale", "smoke", "--rows", rows, "--out", str(out), "--quiet"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    return out, stdout, json.loads((out / "table.json").read_text())
+
+
+def _ours(data, table=0):
+    return {r["id"]: [c["ours"] for c in r["cells"]] for r in data["tables"][table]["rows"]}
+
+
+def test_smoke_fedsa_and_its_rerun_is_idempotent(tmp_path, capsys):
+    out, text, data = _smoke(tmp_path, capsys, "fedsa", "fedavg,fedsa")
+    assert "| FedAvg |" in text and "90.79 ± 0.08" in text and "91.36 ± 0.23" in text  # the paper beside ours
+    assert "Patho digits (8x8) (paper: Patho CIFAR-10)" in text
+    ours = _ours(data)
+    assert set(ours) == {"fedavg", "fedsa"} and all(len(v) == 2 and all(v) for v in ours.values())
+    assert "Kendall tau" in text and "training sample passes" in text
+    assert len(list((out / "figures").glob("curves-*.png"))) == 2  # one per setting
+    # the sweep it wrote re-expands to the very same runs, and running again does nothing twice
+    runs = expand(load_spec(out / "sweep.yaml"))
+    assert sorted(r.name for r in runs) == sorted(p.name for p in (out / "runs").iterdir())
+    _, again, data2 = _smoke(tmp_path, capsys, "fedsa", "fedavg,fedsa")
+    assert "4 runs: 4 skipped" in again and _ours(data2) == ours
+
+
+def test_smoke_feddisco_compares_the_plug_in_gain(tmp_path, capsys):
+    _, text, data = _smoke(tmp_path, capsys, "feddisco", "fedavg,fedavg+disco")
+    assert "| FedAvg+Disco |" in text and "89.56" in text
+    assert "change over the host: FedAvg+Disco" in text and "(paper +0.30)" in text
+    assert all(all(v) for v in _ours(data).values())
+
+
+def test_smoke_fedcac_uses_personalized_accuracy(tmp_path, capsys):
+    _, text, data = _smoke(tmp_path, capsys, "fedcac", "fedavg,fedcac")
+    assert "| FedCAC |" in text and "89.77 ± 1.14" in text
+    assert all(all(v) for t in range(2) for v in _ours(data, t).values())
+
+
+def test_smoke_fedheal_per_domain_columns(tmp_path, capsys, monkeypatch):
+    import fedskew.data.federated as fed
+    import fedskew.reproduce.plan as plan_mod
+
+    # three random domains big enough for the smoke's 0.2% per client, in place of the Digits suite's files
+    doms = {n: _fake_domain(n, 3000, 60, i) for i, n in enumerate("abc")}
+    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    real = plan_mod.dataset_status
+    monkeypatch.setattr(
+        plan_mod,
+        "dataset_status",
+        lambda d, data_dir: (None, list(doms)) if d == "digits_domains" else real(d, data_dir),
+    )
+    out, text, data = _smoke(tmp_path, capsys, "fedheal", "fedavg,fedavg+heal")
+    table = data["tables"][0]
+    labels = [c["label"] for c in table["columns"]]
+    assert labels[:6] == [f"{x} [Digits, smoke subset]" for x in ("MNIST", "USPS", "SVHN")] + [
+        "SYN (ours: synthetic digits from MNIST) [Digits, smoke subset]",
+        "Digits AVG [Digits, smoke subset]",
+        "Digits STD [Digits, smoke subset]",
+    ]
+    for row in table["rows"]:
+        cells = row["cells"]
+        assert cells[0]["ours"] is None and "domain not present" in cells[0]["note"]  # the fake domains are a, b, c
+        assert cells[4]["ours"] and cells[5]["ours"]  # AVG and STD over the domains present
+    assert "Office-Caltech" in text and "(paper +2.09)" in text  # HEAL's AVG gain over FedAvg in the paper
+    assert len(list((out / "figures").glob("domains-*.png"))) == 1
