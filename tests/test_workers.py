@@ -73,3 +73,16 @@ def test_workers_refused_where_they_cannot_run():
     with pytest.raises(Exception, match="workers"):
         make_config(None, {"workers": 0})
     assert can_fork("meta") is not None
+
+
+def test_batched_clients_setting_matches_the_sequential_run_and_falls_back_with_a_warning(tmp_path, one_thread):
+    base = {"clients": 4, "rounds": 2, "db": None, "seed": 3, "skew_probes": 0, "method": "fedprox"}
+    seq = run_experiment(make_config(None, {**base, "out": str(tmp_path / "s")})).records
+    bat = run_experiment(make_config(None, {**base, "out": str(tmp_path / "b"), "batched_clients": True})).records
+    for a, b in zip(seq, bat, strict=True):
+        assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)  # float32 rounding may flip a sample
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+    with pytest.warns(UserWarning, match="batched_clients: .*moon"):
+        run_experiment(
+            make_config(None, {**base, "method": "moon", "out": str(tmp_path / "m"), "batched_clients": True})
+        )

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace an existing fedskew run directory (only fedskew's own files in it are deleted)",
     )
+    run.add_argument(
+        "--batched-clients",
+        action="store_true",
+        help="train the sampled clients together (vmapped; for a GPU; equal up to float rounding, docs/design.md)",
+    )
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -208,6 +213,8 @@ def _config_from_args(args: argparse.Namespace):
         flags = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
         if args.no_db:
             flags["db"] = None
+        if args.batched_clients:
+            flags["batched_clients"] = True
         if args.config or args.method_arg:
             raise ConfigError("--resume takes the run's own config.yaml; drop --config and -m")
         if flags.get("out") not in (None, args.resume):
@@ -219,6 +226,8 @@ def _config_from_args(args: argparse.Namespace):
         key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
     }
     overrides["download"] = args.download
+    if args.batched_clients:
+        overrides["batched_clients"] = True
     if args.method_arg:
         overrides["method_args"] = _parse_kv(args.method_arg)
     if args.no_db:

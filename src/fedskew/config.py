@@ -38,6 +38,7 @@ NOT_IDENTITY = frozenset(
         "divergence_factor",
         "checkpoint_every",
         "workers",
+        "batched_clients",
     }
 )
 
@@ -140,6 +141,11 @@ class RunConfig(StrictSettings):
         ge=1,
         description="processes that train the sampled clients in parallel (CPU; results identical to 1); each uses "
         "one torch thread",
+    )
+    batched_clients: bool = Field(
+        False,
+        description="train the sampled clients together, vmapped over stacked parameters (engine/batched.py; for a "
+        "GPU); equal to the sequential loop up to float32 rounding; methods it cannot batch fall back, with a warning",
     )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")

@@ -30,8 +30,9 @@ from fedskew.schema import ConfigError, StrictSettings
 #   update     the server's step from the combined model (server momentum, FedDyn's correction)
 #   personalize one model per client                   (FedCAC, FedAMP)
 ROLES = ("weighting", "masking", "combine", "update", "personalize")
-# what else a plug-in's build may return: "local" (state-dict groups the clients keep), "upload" (a client Upload)
-EXTRA_PIECES = ("local", "upload")
+# what else a plug-in's build may return: "local" (state-dict groups the clients keep), "upload" (a client Upload),
+# "wrap_client" (LocalAlgorithm -> LocalAlgorithm: e.g. the loss before training AFL, q-FFL and FedFV read)
+EXTRA_PIECES = ("local", "upload", "wrap_client")
 ENTRY_POINT_GROUP = "fedskew.methods"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -275,6 +275,8 @@ def run_experiment(
         if isinstance(exc, KeyboardInterrupt):
             raise RunInterrupted(signal.SIGINT, out_dir, done) from None
         raise
+    finally:
+        sim.close()  # worker processes, if any
 
     summary = summarize_run(records, cfg.last_n)
     summary.update(

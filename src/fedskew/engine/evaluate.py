@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from fedskew.data.federated import FederatedData
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,31 @@ def pooled(prefix: str, s: ClientScores) -> dict[str, float]:
 def evaluate_global(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> dict[str, float]:
     owner = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
     return pooled("global", predict_scores(model, x, y, owner, 1, batch_size))
+
+
+def client_part_views(
+    algo: object, state: object, model: nn.Module, data: FederatedData, batch_size: int
+) -> dict[str, float]:
+    """Views a client part adds to the evaluation of the global model already in ``model`` (FedProto's and FedProc's
+    nearest-prototype accuracy, ``proto_acc``), from its optional hook ``eval_views(model, state, x, y, owner,
+    num_owners, batch_size)``, which returns per view name ``(correct, loss_sum)`` tensors per owner, on the global
+    test set. Owners are the domains under domain skew (the record then also holds ``<view>_domain_acc/<name>``,
+    ``<view>_domain_acc_avg``, ``<view>_domain_acc_std``), else the whole set. ``state``: the part's server-side
+    state."""
+    hook = getattr(algo, "eval_views", None)
+    if hook is None:
+        return {}
+    x, y, domains = data.x_test, data.y_test, data.domains
+    if domains:
+        assert data.test_domain is not None
+        owner, num_owners = data.test_domain, len(domains)
+    else:
+        owner, num_owners = torch.zeros(x.shape[0], dtype=torch.long, device=x.device), 1
+    count = torch.bincount(owner, minlength=num_owners).double().cpu().numpy()
+    rec: dict[str, float] = {}
+    for view, (correct, loss_sum) in hook(model, state, x, y, owner, num_owners, batch_size).items():
+        s = ClientScores(correct.double().cpu().numpy(), loss_sum.double().cpu().numpy(), count)
+        rec.update(pooled(view, s))
+        if domains:
+            rec.update({f"{view}_{k}": v for k, v in domain_summary(domains, s).items()})
+    return rec

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluate import (
     ClientScores,
     auto_eval_batch,
+    client_part_views,
     domain_summary,
     evaluate_global,
     pooled,
@@ -43,6 +45,9 @@ from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, Params, ServerContext
 from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
 from fedskew.server.api import UploadStack, check_model
+
+if TYPE_CHECKING:
+    from fedskew.engine.workers import ClientWorkers
 
 
 def payload_bytes(tensors: Params) -> int:
@@ -183,6 +188,89 @@ class RoundResult:
     probe: dict[str, Any] | None = None  # parameter-skew probe (evaluated rounds), see engine/probe.py
 
 
+@dataclass
+class RoundPlan:
+    """One round in progress on the server: who was sampled and who dropped out (both seeded), what the server
+    broadcasts, and what the uploads taken so far came to. :meth:`Simulation.open_round` makes it,
+    :meth:`Simulation.take_upload` fills it (one upload at a time, in client order), :meth:`Simulation.close_round`
+    aggregates, evaluates and records it. The simulator trains the clients in between; a deployment (Flower) sends
+    them messages, and fills ``failed`` with the sampled clients that never replied."""
+
+    rnd: int
+    sampled: list[int]
+    gone: set[int]  # sampled, but drop out before reporting (client_dropout, seeded)
+    broadcast: Params
+    stack: UploadStack
+    t0: float
+    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (cid, samples, loss) of counted uploads
+    bytes_up: int = 0
+    bytes_down: int = 0
+    failed: list[dict[str, Any]] = field(default_factory=list)  # [{"client": cid, "reason": ...}] (deployments)
+
+
+def train_settings(cfg: RunConfig) -> TrainSettings:
+    """The local optimizer's settings of a run (every client's, wherever it trains)."""
+    return TrainSettings(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        drop_last=cfg.drop_last,
+    )
+
+
+def train_client(
+    method: Method,
+    model: nn.Module,
+    settings: TrainSettings,
+    seed: int,
+    cid: int,
+    rnd: int,
+    received: Params,
+    broadcast: Params,
+    client_state: dict[str, Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> ClientUpdate:
+    """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
+    ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
+    ``client_state`` is the client's persistent state and advances in place."""
+    ctx = LocalContext(
+        cid=cid,
+        round=rnd,
+        model=model,
+        received=received,
+        client_state=client_state,
+        broadcast=broadcast,
+        settings=settings,
+    )
+    gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
+    return local_train(method.client, ctx, x, y, gen, method.uploads)
+
+
+def keep_trained(
+    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: ClientUpdate
+) -> Params | None:
+    """What a client keeps of the model it trained: its local entries (``method.local``) go into
+    ``client_state["local_params"]``; for a personalized method the model the ``trained`` view evaluates is returned
+    (the model it keeps for itself, else the one it trained), otherwise ``None``."""
+    if local_names:
+        client_state["local_params"] = {k: update.params[k] for k in local_names}
+    if method.personalized:
+        own = method.client.personal_model(client_state)
+        return own if own is not None else update.params
+    return None
+
+
+def with_local(received: Params, local: Params | None, order: Params) -> Params:
+    """The model a client holds after receiving ``received``: the entries it keeps for itself (``local``)
+    overlaid, keys in the order of ``order`` (the model's state dict)."""
+    if not local:
+        return received
+    return {k: local[k] if k in local else received[k] for k in order}
+
+
 class Simulation:
     """A seeded, single-process simulation of one federation."""
 
@@ -230,6 +318,17 @@ class Simulation:
         self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
+        self._workers: ClientWorkers | None = None  # forked at the first round that uses them (cfg.workers > 1)
+        self.batched = cfg.batched_clients and self._batch_fallback() is None
+
+    def _batch_fallback(self) -> str | None:
+        """Why ``batched_clients`` cannot be used for this method and model (warned once), else ``None``."""
+        from fedskew.engine.batched import batchable
+
+        why = batchable(self.method, self.model)
+        if why is not None:
+            warnings.warn(f"batched_clients: {why}; training the clients one after the other", stacklevel=3)
+        return why
 
     @property
     def model_name(self) -> str:
@@ -237,30 +336,66 @@ class Simulation:
 
     # ---- one round ---------------------------------------------------------------------------------------
     def round(self, rnd: int) -> RoundResult:
+        plan = self.open_round(rnd)
+        reporting = [cid for cid in plan.sampled if cid not in plan.gone]  # drop-outs: no training, no state change
+        # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
+        for update in self._train_clients(rnd, reporting, plan.broadcast):
+            self.take_upload(plan, update)
+        return self.close_round(plan)
+
+    def _train_clients(self, rnd: int, cids: list[int], broadcast: Params) -> Iterator[ClientUpdate]:
+        """The uploads of ``cids``, in that order: trained one after the other, in ``workers`` forked processes
+        (``engine/workers.py``: identical results), or together, vmapped (``batched_clients``, ``engine/batched.py``:
+        equal up to float32 rounding)."""
+        if self.batched:
+            from fedskew.engine.batched import train_batched
+
+            received = {cid: self.params_for(cid) for cid in cids}
+            yield from train_batched(self, rnd, cids, received, broadcast)
+        elif self.cfg.workers > 1 and len(cids) > 1:
+            if self._workers is None:
+                from fedskew.engine.workers import ClientWorkers
+
+                self._workers = ClientWorkers(self, min(self.cfg.workers, self.data.num_clients))
+            yield from self._workers.train(self, rnd, [(cid, self.params_for(cid), broadcast) for cid in cids])
+        else:
+            for cid in cids:
+                yield self._train(cid, rnd, self.params_for(cid), broadcast)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (the runner calls it when the run ends, however it ends)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def open_round(self, rnd: int) -> RoundPlan:
+        """Start round ``rnd``: sample (seeded by (seed, round)), draw the drop-outs, prepare the upload buffers;
+        every sampled client is sent its model and the broadcast, whether or not it reports."""
         cfg, data, method = self.cfg, self.data, self.method
         t0 = time.perf_counter()
         sampled = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
         gone = set(dropped_out(cfg.seed, rnd, sampled, data.num_clients, cfg.client_dropout))
         broadcast = method.client.broadcast(self.client_server_state)
-        # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
-        stack = UploadStack(len(sampled) - len(gone), self.global_params)
-        losses: list[tuple[int, int, float]] = []  # (cid, samples, training loss) of the uploads the round counts
-        bytes_up = bytes_down = 0
-        for cid in sampled:
-            received = self.params_for(cid)
-            bytes_down += self.wire_bytes(received) + payload_bytes(broadcast)  # sent, whether or not it reports
-            if cid in gone:  # crashed before reporting: no training, no state change
-                continue
-            update = self._train(cid, rnd, received, broadcast)
-            bytes_up += self.wire_bytes(update.params) + payload_bytes(update.extras)
-            rejected = stack.add(update)
-            if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
-                self._keep_trained(cid, update)
-            if rejected is None or cfg.on_bad_update == "fail":
-                losses.append((cid, update.num_samples, update.metrics.get("train_loss", math.nan)))
-            del update
-        t1 = time.perf_counter()
-        train_loss = self._check_training(rnd, losses)
+        plan = RoundPlan(rnd, sampled, gone, broadcast, UploadStack(len(sampled) - len(gone), self.global_params), t0)
+        plan.bytes_down = sum(self.wire_bytes(self.params_for(cid)) + payload_bytes(broadcast) for cid in sampled)
+        return plan
+
+    def take_upload(self, plan: RoundPlan, update: ClientUpdate) -> None:
+        """Validate one client's upload into the round's buffers (or reject it under ``on_bad_update``)."""
+        cid = update.cid
+        plan.bytes_up += self.wire_bytes(update.params) + payload_bytes(update.extras)
+        rejected = plan.stack.add(update)
+        if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
+            self._keep_trained(cid, update)
+        if rejected is None or self.cfg.on_bad_update == "fail":
+            plan.losses.append((cid, update.num_samples, update.metrics.get("train_loss", math.nan)))
+
+    def close_round(self, plan: RoundPlan) -> RoundResult:
+        """Aggregate the round's uploads with the method's server strategy, evaluate on the cadence, record."""
+        cfg, data, method = self.cfg, self.data, self.method
+        rnd, sampled, gone, stack = plan.rnd, plan.sampled, plan.gone, plan.stack
+        t0, t1 = plan.t0, time.perf_counter()
+        train_loss = self._check_training(rnd, plan.losses)
         if stack.rejected and cfg.on_bad_update == "fail":  # a malformed upload before a non-finite one
             error = min(stack.rejected, key=lambda r: r.nonfinite).error()
             if isinstance(error, NonFiniteUpdateError):  # fedskew trained these clients itself: that is divergence
@@ -268,26 +403,27 @@ class Simulation:
             raise error
 
         record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
-        if cfg.client_dropout > 0 or cfg.on_bad_update == "drop":
+        if cfg.client_dropout > 0 or cfg.on_bad_update == "drop" or plan.failed:
             record["sampled"] = len(sampled)
         if cfg.client_dropout > 0:
             record["dropped_out"] = sorted(gone)
         if cfg.on_bad_update == "drop":
             record["dropped"] = [r.as_record() for r in stack.rejected]
+        if plan.failed:
+            record["failed"] = plan.failed
         rin, out = None, None
         if stack.count:
             rin = stack.round_input(rnd=rnd, trainable=self.trainable, label_hists=data.train_hists[stack.cids])
-            del stack
             self.client_server_state = method.client.server_update(rin, self.client_server_state)
             out, self.server_state = method.server.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)
             self.global_params = out.global_params
             if out.personal:
                 self.personal.update(out.personal)
-        else:  # nobody to aggregate: every model and all server state stay as they are
-            record["skipped_aggregation"] = (
-                "every sampled client dropped out" if len(gone) == len(sampled) else "no valid upload"
-            )
+        elif len(gone) == len(sampled):  # nobody to aggregate: every model and all server state stay as they are
+            record["skipped_aggregation"] = "every sampled client dropped out"
+        else:
+            record["skipped_aggregation"] = "no sampled client replied" if plan.failed else "no valid upload"
         t2 = time.perf_counter()
 
         scores: dict[str, ClientScores] = {}
@@ -302,8 +438,8 @@ class Simulation:
         t4 = time.perf_counter()
         record.update(
             {
-                "bytes_up": bytes_up,
-                "bytes_down": bytes_down,
+                "bytes_up": plan.bytes_up,
+                "bytes_down": plan.bytes_down,
                 "time_train": t1 - t0,
                 "time_aggregate": t2 - t1,
                 "time_eval": t3 - t2,
@@ -318,27 +454,17 @@ class Simulation:
 
     def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> ClientUpdate:
         """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``)."""
-        ctx = LocalContext(
-            cid=cid,
-            round=rnd,
-            model=self.model,
-            received=received,
-            client_state=self.client_states[cid],
-            broadcast=broadcast,
-            settings=self.settings,
-        )
         client = self.data.clients[cid]
-        gen = torch_generator(self.cfg.seed, Purpose.SHUFFLE, cid, rnd)
-        return local_train(self.method.client, ctx, client.x_train, client.y_train, gen, self.method.uploads)
+        state = self.client_states[cid]
+        args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
+        return train_client(*args, client.x_train, client.y_train)
 
     def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the
-        model the ``trained`` view evaluates."""
-        if self.local_names:
-            self.client_states[cid]["local_params"] = {k: update.params[k] for k in self.local_names}
-        if self.method.personalized:
-            own = self.method.client.personal_model(self.client_states[cid])
-            self.trained[cid] = own if own is not None else update.params
+        model the ``trained`` view evaluates (:func:`keep_trained`)."""
+        trained = keep_trained(self.method, self.local_names, self.client_states[cid], update)
+        if trained is not None:
+            self.trained[cid] = trained
 
     def _check_training(self, rnd: int, losses: list[tuple[int, int, float]]) -> float | None:
         """The round's sample-weighted training loss over ``(cid, samples, loss)`` (``None`` when empty);
@@ -407,6 +533,8 @@ class Simulation:
         data, bs = self.data, self.eval_batch
         self.model.load_state_dict(self.global_params)
         rec: dict[str, float] = {}
+        # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
+        rec.update(client_part_views(self.method.client, self.client_server_state, self.model, data, bs))
         if data.domains:  # one pass, per domain; the global numbers pool the domains
             assert data.test_domain is not None
             ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)

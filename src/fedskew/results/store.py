@@ -36,8 +36,12 @@ SUMMARY_KEYS = (
     "trained_acc_worst10",
     "domain_acc_avg",
     "domain_acc_std",
+    # FedProto/FedProc: nearest-prototype accuracy of the global model (engine/evaluate.py client_part_views)
+    "proto_acc",
+    "proto_domain_acc_avg",
+    "proto_domain_acc_std",
 )
-LOWER_IS_BETTER = frozenset({"domain_acc_std"})
+LOWER_IS_BETTER = frozenset({"domain_acc_std", "proto_domain_acc_std"})
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

@@ -1,0 +1,249 @@
+"""Batched clients (fedskew/engine/batched.py) against the sequential loop: speedup and equivalence, in one run.
+
+Workload (issue 15, goal 3): the PFLlib CNN on MNIST-shaped data, PFLlib's split (protocol pfllib, Dir(0.1) over N
+clients, 75% of each client's samples for training), batch 10, lr 0.005, 1 local epoch, FedAvg's local step. MNIST
+is read from --data-dir (default /work/shared/data/mnist or ../shared/data/mnist when present); without it the
+script uses random uint8 28x28 images of MNIST's shape and counts (70,000 samples, 10 classes), which time the same.
+
+Each repetition trains the same clients from the same received model twice, once one after another with
+``Simulation._train`` (the sequential loop) and once with ``train_batched``, alternating which goes first; it prints
+both times, the speedup (median over repetitions), the largest difference between the two paths' uploads, and on a
+GPU the device's utilization during the batched training (``torch.cuda.utilization``, which needs pynvml).
+
+    python benchmarks/batched_clients.py                            # CPU: 10 clients, 3% of their samples
+    python benchmarks/batched_clients.py --clients 100 --fraction 1 # the goal's workload (the default on a GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedskew.config import make_config
+from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.readers import ImageDataset
+from fedskew.engine.batched import batchable, train_batched
+from fedskew.engine.loop import Simulation
+from fedskew.protocol import ClientUpdate
+
+DATA_DIRS = (Path("/work/shared/data/mnist"), Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
+
+
+def random_mnist(seed: int) -> ImageDataset:
+    """Random uint8 images and labels with MNIST's shape and counts (60,000 train, 10,000 test, 1x28x28)."""
+    rng = np.random.default_rng(seed)
+    return ImageDataset(
+        "random-mnist",
+        rng.integers(0, 256, (60_000, 1, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 60_000).astype(np.int64),
+        rng.integers(0, 256, (10_000, 1, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 10_000).astype(np.int64),
+        10,
+    )
+
+
+def shrink_clients(data: FederatedData, fraction: float) -> FederatedData:
+    """Each client's first ``fraction`` of its training samples (at least one): a small CPU workload whose clients
+    keep their unequal sizes (different step counts and last batches)."""
+    clients = []
+    for c in data.clients:
+        n = max(1, round(fraction * c.x_train.shape[0]))
+        clients.append(dataclasses.replace(c, x_train=c.x_train[:n], y_train=c.y_train[:n]))
+    return dataclasses.replace(data, clients=clients)
+
+
+def max_error(a: list[ClientUpdate], b: list[ClientUpdate]) -> float:
+    """The largest absolute difference between two lists of uploads (parameters, buffers and extras)."""
+    err = 0.0
+    for u, v in zip(a, b, strict=True):
+        for k in u.params:
+            err = max(err, (u.params[k].double() - v.params[k].double()).abs().max().item())
+        for k in u.extras:
+            err = max(err, (u.extras[k].double() - v.extras[k].double()).abs().max().item())
+    return err
+
+
+def one_ulp(t: torch.Tensor) -> torch.Tensor:
+    """``t`` moved by one float ulp towards +inf (integer tensors unchanged)."""
+    return torch.nextafter(t, torch.full_like(t, math.inf)) if t.is_floating_point() else t
+
+
+class UtilizationSampler:
+    """``torch.cuda.utilization()`` sampled every 20 ms in a thread while a block runs (GPU only, needs pynvml)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.samples: list[int] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> UtilizationSampler:
+        if self.device.type != "cuda":
+            self.error = "not a GPU run"
+            return self
+        try:
+            torch.cuda.utilization(self.device)
+        except Exception as exc:  # pynvml missing, or NVML not usable
+            self.error = f"unavailable ({type(exc).__name__}: {exc})"
+            return self
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(int(torch.cuda.utilization(self.device)))
+            time.sleep(0.02)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def timed(device: torch.device, fn: Callable[[], list[ClientUpdate]]) -> tuple[float, float, list[ClientUpdate]]:
+    """Wall seconds (the device synchronized), this process's CPU seconds, and ``fn()``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default=None, help="MNIST folder (default: the shared copy when present)")
+    p.add_argument("--clients", type=int, default=100 if cuda else 10)
+    p.add_argument(
+        "--fraction", type=float, default=1.0 if cuda else 0.03, help="share of each client's training samples used"
+    )
+    p.add_argument("--method", default="fedavg", help="a batchable method (fedavg, fedprox, scaffold, ...)")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--batch-size", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.005)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats, after one warm-up")
+    p.add_argument("--max-clients", type=int, default=None, help="train at most this many clients at once")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both paths (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also train sequentially from the received models moved by one float32 ulp: how far float rounding "
+        "alone moves the sequential loop's result (a reference for the equivalence error)",
+    )
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    data_dir = args.data_dir or next((str(d) for d in DATA_DIRS if d.is_dir()), None)
+    cfg = make_config(
+        None,
+        {
+            "dataset": "mnist",
+            "data_dir": data_dir or "unused",
+            "protocol": "pfllib",
+            "partition": "dir",
+            "alpha": 0.1,
+            "clients": args.clients,
+            "model": args.model,
+            "method": args.method,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "local_epochs": args.epochs,
+            "device": args.device,
+            "threads": args.threads,
+            "seed": args.seed,
+            "skew_probes": 0,
+            "db": None,
+        },
+    )
+    data = build_federated(cfg, None if data_dir else random_mnist(args.seed))
+    if not 0 < args.fraction <= 1:
+        raise SystemExit(f"--fraction must be in (0, 1], got {args.fraction}")
+    if args.fraction < 1:
+        data = shrink_clients(data, args.fraction)
+    seq, bat = Simulation(cfg, data), Simulation(cfg, data)
+    reason = batchable(bat.method, bat.model)
+    if reason is not None:
+        raise SystemExit(f"method {args.method!r} falls back to the sequential loop: {reason}")
+    device = torch.device(args.device)
+    sizes = [c.x_train.shape[0] for c in data.clients]
+    steps = [-(-n // min(args.batch_size, n)) * args.epochs for n in sizes]
+    print(
+        f"{'MNIST ' + data_dir if data_dir else 'random MNIST-shaped data'}: {args.clients} clients, "
+        f"{sum(sizes)} training samples (per client {min(sizes)}..{max(sizes)}), model {args.model}, "
+        f"method {args.method}, batch {args.batch_size}, {args.epochs} epoch(s), device {device}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
+
+    cids = list(range(args.clients))
+    rows, errors = [], []
+    for rep in range(args.repeats + 1):  # repeat 0 warms both paths up and is not timed into the medians
+        # the same round for both: same generators, received models and broadcast
+        rnd = rep + 1
+        received = {c: seq.params_for(c) for c in cids}
+        broadcast = seq.method.client.broadcast(seq.client_server_state)
+
+        def sequential(received=received, broadcast=broadcast, rnd=rnd) -> list[ClientUpdate]:
+            return [seq._train(c, rnd, received[c], broadcast) for c in cids]
+
+        def batched(received=received, broadcast=broadcast, rnd=rnd) -> list[ClientUpdate]:
+            return train_batched(bat, rnd, cids, received, broadcast, args.max_clients)
+
+        sampler = UtilizationSampler(device)
+        if rep % 2 == 0:
+            t_seq, c_seq, a = timed(device, sequential)
+            with sampler:
+                t_bat, c_bat, b = timed(device, batched)
+        else:
+            with sampler:
+                t_bat, c_bat, b = timed(device, batched)
+            t_seq, c_seq, a = timed(device, sequential)
+        err = max_error(a, b)
+        above = sum(max_error([u], [v]) > 1e-5 for u, v in zip(a, b, strict=True))
+        floor = ""
+        if args.noise_floor:
+            nudged = {c: {k: one_ulp(v) for k, v in received[c].items()} for c in cids}
+            ref = Simulation(cfg, data)
+            floor = (
+                f" | one-ulp sequential {max_error(a, [ref._train(c, rnd, nudged[c], broadcast) for c in cids]):.2e}"
+            )
+        util = (
+            sampler.error
+            if sampler.error or not sampler.samples
+            else f"mean {statistics.mean(sampler.samples):.0f}%, max {max(sampler.samples)}%"
+        )
+        errors.append(err)
+        if rep:
+            rows.append((t_seq, t_bat, c_seq, c_bat))
+        label = f"repeat {rep}" if rep else "warm-up"
+        print(
+            f"{label}: sequential {t_seq:.3f}s (cpu {c_seq:.3f}s) | batched {t_bat:.3f}s (cpu {c_bat:.3f}s) | "
+            f"speedup {t_seq / t_bat:.2f}x | max |difference| {err:.2e} ({above}/{len(cids)} clients > 1e-5){floor} | "
+            f"GPU utilization (batched) {util}",
+            flush=True,
+        )
+    t_seq, t_bat, c_seq, c_bat = (statistics.median(col) for col in list(zip(*rows, strict=True))[:4])
+    print(f"\nspeedup batched/sequential: {t_seq / t_bat:.2f}x (median; sequential {t_seq:.3f}s, batched {t_bat:.3f}s)")
+    print(f"speedup in this process's CPU time: {c_seq / c_bat:.2f}x (the figure to read on a shared, busy machine)")
+    print(f"max equivalence error: {max(errors):.2e} (every run, warm-up included)")
+
+
+if __name__ == "__main__":
+    main()

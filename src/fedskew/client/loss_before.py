@@ -1,0 +1,102 @@
+"""The client's loss on its own training data at the received model, before local training.
+
+AFL, q-FFL and FedFV weigh or order the clients by this loss (fair_flearn's ``get_loss``, flgo's
+``test(model, 'train')``, MarsFL's ``get_train_loss``: one evaluation pass over the local training set at the global
+model). A server plug-in that needs it returns ``"wrap_client": with_loss_before`` from its build, and
+:func:`fedskew.methods.resolve_method` wraps whatever client part the method has: ``fedprox+qffl``, ``moon+afl``,
+``scaffold+afl``. The wrapper changes nothing of the host's training; it only adds, in ``begin`` (the received model
+is loaded, training has not started), the metrics
+
+* ``loss_before``: the sample-weighted mean cross-entropy over the client's training tensors, the model in eval mode
+  (BatchNorm statistics untouched), and
+* ``lr``: the client's learning rate (q-FFL's Lipschitz estimate ``L = 1/lr``, computed on the clients in the
+  reference code),
+
+which reach the server as ``RoundInput.metrics['loss_before']`` / ``['lr']``. The pass is deterministic (the whole
+training set, no sampling), so it draws nothing from the client's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
+from fedskew.protocol import Params, RoundInput, ServerContext, State
+
+LOSS_BEFORE = "loss_before"
+LEARNING_RATE = "lr"
+EVAL_BATCH = 1024  # samples per forward pass of the loss computation (no effect on the value beyond float rounding)
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = EVAL_BATCH) -> float:
+    """Sample-weighted mean cross-entropy of ``model`` on ``(x, y)`` in eval mode (the mode is restored)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    try:
+        for i in range(0, x.shape[0], batch_size):
+            total += F.cross_entropy(model(x[i : i + batch_size]), y[i : i + batch_size], reduction="sum").double()
+    finally:
+        model.train(was_training)
+    return float(total) / max(x.shape[0], 1)
+
+
+@dataclass
+class LossBefore(LocalAlgorithm):
+    """``inner`` unchanged, plus the loss before training in ``ctx.metrics`` (module docstring). Every hook and
+    attribute is the inner algorithm's (``eval_views`` of a prototype host included)."""
+
+    inner: LocalAlgorithm
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def __getattr__(self, attr: str) -> Any:  # only called for attributes this wrapper does not have
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def begin(self, ctx: LocalContext) -> None:
+        assert ctx.x is not None and ctx.y is not None
+        ctx.metrics[LOSS_BEFORE] = mean_loss(ctx.model, ctx.x, ctx.y)
+        ctx.metrics[LEARNING_RATE] = float(ctx.settings.lr)
+        self.inner.begin(ctx)
+
+    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        return self.inner.loss(ctx, logits, features, y, x)
+
+    def after_backward(self, ctx: LocalContext) -> None:
+        self.inner.after_backward(ctx)
+
+    def after_step(self, ctx: LocalContext) -> None:
+        self.inner.after_step(ctx)
+
+    def end(self, ctx: LocalContext) -> Params:
+        return self.inner.end(ctx)
+
+    def phases(self, ctx: LocalContext) -> list[Phase]:
+        return self.inner.phases(ctx)
+
+    def personal_model(self, client_state: dict[str, Any]) -> Params | None:
+        return self.inner.personal_model(client_state)
+
+    def server_init(self, ctx: ServerContext) -> State:
+        return self.inner.server_init(ctx)
+
+    def broadcast(self, state: State) -> Params:
+        return self.inner.broadcast(state)
+
+    def server_update(self, rin: RoundInput, state: State) -> State:
+        return self.inner.server_update(rin, state)
+
+
+def with_loss_before(algo: LocalAlgorithm) -> LocalAlgorithm:
+    """``algo`` reporting its loss before training (once: wrapping twice adds nothing)."""
+    return algo if isinstance(algo, LossBefore) else LossBefore(algo)

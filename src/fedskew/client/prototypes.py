@@ -1,0 +1,257 @@
+"""Prototype-based hosts: FedProto and FedProc (the prototype hosts of the FedHEAL paper's Table 2).
+
+A *prototype* is the mean body feature (``model.body(x)``, the input of the classifier head) of one class. Both
+methods work the same way around the one training loop:
+
+* the client collects its local prototypes from the features of its **last local epoch**, as both reference codes do
+  (no extra pass: the ``loss`` hook sees the features anyway), and uploads them with the model as extras:
+  :data:`PROTO_MEAN` (``[C, D]``, zeros for a class it has no sample of) and :data:`PROTO_COUNT` (``[C]``, samples
+  behind each mean, so that the server can tell a missing class from a zero feature);
+* the server side of the client part (``server_init`` / ``broadcast`` / ``server_update``, the SCAFFOLD seam) averages
+  them per class over the clients that hold the class (:func:`aggregate_prototypes`) and broadcasts the result
+  (:data:`GLOBAL_PROTOS`, :data:`GLOBAL_PRESENT`); the model itself is aggregated by whatever server step the method
+  has (FedAvg's mean, HEAL's masks and FAEL weights, AFL's weights, ...), so ``fedproto+heal`` is HEAL on the model
+  and FedProto on the prototypes;
+* the local objective uses the global prototypes: FedProto adds ``lam`` times the squared distance of each feature to
+  its class's global prototype; FedProc mixes a prototypical contrastive loss with cross-entropy under a curriculum.
+
+Evaluation (:meth:`PrototypeLearning.eval_views`, called by the engine through
+:func:`fedskew.engine.evaluate.client_part_views`) adds the view ``proto``: the global model's features classified by
+the nearest global prototype, as the FedProto paper evaluates (``proto_acc``, and per domain under domain skew).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.protocol import Params, RoundInput, ServerContext, State
+
+PROTO_MEAN = "proto/mean"  # upload: [C, D] the client's mean feature per class (0 where it has no sample)
+PROTO_COUNT = "proto/count"  # upload: [C] the number of features behind each mean
+GLOBAL_PROTOS = "proto/global"  # broadcast: [C, D] the global prototypes
+GLOBAL_PRESENT = "proto/present"  # broadcast: [C] bool, which classes have a global prototype
+EVAL_VIEW = "proto"  # the evaluation view's record prefix: proto_acc, proto_loss, proto_domain_acc_avg, ...
+
+Average = Literal["clients", "samples"]
+
+
+def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Per-class sums of ``features`` (``[B, D]``) in float64 and the per-class counts (``[C]`` float64)."""
+    sums = torch.zeros((num_classes, features.shape[1]), dtype=torch.float64, device=features.device)
+    sums.index_add_(0, labels, features.detach().to(torch.float64))
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+    return sums, counts
+
+
+def aggregate_prototypes(means: Tensor, counts: Tensor, average: Average = "clients") -> tuple[Tensor, Tensor]:
+    """Global prototypes from the clients' per-class means (``[K, C, D]``) and counts (``[K, C]``).
+
+    ``average='clients'`` (both reference codes): the plain mean, per class, over the clients that have the class;
+    ``'samples'``: weighted by each client's count of the class. A client without a class (count 0) never enters
+    that class's average. Returns ``(protos [C, D] float64, present [C] bool)``; a class no client has is 0 and
+    not present."""
+    counts = counts.to(torch.float64)
+    w = (counts > 0).to(torch.float64) if average == "clients" else counts
+    total = w.sum(0)
+    present = total > 0
+    sums = torch.einsum("kc,kcd->cd", w, means.to(torch.float64))
+    protos = sums / torch.where(present, total, torch.ones_like(total)).unsqueeze(1)
+    return protos, present
+
+
+@dataclass
+class PrototypeLearning(LocalAlgorithm):
+    """What FedProto and FedProc share: last-epoch prototype collection, the per-class server average, the
+    nearest-prototype evaluation. Subclasses define the local objective (:meth:`loss`) and :meth:`_eval_scores`."""
+
+    average: Average = "clients"
+    name: str = "prototypes"
+
+    # ---- client side ------------------------------------------------------------------------------------------
+    def begin(self, ctx: LocalContext) -> None:
+        assert ctx.x is not None
+        s = ctx.settings
+        n = ctx.x.shape[0]
+        bs = min(s.batch_size, n)
+        per_epoch = n // bs if s.drop_last else math.ceil(n / bs)
+        epochs = sum(p.epochs for p in self.phases(ctx))
+        ctx.scratch["proto_collect_from"] = (epochs - 1) * per_epoch  # the first step of the last epoch
+        ctx.scratch["proto_sums"] = None
+        ctx.scratch["proto_counts"] = None
+        protos = ctx.broadcast.get(GLOBAL_PROTOS)
+        present = ctx.broadcast.get(GLOBAL_PRESENT)
+        if protos is None or present is None or not bool(present.any()):
+            ctx.scratch["protos"] = None
+        else:
+            ctx.scratch["protos"] = (protos.to(ctx.x.device, torch.float32), present.to(ctx.x.device))
+
+    def collect(self, ctx: LocalContext, features: Tensor, y: Tensor, num_classes: int) -> None:
+        """Add this batch's features to the local prototypes when it belongs to the last local epoch."""
+        if ctx.steps < ctx.scratch["proto_collect_from"]:
+            return
+        sums, counts = class_sums(features, y, num_classes)
+        if ctx.scratch["proto_sums"] is None:
+            ctx.scratch["proto_sums"], ctx.scratch["proto_counts"] = sums, counts
+        else:
+            ctx.scratch["proto_sums"] += sums
+            ctx.scratch["proto_counts"] += counts
+
+    def end(self, ctx: LocalContext) -> Params:
+        sums, counts = ctx.scratch["proto_sums"], ctx.scratch["proto_counts"]
+        if sums is None:  # no step in the last epoch (cannot happen with epochs >= 1; keeps the upload's shape)
+            assert ctx.x is not None
+            with torch.no_grad():
+                out = ctx.model(ctx.x[:1])
+                dim = ctx.model.body(ctx.x[:1]).shape[1]
+            sums = torch.zeros((out.shape[1], dim), dtype=torch.float64, device=ctx.x.device)
+            counts = torch.zeros(out.shape[1], dtype=torch.float64, device=ctx.x.device)
+        means = sums / torch.where(counts > 0, counts, torch.ones_like(counts)).unsqueeze(1)
+        return {PROTO_MEAN: means.to(torch.float32), PROTO_COUNT: counts.to(torch.float32)}
+
+    # ---- server side ------------------------------------------------------------------------------------------
+    def server_init(self, ctx: ServerContext) -> State:
+        # the feature width is learned from the first uploads; until then nothing is broadcast
+        return {"protos": None, "present": torch.zeros(ctx.num_classes, dtype=torch.bool)}
+
+    def broadcast(self, state: State) -> Params:
+        if state["protos"] is None:
+            return {}
+        return {GLOBAL_PROTOS: state["protos"], GLOBAL_PRESENT: state["present"]}
+
+    def server_update(self, rin: RoundInput, state: State) -> State:
+        """The round's per-class average; a class none of this round's participants has keeps its previous
+        prototype (under full participation no class is ever in that case)."""
+        protos, present = aggregate_prototypes(rin.extras[PROTO_MEAN], rin.extras[PROTO_COUNT], self.average)
+        protos = protos.to(torch.float32).cpu()
+        present = present.cpu()
+        old = state["protos"]
+        if old is not None:
+            protos = torch.where(present.unsqueeze(1), protos, old)
+        return {"protos": protos, "present": present | state["present"]}
+
+    # ---- evaluation -------------------------------------------------------------------------------------------
+    def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+        """Per sample: the prediction from the prototypes and the loss the view reports."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def eval_views(
+        self, model: nn.Module, state: State, x: Tensor, y: Tensor, owner: Tensor, num_owners: int, batch_size: int
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """The ``proto`` view of the model in ``model``: per owner (domain, or one for the global test set), the
+        number of samples whose nearest global prototype is their class, and the summed per-sample loss."""
+        if state is None or state["protos"] is None:
+            return {}
+        protos, present = state["protos"].to(x.device), state["present"].to(x.device)
+        was_training = model.training
+        model.eval()
+        correct = torch.zeros(num_owners, dtype=torch.float64, device=x.device)
+        loss_sum = torch.zeros(num_owners, dtype=torch.float64, device=x.device)
+        try:
+            for i in range(0, x.shape[0], batch_size):
+                xb, yb, ob = x[i : i + batch_size], y[i : i + batch_size], owner[i : i + batch_size]
+                pred, loss = self._eval_scores(model.body(xb), yb, protos, present)
+                correct.index_add_(0, ob, (pred == yb).double())
+                loss_sum.index_add_(0, ob, loss.double())
+        finally:
+            model.train(was_training)
+        return {EVAL_VIEW: (correct, loss_sum)}
+
+
+def squared_distances(features: Tensor, protos: Tensor) -> Tensor:
+    """``[B, C]``: mean over the feature dimension of ``(f_b - c_j)²`` (the reference's ``nn.MSELoss`` per pair)."""
+    return (features.unsqueeze(1) - protos.unsqueeze(0)).pow(2).mean(2)
+
+
+@dataclass
+class FedProto(PrototypeLearning):
+    """FedProto (Tan et al., AAAI 2022): cross-entropy + ``lam`` · MSE between each feature and its class's global
+    prototype.
+
+    The regularizer is the reference's ``nn.MSELoss()(f_new, f)``, where row ``i`` of ``f_new`` is the global
+    prototype of sample ``i``'s class, or the feature itself (a zero term) when that class has no global prototype:
+    ``(1/(B·D)) Σ_{i: y_i present} ‖f_i − c_{y_i}‖²``. Without any global prototype (the first round) the loss is plain
+    cross-entropy. Default ``lam = 1`` (official code's ``--ld``; MarsFL, the FedHEAL authors' framework, uses 2).
+    Evaluation by the nearest prototype in that distance (the reference's ``test_inference_new_het_lt``).
+    """
+
+    lam: float = 1.0
+    name: str = "fedproto"
+
+    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        ce = F.cross_entropy(logits, y)
+        self.collect(ctx, features, y, logits.shape[1])
+        if ctx.scratch["protos"] is None or self.lam == 0:
+            return ce
+        protos, present = ctx.scratch["protos"]
+        has = present[y].unsqueeze(1)
+        target = torch.where(has, protos[y], features.detach())
+        return ce + self.lam * F.mse_loss(features, target)
+
+    def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+        dist = squared_distances(features.float(), protos.float())
+        pred = dist.masked_fill(~present.unsqueeze(0), math.inf).argmin(1)
+        own = dist.gather(1, y.unsqueeze(1)).squeeze(1)
+        return pred, torch.where(present[y], own, torch.zeros_like(own))
+
+
+def prototypical_contrastive(
+    features: Tensor, y: Tensor, protos: Tensor, present: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """FedProc's per-sample loss ``−log( e^{cos(z, c_y)/T} / Σ_{j present} e^{cos(z, c_j)/T} )`` (``[B]``): the
+    positive is the sample's class prototype, the negatives every other class's; 0 for a sample whose class has no
+    global prototype."""
+    idx = present.nonzero().squeeze(1)
+    sims = F.cosine_similarity(features.unsqueeze(1), protos[idx].unsqueeze(0), dim=2) / temperature  # [B, |P|]
+    position = torch.full((protos.shape[0],), -1, dtype=torch.long, device=features.device)
+    position[idx] = torch.arange(idx.numel(), device=features.device)
+    pos = position[y]
+    has = pos >= 0
+    positive = sims.gather(1, pos.clamp(min=0).unsqueeze(1)).squeeze(1)
+    per_sample = torch.logsumexp(sims, dim=1) - positive
+    return torch.where(has, per_sample, torch.zeros_like(per_sample))
+
+
+@dataclass
+class FedProc(PrototypeLearning):
+    """FedProc (Mu et al., FGCS 2023 / arXiv 2109.12273): ``α · L_pc + (1 − α) · CE`` with the curriculum
+    ``α = 1 − (t − 1)/(T − 1)`` over rounds ``t = 1..T`` (from the contrastive loss to cross-entropy; MarsFL's
+    ``1 − epoch_index/(communication_epoch − 1)``), where ``L_pc`` is the batch mean of
+    :func:`prototypical_contrastive` (samples whose class has no global prototype count 0, as MarsFL divides by the
+    batch size). ``curriculum_rounds`` is T (the client does not know the run's length: set it to ``--rounds``;
+    default 200, the FedHEAL protocol); past T, α stays 0. Without any global prototype (the first round) the loss is
+    plain cross-entropy (MarsFL's would be ``(1 − α)·CE = 0`` in round 1, a round without training). Default
+    temperature 1 (MarsFL's plain cosine). Evaluation by the prototype of highest cosine similarity.
+    """
+
+    curriculum_rounds: int = 200
+    temperature: float = 1.0
+    name: str = "fedproc"
+
+    def alpha(self, rnd: int) -> float:
+        """The curriculum weight of the contrastive term in round ``rnd`` (1-based)."""
+        if self.curriculum_rounds <= 1:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - (rnd - 1) / (self.curriculum_rounds - 1)))
+
+    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        ce = F.cross_entropy(logits, y)
+        self.collect(ctx, features, y, logits.shape[1])
+        if ctx.scratch["protos"] is None:
+            return ce
+        protos, present = ctx.scratch["protos"]
+        a = self.alpha(ctx.round)
+        contrast = prototypical_contrastive(features, y, protos, present, self.temperature).mean()
+        return a * contrast + (1.0 - a) * ce
+
+    def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
+        sims = F.cosine_similarity(features.float().unsqueeze(1), protos.float().unsqueeze(0), dim=2)
+        pred = sims.masked_fill(~present.unsqueeze(0), -math.inf).argmax(1)
+        return pred, prototypical_contrastive(features.float(), y, protos.float(), present, self.temperature)

@@ -1,0 +1,414 @@
+"""Batched clients: many clients' local training at once on one device, exactly as the sequential loop trains them.
+
+The sequential path (:func:`fedskew.client.local.local_train`, one client after another on one reusable model) pays
+the per-step overhead of a small batch once per client and step; on a GPU a step of one client at batch 10 leaves the
+device almost idle. Here every client of the round gets a row of stacked parameters ``[K, D]`` and one step of all of
+them is one call of ``vmap(grad(loss))`` over ``torch.func.functional_call`` of the one model.
+
+What makes it the sequential path's training, not an approximation of it:
+
+* **the same batches**: client ``c`` draws its per-epoch permutations from its own generator
+  ``torch_generator(seed, SHUFFLE, c, round)``, in epoch order, exactly the draws ``local_train`` makes, and its
+  batches are the same slices of them (``bs = min(batch_size, n)``, ``drop_last`` as configured);
+* **no padding**: at every step the clients still training are *bucketed by their current batch size* (full batches,
+  a smaller last batch, a client with ``n < batch_size``); each bucket is its own vmapped call, so the cross-entropy
+  mean and every BatchNorm statistic are computed over exactly the client's real samples, and a client that has
+  finished its steps simply stops being in a bucket;
+* **the same model function**: ``head(body(x))`` with the client's parameters and buffers; BatchNorm running
+  statistics and ``num_batches_tracked`` update per client inside the call, as in the module's own forward;
+* **the same optimizer**: ``torch.optim.SGD``'s update written on the stacked rows (weight decay added to the
+  gradient, momentum buffer ``buf = g`` on the first step, then ``buf·β + g``, ``p −= lr·buf``);
+* **the same hooks**: ``begin`` and ``end`` of the client part run per client on a real :class:`LocalContext`
+  (SCAFFOLD's ``c_i`` and control deltas come from its own ``end``); only the per-step hooks are written batched, for
+  the client parts listed in :data:`BATCHED_STEPS` (FedProx's proximal term, SCAFFOLD's shift after the step).
+
+Anything else (other hooks, several phases, a personal model, per-client uploads, a randomized model) is refused by
+:func:`batchable` with the reason, and the engine trains such a method sequentially.
+
+Float rounding differs (a vmapped convolution or linear layer sums in another order than the module's kernel, about
+1e-8 per gradient), so models usually agree to 1e-7 after a round (tests/test_batched_clients.py checks 1e-5). Local
+SGD can amplify that rounding: where a pre-activation sits within rounding distance of a ReLU's zero, one ulp decides
+the branch. The sequential loop started from its input moved by one ulp differs from itself by as much
+(docs/_fragments/batched.md, ``benchmarks/batched_clients.py --noise-floor``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from fedskew.client.algorithms import FedProx, Scaffold
+from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
+from fedskew.client.loss_before import LossBefore
+from fedskew.protocol import ClientUpdate, Params
+from fedskew.seeding import Purpose, torch_generator
+
+if TYPE_CHECKING:  # annotations only: engine.loop must not depend on this module
+    from fedskew.engine.loop import RoundResult, Simulation
+    from fedskew.methods import Method
+
+HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
+
+
+@dataclass(frozen=True)
+class BatchedStep:
+    """How one client part's per-step hooks are computed on stacked clients.
+
+    ``prox_mu``: the weight of FedProx's proximal term ``(mu/2)·Σ‖w − w_received‖²`` added to the cross-entropy
+    (0: none). ``shift``: from the client's context after ``begin``, the tensors added to its trainable parameters
+    after every optimizer step and their scale (SCAFFOLD: ``c − c_i`` and ``−lr``), or ``None``."""
+
+    prox_mu: Callable[[LocalAlgorithm], float]
+    shift: Callable[[LocalContext], tuple[list[Tensor], float]] | None = None
+
+
+def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
+    # what Scaffold.begin prepared for its after_step: (the model's parameters, c − c_i per parameter, −lr)
+    _, corr, alpha = ctx.scratch["scaffold_shift"]
+    return list(corr), float(alpha)
+
+
+# the client parts whose local step is batched (exact types: a subclass may override any hook)
+BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
+    LocalAlgorithm: BatchedStep(prox_mu=lambda algo: 0.0),
+    FedProx: BatchedStep(prox_mu=lambda algo: float(algo.mu)),  # type: ignore[attr-defined]
+    Scaffold: BatchedStep(prox_mu=lambda algo: 0.0, shift=_scaffold_shift),
+}
+
+# wrappers that add work in ``begin`` only (on the received model, before training) and hand every other hook to the
+# client part they wrap: the loss before training that AFL, q-FFL and FedFV read
+WRAPPERS: tuple[type[LocalAlgorithm], ...] = (LossBefore,)
+
+
+def _unwrapped(algo: LocalAlgorithm) -> LocalAlgorithm:
+    """The client part whose local step runs: ``algo``, or the one a :data:`WRAPPERS` wrapper hands its hooks to."""
+    while type(algo) in WRAPPERS:
+        algo = algo.inner  # type: ignore[attr-defined]
+    return algo
+
+
+_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def batchable(method: Method, model: nn.Module | None = None) -> str | None:
+    """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
+
+    Batched: the plain local SGD client (``fedavg``), ``fedprox`` and ``scaffold``, with any server plug-in that only
+    aggregates (disco, heal, fedsa, ...) or keeps state-dict groups on the clients (fedper, fedbn, local), since those
+    change only what each client receives, or that wrap the client part in :data:`WRAPPERS` (the loss before training
+    that AFL, q-FFL and FedFV read). Refused, with the reason: any other client part (its hooks run per step of the
+    sequential loop: MOON's contrastive loss, FedRep's and Ditto's phases, FedDyn's gradient correction, a personal
+    model), per-client uploads computed after training (FedCAC's masks), a model with random layers (dropout) or a
+    cumulative-average BatchNorm (``momentum=None``)."""
+    algo = _unwrapped(method.client)
+    if type(algo) not in BATCHED_STEPS:
+        hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
+        known = ", ".join(sorted(a.__name__ for a in BATCHED_STEPS))
+        detail = f" and overrides {', '.join(hooks)}" if hooks else ""
+        return f"its client part {algo.name!r} is {type(algo).__name__}{detail}; only {known} have a batched local step"
+    if method.uploads:
+        kinds = ", ".join(type(u).__name__ for u in method.uploads)
+        return f"its clients upload tensors computed per client after training ({kinds})"
+    if model is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, _RANDOM_LAYERS):
+                return f"the model has a random layer ({name}: {type(module).__name__}); batched draws would differ"
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+                return f"the model's BatchNorm {name} uses a cumulative average (momentum=None)"
+        if not (hasattr(model, "body") and hasattr(model, "head")):
+            return "the model has no body/head split"
+    return None
+
+
+@dataclass
+class _Schedule:
+    """Every client's batches: global row indices into the round's concatenated training tensors."""
+
+    order: np.ndarray  # all clients' epoch permutations, offset to global rows, concatenated
+    base: np.ndarray  # [K] where client k's permutations start in ``order``
+    n: np.ndarray  # [K] training samples
+    bs: np.ndarray  # [K] batch size min(batch_size, n)
+    nb: np.ndarray  # [K] batches per epoch
+    steps: np.ndarray  # [K] epochs · batches per epoch
+
+    def at(self, t: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Step ``t``'s buckets: ``(batch size, client rows, [rows, size] sample indices)`` per distinct size."""
+        active = np.nonzero(t < self.steps)[0]
+        if active.size == 0:
+            return []
+        nb, bs, n = self.nb[active], self.bs[active], self.n[active]
+        e, b = t // nb, t % nb
+        size = np.minimum(bs, n - b * bs)
+        start = self.base[active] + e * n + b * bs
+        out = []
+        for s in np.unique(size):
+            sel = size == s
+            out.append((int(s), active[sel], self.order[start[sel][:, None] + np.arange(s)]))
+        return out
+
+
+def _schedule(
+    ns: Sequence[int], offsets: Sequence[int], settings: TrainSettings, generators: Sequence[torch.Generator]
+) -> _Schedule:
+    """The clients' batch orders: ``settings.epochs`` permutations per client drawn from its generator in epoch
+    order, as ``local_train`` draws them, with the same batch size and count."""
+    n = np.asarray(ns, dtype=np.int64)
+    if (n < 1).any():
+        raise ValueError(f"every client needs at least one training sample, got sizes {n.tolist()}")
+    bs = np.minimum(settings.batch_size, n)
+    nb = n // bs if settings.drop_last else -(-n // bs)
+    parts = []
+    for n_k, off, gen in zip(ns, offsets, generators, strict=True):
+        for _ in range(settings.epochs):
+            parts.append(torch.randperm(n_k, generator=gen).numpy() + off)
+    order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(n[:-1] * settings.epochs)]).astype(np.int64)
+    return _Schedule(order, base, n, bs, nb, nb * settings.epochs)
+
+
+class _Flat:
+    """The trainable parameters of K clients as one ``[K, D]`` tensor, and named views into any rows of it."""
+
+    def __init__(self, names: list[str], shapes: list[torch.Size]) -> None:
+        self.names = names
+        self.shapes = shapes
+        self.sizes = [math.prod(s) for s in shapes]
+
+    def stack(self, rows: Sequence[Sequence[Tensor]]) -> Tensor:
+        """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``."""
+        return torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows])
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        parts = flat.split(self.sizes, dim=-1)
+        return {n: p.view(*flat.shape[:-1], *s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
+
+
+def _step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
+    """``vmap(grad(loss))`` of one client's step: cross-entropy of ``head(body(x))`` (+ FedProx's proximal term),
+    returning the gradient, the loss and the buffers after the forward pass (BatchNorm running statistics)."""
+    body_prefix, head_prefix = "body.", "head."
+
+    def client_loss(
+        params: dict[str, Tensor], buffers: dict[str, Tensor], anchor: dict[str, Tensor], x: Tensor, y: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
+        state = {**params, **{k: v.clone() for k, v in buffers.items()}}  # the forward updates its own copies
+        body = {k[len(body_prefix) :]: v for k, v in state.items() if k.startswith(body_prefix)}
+        head = {k[len(head_prefix) :]: v for k, v in state.items() if k.startswith(head_prefix)}
+        feats = functional_call(model.body, body, (x,))
+        logits = functional_call(model.head, head, (feats,))
+        loss = F.cross_entropy(logits, y)
+        if mu != 0:  # FedProx.loss: ce + proximal(ctx, ctx.received, mu), over the trained parameters
+            loss = loss + 0.5 * mu * torch.stack([((params[n] - anchor[n]) ** 2).sum() for n in names]).sum()
+        new_buffers = {k: state[k] for k in buffers}
+        return loss, (loss.detach(), new_buffers)
+
+    return vmap(grad(client_loss, has_aux=True))
+
+
+def train_batched(
+    sim: Simulation,
+    rnd: int,
+    cids: Sequence[int],
+    received: dict[int, Params],
+    broadcast: Params,
+    max_clients: int | None = None,
+) -> list[ClientUpdate]:
+    """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
+    order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
+
+    ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
+    Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
+    """
+    reason = batchable(sim.method, sim.model)
+    if reason is not None:
+        raise ValueError(f"method {sim.method.name!r} cannot be trained with batched clients: {reason}")
+    if max_clients is not None and max_clients < 1:
+        raise ValueError(f"max_clients must be >= 1, got {max_clients}")
+    group = max_clients or max(len(cids), 1)
+    updates: list[ClientUpdate] = []
+    for i in range(0, len(cids), group):
+        chunk = list(cids[i : i + group])
+        updates += _train_group(sim, rnd, chunk, received, broadcast)
+    return updates
+
+
+@dataclass
+class _Stack:
+    """The per-client tensors of the clients still training, one row each; ``live[r]`` is row r's client (its
+    position in the group). Clients that have taken all their steps are retired (their rows kept in ``done``), so
+    the steps where every live client shares a batch size, most of them, update the stack in place."""
+
+    live: np.ndarray
+    params: Tensor  # [R, D] trainable parameters
+    extra: dict[str, Tensor]  # [R, ...] buffers (BatchNorm statistics) and frozen parameters
+    loss: Tensor  # [R] float64 sum of batch loss x batch size, as local_train sums it
+    buf: Tensor | None = None  # [R, D] SGD momentum buffers
+    anchor: Tensor | None = None  # [R, D] received parameters (FedProx's proximal term)
+    shift: Tensor | None = None  # [R, D] SCAFFOLD's c - c_i
+    done: dict[int, tuple[Tensor, dict[str, Tensor], float]] = field(default_factory=dict)
+
+    _ROWS = ("params", "loss", "buf", "anchor", "shift")
+
+    def retire(self, active: np.ndarray) -> None:
+        """Keep only the rows of the clients in ``active`` (sorted); the others' final rows go to ``done``."""
+        keep = np.isin(self.live, active)
+        if keep.all():
+            return
+        for r in np.nonzero(~keep)[0]:
+            row = {k: v[r].clone() for k, v in self.extra.items()}
+            self.done[int(self.live[r])] = (self.params[r].clone(), row, float(self.loss[r]))
+        sel = torch.from_numpy(np.nonzero(keep)[0]).to(self.params.device)
+        for name in self._ROWS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[sel])
+        self.extra = {k: v[sel] for k, v in self.extra.items()}
+        self.live = self.live[keep]
+
+
+def _train_group(
+    sim: Simulation, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
+) -> list[ClientUpdate]:
+    method, model, s = sim.method, sim.model, sim.settings
+    algo = method.client
+    inner = _unwrapped(algo)
+    rule = BATCHED_STEPS[type(inner)]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, _ in named]
+    flat = _Flat(names, [p.shape for _, p in named])
+    order = list(model.state_dict())
+    others = [k for k in order if k not in set(names)]  # buffers and frozen parameters, carried per client
+    mutable = {n for n, _ in model.named_buffers()}
+
+    # begin: per client, on a real context and the received model in training mode, as local_train calls it
+    # (SCAFFOLD initializes c_i and prepares its shift; the loss-before wrapper scores the received model)
+    contexts = []
+    for cid in cids:
+        model.load_state_dict(received[cid])
+        model.train()
+        client = sim.data.clients[cid]
+        ctx = LocalContext(
+            cid=cid,
+            round=rnd,
+            model=model,
+            received=received[cid],
+            client_state=sim.client_states[cid],
+            broadcast=broadcast,
+            settings=s,
+            x=client.x_train,
+            y=client.y_train,
+            generator=torch_generator(sim.cfg.seed, Purpose.SHUFFLE, cid, rnd),
+        )
+        algo.begin(ctx)
+        contexts.append(ctx)
+
+    xs = [sim.data.clients[c].x_train for c in cids]
+    ys = [sim.data.clients[c].y_train for c in cids]
+    ns = [x.shape[0] for x in xs]
+    offsets = np.concatenate([[0], np.cumsum(ns[:-1])]).astype(np.int64).tolist()
+    sched = _schedule(ns, offsets, s, [ctx.generator for ctx in contexts])  # type: ignore[misc]
+    x_all, y_all = torch.cat(xs), torch.cat(ys)
+    device = x_all.device
+    mu = rule.prox_mu(inner)
+
+    with torch.no_grad():
+        params = flat.stack([[received[c][n] for n in names] for c in cids]).to(device)
+        extra = {k: torch.stack([received[c][k] for c in cids]).to(device) for k in others}
+        stack = _Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
+        stack.buf = torch.zeros_like(params) if s.momentum != 0 else None
+        stack.anchor = params.clone() if mu != 0 else None
+        alpha = 0.0
+        if rule.shift is not None:
+            shifts = [rule.shift(ctx) for ctx in contexts]
+            stack.shift = flat.stack([corr for corr, _ in shifts]).to(device)
+            alpha = shifts[0][1]
+    step = _step_function(model, names, mu)
+
+    for t in range(int(sched.steps.max(initial=0))):
+        buckets = sched.at(t)
+        stack.retire(np.sort(np.concatenate([rows for _, rows, _ in buckets])))
+        for size, rows, idx in buckets:
+            whole = rows.size == stack.live.size
+            pos = None if whole else torch.from_numpy(np.searchsorted(stack.live, rows)).to(device)
+
+            def take(v: Tensor, pos: Tensor | None = pos) -> Tensor:
+                return v if pos is None else v[pos]
+
+            p_rows = take(stack.params)
+            e_rows = {k: take(v) for k, v in stack.extra.items()}
+            fixed = {k: v for k, v in e_rows.items() if k not in mutable}
+            bufs = {k: v for k, v in e_rows.items() if k in mutable}
+            anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
+            sample = torch.from_numpy(idx).to(device)
+            grads, (loss, new_bufs) = step({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
+            with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
+                p_list = list(flat.views(p_rows).values())
+                g = [grads[n] for n in names]
+                if s.weight_decay != 0:
+                    g = torch._foreach_add(g, p_list, alpha=s.weight_decay)
+                if stack.buf is not None:  # buf = g on a client's first step (step 0 for all), then buf·β + g
+                    b_rows = take(stack.buf)
+                    b_list = list(flat.views(b_rows).values())
+                    if t == 0:
+                        torch._foreach_copy_(b_list, g)
+                    else:
+                        torch._foreach_mul_(b_list, s.momentum)
+                        torch._foreach_add_(b_list, g, alpha=1.0)
+                    if pos is not None:
+                        stack.buf.index_copy_(0, pos, b_rows)
+                    g = b_list
+                torch._foreach_add_(p_list, g, alpha=-s.lr)
+                if stack.shift is not None:  # SCAFFOLD's after_step: w += −lr·(c − c_i), outside the optimizer
+                    p_rows.add_(take(stack.shift), alpha=alpha)
+                batch_loss = (loss * size).double()  # local_train: loss_sum += loss · batch size (float64)
+                if pos is None:
+                    stack.loss.add_(batch_loss)
+                    stack.extra.update(new_bufs)
+                else:
+                    stack.params.index_copy_(0, pos, p_rows)
+                    stack.loss.index_add_(0, pos, batch_loss)
+                    for k, v in new_bufs.items():
+                        stack.extra[k] = stack.extra[k].index_copy(0, pos, v)
+    stack.retire(np.zeros(0, dtype=np.int64))
+
+    updates = []
+    seen = (sched.nb * sched.bs if s.drop_last else sched.n) * s.epochs  # samples per client over all steps
+    override_end = type(algo).end is not LocalAlgorithm.end
+    for k, (cid, ctx) in enumerate(zip(cids, contexts, strict=True)):
+        row, rest, loss_sum = stack.done[k]
+        mine = flat.views(row)
+        trained = {key: (mine[key] if key in mine else rest[key]) for key in order}
+        ctx.steps = int(sched.steps[k])
+        extras: Params = {}
+        if override_end:  # the client part's own end on the trained model (SCAFFOLD: c_i⁺ and Δc_i)
+            model.load_state_dict(trained)
+            extras = algo.end(ctx)
+        updates.append(
+            ClientUpdate(
+                cid=cid,
+                params=trained,
+                num_samples=ns[k],
+                extras=extras,
+                metrics={**ctx.metrics, "train_loss": loss_sum / max(int(seen[k]), 1), "steps": float(ctx.steps)},
+            )
+        )
+    return updates
+
+
+def round_batched(sim: Simulation, rnd: int, max_clients: int | None = None) -> RoundResult:
+    """``sim.round(rnd)`` with the reporting clients trained by :func:`train_batched`: the same sampling, drop-outs,
+    received models (personal, local entries overlaid), upload checks, aggregation, evaluation and record."""
+    plan = sim.open_round(rnd)
+    cids = [c for c in plan.sampled if c not in plan.gone]
+    received = {c: sim.params_for(c) for c in cids}
+    for update in train_batched(sim, rnd, cids, received, plan.broadcast, max_clients):
+        sim.take_upload(plan, update)
+    return sim.close_round(plan)

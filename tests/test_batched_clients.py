@@ -1,0 +1,225 @@
+"""Batched clients (engine/batched.py) against the sequential loop: the same uploads, client states and rounds.
+
+Each case runs two identical simulations side by side, one training its clients with ``Simulation._train`` (the one
+sequential loop), the other with ``train_batched``; both go through the same open/take/close round machinery, so a
+second round starts from the aggregated models (SCAFFOLD's c and c_i non-zero, FedPer's heads differing per client).
+The tolerance is 1e-5 on every tensor; ``test_the_comparison_sees_a_different_batch_order`` shows it is tight enough
+to catch a wrong batch order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import digits_simulation
+
+from fedskew.engine.batched import batchable, round_batched, train_batched
+from fedskew.methods import resolve_method
+from fedskew.models import build_model
+
+TOL = 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    if a.is_floating_point():
+        err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        assert err <= TOL, f"{what}: max difference {err:.3g}"
+    else:  # num_batches_tracked: exactly the same count
+        assert torch.equal(a, b), what
+
+
+def _same_updates(seq, bat) -> None:
+    assert [u.cid for u in seq] == [u.cid for u in bat]
+    for u, v in zip(seq, bat, strict=True):
+        assert u.num_samples == v.num_samples
+        assert list(u.params) == list(v.params)  # state-dict order kept
+        for k in u.params:
+            _close(u.params[k], v.params[k], f"client {u.cid} {k}")
+        assert sorted(u.extras) == sorted(v.extras)
+        for k in u.extras:
+            _close(u.extras[k], v.extras[k], f"client {u.cid} extra {k}")
+        assert sorted(u.metrics) == sorted(v.metrics)
+        assert u.metrics["steps"] == v.metrics["steps"]
+        for k in u.metrics:
+            assert abs(u.metrics[k] - v.metrics[k]) <= TOL, (u.cid, k, u.metrics[k], v.metrics[k])
+
+
+def _same_states(a, b) -> None:
+    assert sorted(a) == sorted(b)
+    for cid in a:
+        assert sorted(a[cid]) == sorted(b[cid])
+        for key, value in a[cid].items():
+            if isinstance(value, dict):
+                for k in value:
+                    _close(value[k], b[cid][key][k], f"client {cid} state {key}/{k}")
+
+
+def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, **over):
+    """Rounds of the sequential and the batched simulation; per round (received, sequential, batched uploads)."""
+    seq, bat = digits_simulation(method, args, rounds=rounds, **over), digits_simulation(method, args, rounds, **over)
+    out = []
+    for rnd in range(1, rounds + 1):
+        plans = [sim.open_round(rnd) for sim in (seq, bat)]
+        cids = [c for c in plans[0].sampled if c not in plans[0].gone]
+        received = [{c: sim.params_for(c) for c in cids} for sim in (seq, bat)]
+        ups_seq = [seq._train(c, rnd, received[0][c], plans[0].broadcast) for c in cids]
+        ups_bat = train_batched(bat, rnd, cids, received[1], plans[1].broadcast)
+        for sim, plan, ups in ((seq, plans[0], ups_seq), (bat, plans[1], ups_bat)):
+            for u in ups:
+                sim.take_upload(plan, u)
+            sim.close_round(plan)
+        out.append((received[0], plans[0].broadcast, ups_seq, ups_bat))
+    return seq, bat, out
+
+
+BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "over"),
+    [
+        ("fedavg", None, {}),
+        ("fedprox", {"mu": 0.1}, {}),
+        ("scaffold", None, {"momentum": 0.5}),
+        ("fedavg+fedper", None, {}),
+        ("fedavg", None, BN),
+        ("fedavg", None, {**BN, "drop_last": True, "batch_size": 24}),
+        ("fedprox+fedbn", {"mu": 0.01}, {**BN, "batch_size": 200}),  # a client with n < batch_size: one batch of n
+        ("scaffold", None, {**BN, "batch_size": 32, "local_epochs": 2}),  # last batches mid-training
+        ("fedavg+amp", None, {}),  # a personalized server: each client is sent its own model
+        ("fedprox+qffl", None, {}),  # the loss-before wrapper: begin on the received model, metrics reported
+    ],
+)
+def test_batched_matches_sequential(one_thread, method, args, over):
+    seq, bat, rounds = _side_by_side(method, args, **over)
+    for received, _, ups_seq, ups_bat in rounds:
+        _same_updates(ups_seq, ups_bat)
+        for u in ups_seq:  # the clients did train
+            moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
+            assert moved > 1e-3
+    _same_states(seq.client_states, bat.client_states)
+    for k in seq.global_params:
+        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+    # the cases exercise what they are named for
+    steps = {u.metrics["steps"] for u in rounds[0][2]}
+    assert len(steps) > 1  # clients of different sizes train different numbers of steps
+    if method.startswith("scaffold"):
+        assert any(t.abs().max() > 0 for t in rounds[1][1].values())  # c is non-zero in round 2
+        assert all(any(t.abs().max() > 0 for t in s["scaffold_ci"].values()) for s in bat.client_states.values())
+    if "fedper" in method or "fedbn" in method or "amp" in method:
+        heads = [r["body.1.weight"] if "fedbn" in method else r["head.weight"] for r in rounds[1][0].values()]
+        assert not torch.equal(heads[0], heads[1])  # what each client receives differs
+    if over.get("model") == "lenet_bn":
+        u = rounds[0][3][0]
+        assert int(u.params["body.1.num_batches_tracked"]) == u.metrics["steps"]
+    if "qffl" in method:
+        assert all("loss_before" in u.metrics for u in rounds[0][3])
+
+
+def test_batch_buckets_cover_last_batches():
+    """The digits clients have last batches of several sizes at batch 24 (the buckets the equivalence relies on)."""
+    sim = digits_simulation("fedavg")
+    sizes = [c.x_train.shape[0] for c in sim.data.clients]
+    assert len({n % 24 for n in sizes}) > 1 and len(set(sizes)) > 1
+
+
+def test_round_batched_matches_round_with_partial_participation(one_thread):
+    over = {"join_ratio": 0.5, "client_dropout": 0.2, "model": "lenet_bn", "momentum": 0.9, "lr": 0.01}
+    seq, bat = digits_simulation("scaffold", rounds=3, **over), digits_simulation("scaffold", rounds=3, **over)
+    for rnd in (1, 2, 3):
+        a, b = seq.round(rnd).record, round_batched(bat, rnd).record
+        assert a["participants"] == b["participants"] and a.get("dropped_out") == b.get("dropped_out")
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
+        assert abs(a["global_acc"] - b["global_acc"]) <= 1e-9
+    for k in seq.global_params:
+        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+    _same_states(seq.client_states, bat.client_states)
+    for k in seq.client_server_state["c"]:
+        _close(seq.client_server_state["c"][k], bat.client_server_state["c"][k], f"c {k}")
+
+
+def test_groups_of_clients_give_the_same_uploads(one_thread):
+    sims = [digits_simulation("fedavg", model="lenet_bn", batch_size=16) for _ in range(3)]
+    cids = [0, 1, 2, 3]
+    ups = []
+    for sim, group in zip(sims, (None, 1, 3), strict=True):
+        received = {c: sim.params_for(c) for c in cids}
+        ups.append(train_batched(sim, 1, cids, received, {}, max_clients=group))
+    _same_updates(ups[0], ups[1])
+    _same_updates(ups[0], ups[2])
+    with pytest.raises(ValueError, match="max_clients"):
+        train_batched(sims[0], 1, cids, received, {}, max_clients=0)
+
+
+def test_the_comparison_sees_a_different_batch_order(one_thread):
+    """Batched training with the next round's generators (another batch order) is far outside the tolerance."""
+    seq, bat = digits_simulation("fedavg"), digits_simulation("fedavg")
+    received = {c: seq.params_for(c) for c in range(4)}
+    a = [seq._train(c, 1, received[c], {}) for c in range(4)]
+    b = train_batched(bat, 2, list(range(4)), received, {})
+    with pytest.raises(AssertionError, match="max difference"):
+        _same_updates(a, b)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "fedavg",
+        "fedprox",
+        "scaffold",
+        "fedavg+fedper",
+        "fedprox+fedbn",
+        "scaffold+heal",
+        "fedavg+disco",
+        "fedavg+fedsa",
+        "fedavg+local",
+        "fedprox+afl",
+    ],
+)
+def test_batchable_methods(method):
+    assert batchable(resolve_method(method, {})) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "says"),
+    [
+        ("moon", "Moon and overrides begin, loss, end"),
+        ("fedrep", "FedRep and overrides phases"),
+        ("ditto", "personal_model"),
+        ("feddyn", "after_backward"),
+        ("fedavg+fedcac", "upload tensors computed per client after training (CriticalMasks)"),
+        ("fedamp", "AmpClient"),
+    ],
+)
+def test_batchable_refuses_with_the_reason(method, says):
+    reason = batchable(resolve_method(method, {}))
+    assert reason is not None and says in reason
+
+
+def test_batchable_refuses_random_and_cumulative_models():
+    method = resolve_method("fedavg", {})
+    model = build_model("lenet_bn", in_channels=1, image_size=8, num_classes=10)
+    assert batchable(method, model) is None
+    model.body[1].momentum = None
+    assert "cumulative average" in batchable(method, model)
+    model = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+    model.body.insert(2, torch.nn.Dropout(0.5))
+    assert "Dropout" in batchable(method, model)
+
+
+def test_train_batched_refuses_an_unbatchable_method():
+    sim = digits_simulation("moon", {"projection": 0})
+    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'moon'"):
+        train_batched(sim, 1, [0], {0: sim.params_for(0)}, {})
+
+
+def test_batched_runs_are_reproducible(one_thread):
+    """Two batched runs of the same round give bit-identical uploads (no hidden randomness)."""
+    ups = []
+    for _ in range(2):
+        sim = digits_simulation("fedprox", model="lenet_bn", momentum=0.9)
+        ups.append(train_batched(sim, 1, [0, 1, 2, 3], {c: sim.params_for(c) for c in range(4)}, {}))
+    for u, v in zip(*ups, strict=True):
+        assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
+        assert u.metrics == v.metrics
