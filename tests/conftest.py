@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -88,3 +89,15 @@ def fake_domains(monkeypatch):
     }
     monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
     return doms
+
+
+class Tiny(nn.Module):
+    """A 4 → 6 → 3 body/head model for hand-checkable client tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import digits_simulation
-from torch import nn
+from conftest import Tiny, digits_simulation
 
 from fedskew.client.baselines import (
     ALA_INIT,
@@ -40,14 +39,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def _tiny(seed=0):

@@ -6,22 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from conftest import Tiny
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.protocol import ServerContext
 from fedskew.server.api import stack_updates
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def _setup(seed=0):

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import digits_simulation
-from torch import nn
+from conftest import Tiny, digits_simulation
 
 from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
@@ -153,14 +152,6 @@ def test_feddyn_server_is_acar_algorithm_1():
 
 
 # ---- client objectives against autograd -----------------------------------------------------------------------------
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def _client(algo, *, state=None, broadcast=None, epochs=2, lr=0.1, momentum=0.0, seed=0):

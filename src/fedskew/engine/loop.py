@@ -286,14 +286,7 @@ class Simulation:
         self.personal: dict[int, Params] = {}  # per-client models the server sent (personalized strategies)
         self.trained: dict[int, Params] = {}  # personalized methods: each client's model after its latest training
         self.client_states: dict[int, dict[str, Any]] = {c: {} for c in range(data.num_clients)}
-        self.settings = TrainSettings(
-            epochs=cfg.local_epochs,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            drop_last=cfg.drop_last,
-        )
+        self.settings = train_settings(cfg)
         self.ctx = ServerContext(
             num_clients=data.num_clients,
             num_classes=data.num_classes,
