@@ -386,6 +386,14 @@ def cmd_methods(args: argparse.Namespace) -> int:
     print(f"\nvalid compositions: {', '.join(valid)}")
     if refused:
         print(f"refused: {'; '.join(refused)}")
+    # the Flower apps run any composition with the simulator's own objects (docs/flower.md)
+    import importlib.util
+
+    extra = "" if importlib.util.find_spec("flwr") else ' (install the extra: pip install -e ".[flower]")'
+    print(
+        f"\non Flower (`fedskew flower`{extra}): every valid composition, with the simulator's metrics; "
+        "`fedskew flower check [METHOD ...]` compares them"
+    )
     return 0
 
 

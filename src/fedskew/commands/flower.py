@@ -1,0 +1,255 @@
+"""``fedskew flower new|local|loopback``: fedskew's methods as a Flower app (docs/flower.md).
+
+* ``new --config my.yaml DIR``: write a ready-to-run Flower app folder for a fedskew configuration (``flwr new`` needs
+  the network; this needs nothing): its ``pyproject.toml`` names fedskew's ServerApp and ClientApp and holds the whole
+  configuration as ``[tool.flwr.app.config]``, so ``flwr run --run-config`` can override any key;
+* ``local --config my.yaml``: run the apps in this process on an in-process Grid (no network): the Flower path's run
+  directory, to compare with ``fedskew run`` before going to real machines;
+* ``check [METHOD ...]``: run each composition (default: every valid one) with ``fedskew run``'s runner and with the
+  Flower apps in process on a small digits federation, and compare their metrics (all but the wall-clock times);
+* ``loopback DIR``: a real deployment of app folder DIR on this machine (a SuperLink and one SuperNode per client, on
+  127.0.0.1, every process stopped afterwards), ``flwr run`` included.
+
+``flwr`` is imported only inside the handlers; without the extra they say how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    from fedskew.cli import RUN_FLAGS
+
+    p.add_argument("--config", help="fedskew YAML file of settings (as `fedskew run --config`); flags override it")
+    for flag, (_, typ, help_) in RUN_FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=help_)
+    p.add_argument("--method-arg", "-m", action="append", default=[], metavar="KEY=VALUE", help="method argument")
+    p.add_argument("--no-db", action="store_true", help="no results database")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--round-timeout", type=float, default=None, help="seconds a phase waits for replies (600)")
+    p.add_argument(
+        "--straggler-timeout",
+        type=float,
+        default=None,
+        help="once a phase's first reply is in, seconds it waits for the others (default: only --round-timeout)",
+    )
+    p.add_argument("--node-wait", type=float, default=None, help="seconds the ServerApp waits for the nodes (300)")
+
+
+def add_parsers(sub: Any) -> None:
+    fl = sub.add_parser(
+        "flower",
+        help="run fedskew methods on Flower: write an app folder, run it in-process or on a loopback deployment",
+        description="fedskew's ServerApp and ClientApp run any method composition on Flower with the simulator's "
+        'numbers (docs/flower.md). Needs the extra: pip install -e ".[flower]".',
+    )
+    fsub = fl.add_subparsers(dest="flower_command", required=True)
+    new = fsub.add_parser(
+        "new",
+        help="write a ready-to-run Flower app folder for a fedskew configuration",
+        description="Writes DIR/pyproject.toml (components: fedskew's ServerApp and ClientApp; [tool.flwr.app.config]: "
+        "the whole resolved configuration, so that `flwr run --run-config` can override any key) and DIR/README.md.",
+    )
+    new.add_argument("dir", metavar="DIR", help="the app folder (created; must not hold a pyproject.toml)")
+    _add_config_flags(new)
+    _add_engine_flags(new)
+
+    loc = fsub.add_parser(
+        "local",
+        help="run the Flower apps in this process (in-process Grid, no network) and write the run directory",
+    )
+    _add_config_flags(loc)
+
+    ck = fsub.add_parser(
+        "check",
+        help="compare the Flower path with the simulator for compositions (default: every valid one)",
+        description="Runs each composition twice on the same configuration (default: digits, 4 clients, 3 rounds, "
+        "join ratio 0.75, client dropout 0.2, so that state survives missed rounds): with `fedskew run`'s runner "
+        "and with the Flower apps on an in-process Grid; lists every metric that differs by more than 1e-6.",
+    )
+    ck.add_argument("methods", nargs="*", metavar="METHOD", help="compositions to check (default: all valid ones)")
+    _add_config_flags(ck)
+
+    lb = fsub.add_parser(
+        "loopback",
+        help="deploy app folder DIR on this machine: SuperLink + one SuperNode per client on 127.0.0.1, flwr run",
+    )
+    lb.add_argument("dir", metavar="DIR", help="an app folder written by `fedskew flower new`")
+    lb.add_argument("--run-config", default=None, metavar="'K=V ...'", help="overrides, as flwr run --run-config")
+    lb.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take (default 1800)")
+
+
+def _config(args: argparse.Namespace):
+    """The run configuration from --config and the flags, as `fedskew run` reads them."""
+    from fedskew.cli import RUN_FLAGS, _parse_kv
+    from fedskew.config import load_yaml, make_config
+
+    file_values = load_yaml(args.config) if args.config else {}
+    overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
+    if args.method_arg:
+        overrides["method_args"] = _parse_kv(args.method_arg)
+    if args.no_db:
+        file_values["db"] = None
+        overrides.pop("db", None)
+    return make_config(file_values, overrides)
+
+
+def _settings(args: argparse.Namespace):
+    from fedskew.flower.settings import FlowerSettings
+
+    given = {
+        "round_timeout": args.round_timeout,
+        "straggler_timeout": args.straggler_timeout,
+        "node_wait": args.node_wait,
+    }
+    return FlowerSettings(**{k: v for k, v in given.items() if v is not None})
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from fedskew.flower.settings import write_app
+
+    cfg = _config(args)
+    folder = Path(args.dir)
+    written = write_app(folder, cfg, _settings(args))
+    print(f"Flower app for fedskew {cfg.method} on {cfg.dataset} ({cfg.clients} clients, {cfg.rounds} rounds):")
+    for path in written:
+        print(f"  {path}")
+    print(
+        "\nRun it (docs/flower.md):\n"
+        "  flower-superlink --host 0.0.0.0 --port 8000 --disable-runtime-dependency-installation \\\n"
+        "      --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key    # the server machine\n"
+        "  flower-supernode --superlink HOST:8000 --root-certificates ca.crt \\\n"
+        f"      --node-config \"cid=K data-dir='/data'\"        # one per client machine, K = 0..{cfg.clients - 1}\n"
+        f"  flwr run {folder} <connection> --stream --run-config \"out='/abs/run/dir'\"\n"
+        f"or on this machine: fedskew flower loopback {folder}"
+    )
+    if importlib.util.find_spec("flwr") is None:
+        from fedskew.flower import INSTALL_HINT
+
+        print(f"note: {INSTALL_HINT}", file=sys.stderr)
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from fedskew.flower import require_flwr
+
+    require_flwr()
+    from fedskew.flower.inprocess import run_in_process
+
+    cfg = _config(args)
+    if not cfg.out:
+        from fedskew.results.store import default_run_dir
+
+        cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg, time.strftime("%Y%m%d-%H%M%S") + "-flower"))})
+    run_dir = run_in_process(cfg)
+    db = f"; database {cfg.db}" if cfg.db else ""
+    print(f"results: {run_dir}/ (config.yaml, metrics.jsonl, summary.json){db}")
+    return 0
+
+
+def cmd_loopback(args: argparse.Namespace) -> int:
+    import tempfile
+    import tomllib
+
+    from fedskew.flower import require_flwr
+
+    require_flwr()
+    from fedskew.flower.loopback import Loopback
+
+    app_dir = Path(args.dir)
+    project = app_dir / "pyproject.toml"
+    if not project.is_file():
+        print(f"error: {project} not found (write an app folder with `fedskew flower new`)", file=sys.stderr)
+        return 2
+    clients = int(tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]["clients"])
+    overrides = dict(kv.split("=", 1) for kv in (args.run_config or "").split()) if args.run_config else {}
+    clients = int(overrides.get("clients", clients))
+    with tempfile.TemporaryDirectory(prefix="fedskew-flower-") as home:
+        t0 = time.perf_counter()
+        with Loopback(Path(home), clients) as fed:
+            print(f"SuperLink and {clients} SuperNodes up on 127.0.0.1:{fed.port} in {time.perf_counter() - t0:.1f} s")
+            t1 = time.perf_counter()
+            argv = ["--run-config", args.run_config] if args.run_config else []
+            out = fed.run_app(app_dir, None, timeout=args.timeout, extra_args=argv)
+            print(out)
+            print(f"flwr run took {time.perf_counter() - t1:.1f} s")
+        left = fed.leftovers()
+    if left:
+        print(f"warning: processes left behind: {left}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def valid_compositions() -> list[str]:
+    """Every valid composition, canonical names, as ``fedskew methods`` lists them (each client part alone and with
+    each plug-in, and each pair of plug-ins)."""
+    from fedskew.methods import CLIENTS, SERVER_PLUGINS, resolve_method
+
+    candidates = list(CLIENTS) + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
+    candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
+    valid: list[str] = []
+    for name in candidates:
+        try:
+            canonical = resolve_method(name, {}).name
+        except ValueError:
+            continue
+        if canonical not in valid:
+            valid.append(canonical)
+    return valid
+
+
+CHECK_DEFAULTS = {"clients": 4, "rounds": 3, "join_ratio": 0.75, "client_dropout": 0.2, "skew_probes": 0}
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from fedskew.flower import require_flwr
+
+    require_flwr()
+    from fedskew.flower.inprocess import compare_with_simulator
+
+    for key, value in CHECK_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    methods = args.methods or valid_compositions()
+    failed = []
+    for name in methods:
+        args.method = name
+        cfg = _config(args)
+        with tempfile.TemporaryDirectory(prefix="fedskew-check-") as tmp:
+            try:
+                worst, diffs = compare_with_simulator(cfg, Path(tmp))
+            except Exception as exc:  # one broken composition must not hide the others
+                worst, diffs = float("nan"), [f"{type(exc).__name__}: {exc}"]
+        status = "same" if not diffs else "DIFFERENT"
+        print(f"{status:<9} {name:<28} max |flower - simulator| = {worst:.1e}", flush=True)
+        for d in diffs[:5]:
+            print(f"          {d}")
+        if diffs:
+            failed.append(name)
+    print(f"{len(methods) - len(failed)} of {len(methods)} compositions give the simulator's metrics on Flower")
+    return 1 if failed else 0
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    from fedskew.flower import FlowerMissingError
+
+    handler = {"new": cmd_new, "local": cmd_local, "check": cmd_check, "loopback": cmd_loopback}[args.flower_command]
+    try:
+        return handler(args)
+    except FlowerMissingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+HANDLERS = {"flower": cmd_flower}

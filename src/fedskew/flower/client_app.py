@@ -1,0 +1,169 @@
+"""fedskew's ClientApp: one federation client on a SuperNode, running the simulator's client code.
+
+Handlers (message types):
+
+* ``query.hello`` (once, before round 1): the client's id and its training/test label histograms; sample counts and
+  label histograms (FedDisco) reach the server from the clients, as in a real federation;
+* ``train``: one round of local training: :func:`fedskew.engine.loop.train_client` (the method's
+  :class:`~fedskew.client.local.LocalAlgorithm` on the one loop, batches from the (seed, client, round) stream) on the
+  model it received with the entries it keeps for itself overlaid; replies with its upload (model, extra tensors,
+  scalar metrics and ``num-examples``). Its persistent state (control variates, MOON's previous model, personal models,
+  local heads) lives in ``context.state`` between rounds (:mod:`fedskew.flower.codec`);
+* ``evaluate``: its correct predictions, loss and sample count on its local test split for each view the server asks
+  for (``global_local``: the global model with its local entries; ``personal``; ``trained``), as the simulator scores
+  each client.
+
+The client is ``--node-config "cid=K"`` (stable across runs; Flower's node ids are not) and finds its data through the
+run config (``dataset``, ``data_dir``, partition and seed: the same partition ``fedskew run`` draws) or its own
+``data-dir``. Every message builds the method's objects and the model afresh, as a SuperNode's fresh ``flwr-clientapp``
+process does (so a method that kept client state anywhere but in ``client_state`` would show here, in process too);
+only the federation's data, a pure function of the configuration, is built once per process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fedskew.client.local import TrainSettings, snapshot
+from fedskew.config import ConfigError, RunConfig
+from fedskew.data.federated import ClientData, FederatedData, build_federated
+from fedskew.engine.evaluate import predict_scores
+from fedskew.engine.loop import init_model, keep_trained, train_client, train_settings, with_local
+from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
+from fedskew.flower.settings import node_overrides, parse_run_config
+from fedskew.methods import Method, resolve_method
+from fedskew.protocol import Params
+
+app = ClientApp()
+
+
+@dataclass
+class _Shared:
+    """What a client builds from the configuration for one message."""
+
+    data: FederatedData
+    method: Method
+    model: nn.Module
+    initial: Params  # the initial model: what a client holds of its local entries before it first trains
+    settings: TrainSettings
+
+
+_DATA: dict[str, FederatedData] = {}  # the federation's data per configuration (JSON); one entry per process
+
+
+def _shared(cfg: RunConfig) -> _Shared:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    key = json.dumps(cfg.model_dump(exclude={"out", "db"}), sort_keys=True, default=str)
+    if key not in _DATA:
+        _DATA.clear()
+        _DATA[key] = build_federated(cfg)
+    data = _DATA[key]
+    method = resolve_method(cfg.method, cfg.method_args)
+    model = init_model(cfg, data, method)
+    return _Shared(data, method, model, snapshot(model), train_settings(cfg))
+
+
+@dataclass(frozen=True)
+class _Client:
+    cfg: RunConfig
+    cid: int
+    shared: _Shared
+
+    @property
+    def data(self) -> ClientData:
+        return self.shared.data.clients[self.cid]
+
+
+def _client(context: Context) -> _Client:
+    cid, overrides = node_overrides(context.node_config)
+    cfg, _ = parse_run_config(context.run_config, overrides)
+    if cid >= cfg.clients:
+        raise ConfigError(f"this node is client {cid}, but the federation has clients 0..{cfg.clients - 1}")
+    return _Client(cfg, cid, _shared(cfg))
+
+
+def _checked(client: _Client, msg: Message) -> ConfigRecord:
+    conf = msg.content["config"]
+    if int(conf["cid"]) != client.cid:  # type: ignore[arg-type]
+        raise ConfigError(f"a message for client {conf['cid']} reached client {client.cid}")
+    return conf  # type: ignore[return-value]
+
+
+def _local(client_state: dict[str, Any], initial: Params, names: list[str]) -> Params:
+    """The entries the client keeps for itself: its own after it first trained, the initial model's before."""
+    return client_state.get("local_params") or {k: initial[k] for k in names}
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    """The client's id and label histograms (training and local test split), once, before round 1."""
+    client = _client(context)
+    c, k = client.data, client.shared.data.num_classes
+    hists = {
+        "train_hist": np.bincount(c.y_train.cpu().numpy(), minlength=k).tolist(),
+        "test_hist": np.bincount(c.y_test.cpu().numpy(), minlength=k).tolist(),
+    }
+    content = RecordDict({"hello": metrics_record(hists), "meta": ConfigRecord({"cid": client.cid})})
+    return Message(content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training on the received model; the upload goes back, the client's state stays."""
+    client = _client(context)
+    conf = _checked(client, msg)
+    cfg, sh, dev = client.cfg, client.shared, client.cfg.device
+    names = list(conf["local_names"])  # type: ignore[arg-type]
+    state, trained = load_state(context.state, dev)
+    if names:  # as in the simulator, the state holds the local entries from the start
+        state["local_params"] = _local(state, sh.initial, names)
+    received = with_local(from_record(msg.content["model"], dev), state.get("local_params"), sh.initial)  # type: ignore[arg-type]
+    broadcast = from_record(msg.content["broadcast"], dev)  # type: ignore[arg-type]
+    rnd = int(conf["round"])  # type: ignore[arg-type]
+    args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)
+    update = train_client(*args, client.data.x_train, client.data.y_train)
+    kept = keep_trained(sh.method, frozenset(names), state, update)
+    save_state(context.state, state, kept if kept is not None else trained)
+    content = RecordDict(
+        {
+            "params": to_record(update.params),
+            "extras": to_record(update.extras),
+            "metrics": metrics_record({"num-examples": update.num_samples, **update.metrics}),
+            "meta": ConfigRecord({"cid": client.cid}),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Correct predictions, summed loss and sample count on the local test split, per view asked for."""
+    client = _client(context)
+    conf = _checked(client, msg)
+    sh, dev = client.shared, client.cfg.device
+    state, trained = load_state(context.state, dev)
+    local = _local(state, sh.initial, list(conf["local_names"]))  # type: ignore[arg-type]
+    glob = from_record(msg.content["global"], dev)  # type: ignore[arg-type]
+    server_personal = from_record(msg.content["personal"], dev) if "personal" in msg.content else glob  # type: ignore[arg-type]
+    own = sh.method.client.personal_model(state)
+    personal = own if own is not None else with_local(server_personal, local, sh.initial)
+    models = {"global_local": with_local(glob, local, sh.initial), "personal": personal, "trained": trained or personal}
+    x, y = client.data.x_test, client.data.y_test
+    owner = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    scores: dict[str, float] = {}
+    for view in conf["views"]:  # type: ignore[union-attr]
+        sh.model.load_state_dict(models[str(view)])
+        s = predict_scores(sh.model, x, y, owner, 1, int(conf["eval_batch"]))  # type: ignore[arg-type]
+        scores.update({f"{view}/correct": s.correct[0], f"{view}/loss_sum": s.loss_sum[0], f"{view}/count": s.count[0]})
+    record = MetricRecord({k: float(v) for k, v in scores.items()})
+    content = RecordDict({"scores": record, "meta": ConfigRecord({"cid": client.cid})})
+    return Message(content, reply_to=msg)

@@ -1,0 +1,439 @@
+"""fedskew's ServerApp: the simulator's round, its clients Flower nodes; the run directory ``fedskew run`` writes.
+
+The ServerApp runs its own loop over the Grid (not ``Strategy.start``), so a round means exactly what it means in the
+simulator: :class:`FlowerServer` *is* a :class:`~fedskew.engine.loop.Simulation` whose round opens
+(:meth:`~fedskew.engine.loop.Simulation.open_round`: seeded sampling and drop-outs, the method's broadcast), takes
+each reply as an upload (:meth:`~fedskew.engine.loop.Simulation.take_upload`, validated into the ``[K, ...]``
+buffers in client order) and closes (:meth:`~fedskew.engine.loop.Simulation.close_round`: the method's
+:class:`~fedskew.server.api.ServerStrategy` aggregates, the strategy state stays in this process) with the simulator's
+own code. What differs is where the clients are:
+
+1. ``query.hello`` to every node once: each reports its stable ``cid`` (node config) and its label histograms, from
+   which the server builds what it knows before round 1 (:class:`~fedskew.protocol.ServerContext`). The server holds
+   the dataset's global test split only (the held-out set ``fedskew run`` scores the global model on); it never sees a
+   client's data.
+2. per round, ``train`` to the sampled clients, each with its own payload (its personalized model or the global one,
+   without the entries it keeps locally, plus the method's broadcast: SCAFFOLD's control variate); replies are
+   awaited for at most ``flower.round_timeout`` seconds; a client that does not reply (or replies with an error) is
+   recorded in the round's ``failed`` list and the round goes on with the others.
+3. on the evaluation cadence, ``evaluate`` to every reachable client: each scores the views on its test split; the
+   server scores the global model on the global test set and summarizes the views as the simulator does.
+
+The run directory (``config.yaml``, ``clients.json``, ``metrics.jsonl``, ``client_metrics.jsonl``, ``skew.jsonl``,
+``summary.json``, ``status.json``) and the database rows are the simulator's, with ``engine: flower`` in
+``summary.json`` (and so in the database's summary). A Flower run is not resumable (the clients' state lives on the
+nodes, for one run), so no checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fedskew import __version__
+from fedskew.config import ConfigError, RunConfig, dump_yaml
+from fedskew.data.federated import ClientData, FederatedData, build_federated
+from fedskew.engine.evaluate import (
+    ClientScores,
+    client_part_views,
+    domain_summary,
+    evaluate_global,
+    pooled,
+    predict_scores,
+    summarize,
+)
+from fedskew.engine.loop import Diverged, RoundResult, Simulation, _same_samples, resolve_model_name
+from fedskew.flower.codec import from_record, to_record
+from fedskew.flower.settings import FlowerSettings, parse_run_config
+from fedskew.methods import Method, resolve_method
+from fedskew.protocol import ClientUpdate, Params
+from fedskew.results.rundir import RunDirectory
+from fedskew.results.store import check_db_path, client_rows, default_run_dir, summarize_run
+from fedskew.runner import RunOutcome, headline, label_table, record_in_db
+
+log = logging.getLogger("flwr.fedskew")
+ENGINE = "flower"
+MESSAGE_TTL_MARGIN = 60.0  # seconds a message outlives the wait for its reply
+
+
+class FederationError(RuntimeError):
+    """The federation cannot run as configured (nodes missing, duplicate client ids, ...); the message says why."""
+
+
+class GridLink:
+    """Messages to clients by their stable id over a Flower ``Grid``, every wait bounded."""
+
+    def __init__(self, grid: Grid, settings: FlowerSettings) -> None:
+        self.grid = grid
+        self.settings = settings
+        self.nodes: dict[int, int] = {}  # cid -> Flower node id (learned from the hello replies)
+        self.seen: set[int] = set()  # node ids asked for their client id after the first hello
+
+    def connect(self, num_clients: int) -> dict[int, dict[str, list[int]]]:
+        """Wait (at most ``node_wait`` s) for ``num_clients`` nodes, ask each for its id and label histograms."""
+        deadline = time.monotonic() + self.settings.node_wait
+        while len(ids := sorted(self.grid.get_node_ids())) < num_clients:
+            if time.monotonic() > deadline:
+                raise FederationError(
+                    f"only {len(ids)} of {num_clients} SuperNodes connected within {self.settings.node_wait:g} s "
+                    '(flower.node_wait); start one `flower-supernode --node-config "cid=K"` per client'
+                )
+            time.sleep(self.settings.poll_interval)
+        replies, failed = self._hello(ids, num_clients)
+        if failed:
+            raise FederationError(f"nodes did not answer the hello: {failed}")
+        reports: dict[int, dict[str, list[int]]] = {}
+        for nid, content in replies.items():
+            cid = int(content["meta"]["cid"])  # type: ignore[arg-type]
+            if cid in self.nodes:
+                raise FederationError(f"two nodes ({self.nodes[cid]}, {nid}) both say they are client {cid}")
+            self.nodes[cid] = nid
+            hello = content["hello"]
+            reports[cid] = {"train_hist": list(hello["train_hist"]), "test_hist": list(hello["test_hist"])}  # type: ignore[arg-type]
+        missing = sorted(set(range(num_clients)) - set(self.nodes))
+        if missing or len(self.nodes) != num_clients:
+            raise FederationError(
+                f"the federation needs clients 0..{num_clients - 1} once each; connected: {sorted(self.nodes)}"
+            )
+        return reports
+
+    def _hello(self, node_ids: list[int], num_clients: int) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        config = ConfigRecord({"clients": num_clients})
+        return self._exchange("query.hello", {nid: RecordDict({"config": config}) for nid in node_ids}, "0")
+
+    def rejoin(self) -> dict[int, int]:
+        """Map nodes that registered since the last hello (a SuperNode restarted mid-run gets a new Flower node id)
+        to their client ids, replacing the old node of that id. Returns ``{cid: new node id}``. A rejoined client
+        starts with an empty ``context.state`` (its node lost it), as a client that has not trained yet."""
+        online = set(self.grid.get_node_ids())
+        new = sorted(online - set(self.nodes.values()) - self.seen)
+        if not new:
+            return {}
+        replies, _ = self._hello(new, len(self.nodes))
+        moved = {}
+        for nid in new:
+            cid = int(replies[nid]["meta"]["cid"]) if nid in replies else None  # type: ignore[arg-type]
+            if cid is not None and cid in self.nodes and self.nodes[cid] in online:
+                # the SuperLink still lists the old node (it drops a dead one after 2 missed heartbeats): ask again
+                log.warning("node %d says it is client %d, which node %d still is", nid, cid, self.nodes[cid])
+            elif cid is not None and cid in self.nodes:
+                self.nodes[cid] = moved[cid] = nid
+            else:  # no answer, or no client of this federation: not asked again
+                self.seen.add(nid)
+        return moved
+
+    def exchange(
+        self, message_type: str, contents: dict[int, RecordDict], rnd: int
+    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Send each client its own content; return the replies and, for the clients that sent none within
+        ``round_timeout`` s (or an error), the reason."""
+        by_node = {self.nodes[cid]: content for cid, content in contents.items()}
+        replies, failed = self._exchange(message_type, by_node, str(rnd))
+        cid_of = {nid: cid for cid, nid in self.nodes.items()}
+        return {cid_of[n]: c for n, c in replies.items()}, {cid_of[n]: r for n, r in failed.items()}
+
+    def _exchange(
+        self, message_type: str, contents: dict[int, RecordDict], group: str
+    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        timeout, straggler = self.settings.round_timeout, self.settings.straggler_timeout
+        # the messages outlive the wait by a margin (clock skew between machines), then the SuperLink drops them
+        ttl = timeout + MESSAGE_TTL_MARGIN
+        messages = [
+            Message(content, dst_node_id=nid, message_type=message_type, group_id=group, ttl=ttl)
+            for nid, content in contents.items()
+        ]
+        ids = list(self.grid.push_messages(messages))
+        failed = {nid: "the message could not be pushed" for nid, mid in zip(contents, ids, strict=True) if not mid}
+        pending = {mid: nid for nid, mid in zip(contents, ids, strict=True) if mid}
+        replies: dict[int, RecordDict] = {}
+        deadline = time.monotonic() + timeout
+        reason = f"no reply within {timeout:g} s"
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                nid = pending.pop(reply.metadata.reply_to_message_id, None)
+                if nid is None:
+                    continue
+                if reply.has_error():
+                    failed[nid] = f"error: {reply.error.reason}"
+                else:
+                    replies[nid] = reply.content
+                if straggler is not None and time.monotonic() + straggler < deadline:
+                    deadline = time.monotonic() + straggler  # the first reply is in: the others get `straggler` s
+                    reason = f"no reply within {straggler:g} s of the first one"
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(self.settings.poll_interval)
+        for nid in pending.values():
+            failed[nid] = reason
+        return replies, failed
+
+
+def _failures(failed: dict[int, str]) -> list[dict[str, Any]]:
+    return [{"client": cid, "reason": reason} for cid, reason in sorted(failed.items())]
+
+
+def decode_update(cid: int, content: RecordDict, device: str) -> ClientUpdate:
+    """A ``train`` reply as the simulator's :class:`~fedskew.protocol.ClientUpdate`."""
+    if int(content["meta"]["cid"]) != cid:  # type: ignore[arg-type]
+        raise FederationError(f"the reply for client {cid} came from client {content['meta']['cid']}")
+    metrics = {k: float(v) for k, v in content["metrics"].items() if k != "num-examples"}  # type: ignore[arg-type]
+    return ClientUpdate(
+        cid=cid,
+        params=from_record(content["params"], device),  # type: ignore[arg-type]
+        num_samples=int(content["metrics"]["num-examples"]),  # type: ignore[arg-type]
+        extras=from_record(content["extras"], device),  # type: ignore[arg-type]
+        metrics=metrics,
+    )
+
+
+def server_view(full: FederatedData, reports: dict[int, dict[str, list[int]]]) -> FederatedData:
+    """What the server holds: the dataset's global test split, and per client only what the client reported."""
+    n = full.num_clients
+    train_hists = np.array([reports[c]["train_hist"] for c in range(n)], dtype=np.int64)
+    test_hists = np.array([reports[c]["test_hist"] for c in range(n)], dtype=np.int64)
+    ex, ey = full.x_test[:0], full.y_test[:0]
+    clients = [ClientData(c, ex, ey, ex, ey) for c in range(n)]
+    owner = torch.zeros(0, dtype=torch.long, device=ey.device)
+    return dataclasses.replace(
+        full, clients=clients, train_hists=train_hists, test_hists=test_hists, local_x=ex, local_y=ey, local_owner=owner
+    )
+
+
+class FlowerServer(Simulation):
+    """A :class:`Simulation` whose clients train and evaluate on Flower nodes (see the module docstring)."""
+
+    def __init__(
+        self, cfg: RunConfig, view: FederatedData, method: Method, link: GridLink, global_is_local_union: bool
+    ) -> None:
+        super().__init__(cfg, view, method)
+        self.link = link
+        self.global_is_local_union = global_is_local_union  # the global test set is the clients' test splits
+        self.unreachable: dict[int, str] = {}  # clients that failed this round: not asked again until the next
+        self.failures: list[dict[str, Any]] = []  # every failure of the run, with round and phase
+        self.rejoined: list[dict[str, Any]] = []  # clients whose node re-registered during the run
+        self._round = 0
+
+    def _wire(self, params: Params) -> Params:
+        """What travels to a client: the model without the entries the clients keep for themselves."""
+        return {k: v for k, v in params.items() if k not in self.local_names}
+
+    def _config(self, cid: int, **extra: Any) -> ConfigRecord:
+        return ConfigRecord({"round": self._round, "cid": cid, "local_names": sorted(self.local_names), **extra})
+
+    def round(self, rnd: int) -> RoundResult:
+        self._round, self.unreachable = rnd, {}
+        for cid, nid in self.link.rejoin().items():
+            log.warning("round %d: client %d is back on a new node (%d), with a fresh state", rnd, cid, nid)
+            self.rejoined.append({"round": rnd, "client": cid})
+        plan = self.open_round(rnd)
+        targets = [cid for cid in plan.sampled if cid not in plan.gone]
+        broadcast = to_record(plan.broadcast)
+        contents = {
+            cid: RecordDict(
+                {
+                    "model": to_record(self._wire(self.personal.get(cid, self.global_params))),
+                    "broadcast": broadcast,
+                    "config": self._config(cid),
+                }
+            )
+            for cid in targets
+        }
+        replies, failed = self.link.exchange(MessageType.TRAIN, contents, rnd)
+        for cid in targets:  # in client order, as the simulator stacks them
+            if cid in replies:
+                try:
+                    update = decode_update(cid, replies.pop(cid), self.cfg.device)
+                except (KeyError, TypeError, ValueError, FederationError) as exc:
+                    failed[cid] = f"malformed reply: {exc}"
+                    continue
+                self.take_upload(plan, update)
+        plan.failed = _failures(failed)
+        self.unreachable = dict(failed)
+        self.failures += [{"round": rnd, "phase": "train", **f} for f in plan.failed]
+        for f in plan.failed:
+            log.warning("round %d: client %d failed: %s", rnd, f["client"], f["reason"])
+        return self.close_round(plan)
+
+    def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
+        """Nothing: the client keeps its local entries and the model it trained in its own ``context.state``."""
+
+    def evaluate(self) -> tuple[dict[str, Any], dict[str, ClientScores]]:
+        """The simulator's views: the global model on the global test set here, every client's views on its test
+        split there (its replies are the per-client scores the simulator computes)."""
+        data, bs, n = self.data, self.eval_batch, self.data.num_clients
+        self.model.load_state_dict(self.global_params)
+        rec: dict[str, Any] = {}
+        # views the client part adds on the global test set (FedProto's nearest-prototype accuracy)
+        rec.update(client_part_views(self.method.client, self.client_server_state, self.model, data, bs))
+        if data.domains:  # one pass, per domain; the global numbers pool the domains
+            assert data.test_domain is not None
+            ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
+            rec.update(pooled("global", ds))
+            rec.update(domain_summary(data.domains, ds))
+        elif not (self.global_is_local_union and not self.local_names):
+            rec.update(evaluate_global(self.model, data.x_test, data.y_test, bs))
+        views = ["global_local"] + (["personal", "trained"] if self.method.personalized else [])
+        glob = to_record(self._wire(self.global_params))
+        contents = {}
+        for cid in (c for c in range(n) if c not in self.unreachable):
+            content = RecordDict({"global": glob, "config": self._config(cid, views=views, eval_batch=bs)})
+            if cid in self.personal:
+                content["personal"] = to_record(self._wire(self.personal[cid]))
+            contents[cid] = content
+        replies, failed = self.link.exchange(MessageType.EVALUATE, contents, self._round)
+        failed.update(self.unreachable)
+        scores = {v: ClientScores(np.zeros(n), np.zeros(n), np.zeros(n)) for v in views}
+        for cid, content in replies.items():
+            got = content["scores"]
+            for v in views:
+                s = scores[v]
+                s.correct[cid], s.loss_sum[cid], s.count[cid] = (
+                    float(got[f"{v}/{k}"])  # type: ignore[arg-type]
+                    for k in ("correct", "loss_sum", "count")
+                )
+        if failed:
+            rec["eval_failed"] = _failures(failed)
+            self.failures += [{"round": self._round, "phase": "evaluate", **f} for f in _failures(failed)]
+        if not replies:  # no client scored anything: only the server's own view
+            return rec, {}
+        if self.global_is_local_union and not data.domains and not self.local_names:
+            rec.update(pooled("global", scores["global_local"]))
+        for v in views:
+            rec.update(summarize(v, scores[v]))
+        return rec, scores
+
+
+def _append(rd: RunDirectory, rnd: int, result: RoundResult) -> None:
+    rd.append_line("metrics.jsonl", json.dumps(result.record, sort_keys=True, allow_nan=True))
+    if result.client_scores:
+        rows = [list(r[1:]) for r in client_rows(rnd, result.client_scores)]
+        rd.append_line("client_metrics.jsonl", json.dumps({"round": rnd, "rows": rows}))
+    if result.probe is not None:
+        rd.append_line("skew.jsonl", json.dumps(result.probe))
+
+
+def run_on_grid(
+    grid: Grid,
+    cfg: RunConfig,
+    settings: FlowerSettings | None = None,
+    *,
+    overwrite: bool = False,
+    on_round: Callable[[RoundResult], None] | None = None,
+) -> RunOutcome:
+    """Run ``cfg`` on the clients behind ``grid``; write the run directory and database rows ``fedskew run`` writes.
+
+    Nothing is written until the federation is complete (every client id connected and reported)."""
+    settings = settings or FlowerSettings()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.db:
+        check_db_path(cfg.db)
+    started = time.perf_counter()
+    now = datetime.now(UTC)
+    run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    link = GridLink(grid, settings)
+    reports = link.connect(cfg.clients)
+    full = build_federated(cfg)
+    view = server_view(full, reports)
+    method = resolve_method(cfg.method, cfg.method_args)
+    cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, view, method)})
+    out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
+    server = FlowerServer(cfg, view, method, link, _same_samples(full))
+    del full
+    rd = RunDirectory.prepare(out_dir, overwrite=overwrite)
+    created = now.isoformat(timespec="seconds")
+    rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds, engine=ENGINE)
+    rd.write_file("config.yaml", dump_yaml(cfg))
+    rd.write_file("clients.json", json.dumps(label_table(view)))
+    log.info("fedskew %s on %s: %d clients connected, run directory %s", cfg.method, cfg.dataset, cfg.clients, out_dir)
+    records: list[dict[str, Any]] = []
+    diverged: Diverged | None = None
+    try:
+        for rnd in range(1, cfg.rounds + 1):
+            try:
+                result = server.round(rnd)
+            except Diverged as exc:  # keep the rounds before it, flagged
+                diverged = exc
+                break
+            records.append(result.record)
+            _append(rd, rnd, result)
+            rd.set_status("running", completed_rounds=rnd)
+            acc = result.record.get("global_acc")
+            log.info("round %d/%d: global_acc %s", rnd, cfg.rounds, "-" if acc is None else f"{acc:.4f}")
+            if on_round is not None:
+                on_round(result)
+    except BaseException as exc:
+        if not records:
+            rd.discard()
+            raise
+        rd.set_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=len(records))
+        rd.unlock()
+        raise
+    finally:
+        server.close()
+    summary = summarize_run(records, cfg.last_n)
+    summary.update(
+        {
+            "run_id": run_id,
+            "method": cfg.method,
+            "model": server.model_name,
+            "seed": cfg.seed,
+            "wall_time": time.perf_counter() - started,
+            "fedskew_version": __version__,
+            "created": created,
+            "diverged": diverged is not None,
+            "diverged_round": diverged.round if diverged else None,
+            "diverged_reason": diverged.reason if diverged else None,
+            "checkpoints": 0,
+            "checkpoint_time": 0.0,
+            # domain skew: the domains the run used, and those of the Digits suite whose files were not found
+            **(
+                {
+                    "domains": list(view.domains),
+                    "domains_missing": [
+                        d
+                        for d in ("mnist", "usps", "svhn", "synth")
+                        if cfg.dataset == "digits_domains"
+                        and {"mnist", "usps", "svhn", "synth"} & set(view.domains)
+                        and d not in view.domains
+                    ],
+                }
+                if view.domains
+                else {}
+            ),
+            "engine": ENGINE,
+            "flower": {**settings.model_dump(), "failures": server.failures, "rejoined": server.rejoined},
+        }
+    )
+    summary["headline"] = headline(cfg, summary)
+    rd.finish("diverged" if diverged else "finished", summary)
+    if cfg.db:
+        record_in_db(cfg.db, out_dir)
+    return RunOutcome(run_id, out_dir, summary, records, view)
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """``flwr run``'s entry: the run config is fedskew's (``[tool.flwr.app.config]`` + ``--run-config``)."""
+    try:
+        cfg, settings = parse_run_config(context.run_config)
+    except ConfigError as exc:
+        log.error("fedskew: %s", exc)
+        raise
+    outcome = run_on_grid(grid, cfg, settings)
+    log.info("fedskew: run %s finished; results in %s", outcome.run_id, outcome.run_dir)

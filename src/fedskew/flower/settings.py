@@ -1,0 +1,227 @@
+"""A Flower app's configuration is fedskew's run configuration: ``[tool.flwr.app.config]`` <-> :class:`RunConfig`.
+
+Flower hands every app ``context.run_config``: the flat ``[tool.flwr.app.config]`` table of the app's
+``pyproject.toml`` with ``flwr run --run-config "k=v ..."`` overrides (flwr refuses an override whose key the file does
+not have, so :func:`app_config` writes every key). The keys are fedskew's own run-config keys (``rounds``,
+``method``, ``local_epochs``, ... as in ``config.yaml``; ``-`` may stand for ``_``), plus two tables:
+
+* ``method_args``: the method's hyper-parameters (``[tool.flwr.app.config.method_args]``, ``mu = 0.01``; a
+  qualified one is a quoted key, ``"heal.tau" = 0.3``; a list is written as a string, ``target = "[0.2, 0.8]"``);
+* ``flower``: what only a deployment has, :class:`FlowerSettings` (how long a phase waits for replies, ...).
+
+TOML has no null: ``""`` stands for an unset value (``out = ""``: the default run directory; ``db = ""``: no database).
+Each SuperNode adds its own ``--node-config``: ``cid`` (its stable client id, 0..clients-1) and optionally
+``data-dir`` (where its copy of the dataset lies; a quoted string). This module needs no ``flwr``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from fedskew.config import ConfigError, RunConfig, make_config
+from fedskew.flower import FLOWER_SPEC
+from fedskew.schema import StrictSettings, describe_errors
+
+SERVER_APP = "fedskew.flower.server_app:app"
+CLIENT_APP = "fedskew.flower.client_app:app"
+METHOD_ARGS = "method_args"
+ENGINE = "flower"
+
+
+class FlowerSettings(StrictSettings):
+    """What only a deployment needs (``[tool.flwr.app.config.flower]``); none of it changes what is computed."""
+
+    round_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a phase (training, evaluation) waits for the clients' replies; a client "
+        "that has not replied by then counts as failed for the round",
+    )
+    straggler_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="once a phase's first reply has arrived, seconds it waits for the others (a dead node then costs "
+        "this, not round_timeout); unset: only round_timeout bounds the wait",
+    )
+    node_wait: float = Field(
+        300.0, gt=0, description="seconds the ServerApp waits for the federation's `clients` SuperNodes to connect"
+    )
+    poll_interval: float = Field(0.5, gt=0, description="seconds between the ServerApp's pulls of replies")
+
+
+def _none_if_empty(value: Any) -> Any:
+    return None if value == "" else value
+
+
+def _arg_value(value: Any) -> Any:
+    """A method argument from the run config: ``""`` is unset, a string holding a YAML list or mapping is parsed
+    (Flower's config carries no lists), anything else is taken as it is."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"method argument {value!r} is not a valid YAML list or mapping ({exc})") from None
+    return _none_if_empty(value)
+
+
+def parse_run_config(
+    run_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+) -> tuple[RunConfig, FlowerSettings]:
+    """``context.run_config`` (flat, ``method_args.<key>`` and ``flower.<key>`` for the two tables) -> the validated
+    run configuration and the deployment settings; ``overrides`` (e.g. a node's ``data_dir``) win over the run
+    config. Unknown keys are refused with the key named, as in a fedskew YAML file."""
+    values: dict[str, Any] = {}
+    method_args: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    for key, value in run_config.items():
+        head, dot, rest = str(key).partition(".")
+        head = head.replace("-", "_")
+        if head == METHOD_ARGS and dot:
+            method_args[rest.replace("-", "_")] = _arg_value(value)
+        elif head == ENGINE and dot:
+            engine[rest.replace("-", "_")] = _none_if_empty(value)
+        elif dot:
+            raise ConfigError(f"run config key {key!r}: unknown table {head!r} (known: {METHOD_ARGS}, {ENGINE})")
+        else:
+            values[head] = _none_if_empty(value)
+    values[METHOD_ARGS] = method_args
+    cfg = make_config(values, dict(overrides or {}))
+    try:
+        settings = FlowerSettings(**engine)
+    except ValidationError as exc:
+        raise ConfigError("invalid [tool.flwr.app.config.flower]:\n  " + "\n  ".join(describe_errors(exc))) from None
+    return cfg, settings
+
+
+def node_overrides(node_config: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A SuperNode's ``--node-config``: its client id (``cid``; Flower's simulation sets ``partition-id`` instead)
+    and the settings it overrides locally (``data-dir``)."""
+    if "cid" in node_config:
+        raw = node_config["cid"]
+    elif "partition-id" in node_config:
+        raw = node_config["partition-id"]
+    else:
+        raise ConfigError(
+            'this SuperNode has no client id: start it with --node-config "cid=K" (K = 0..clients-1, stable '
+            f"across runs); its node config is {dict(node_config)}"
+        )
+    if isinstance(raw, bool) or not isinstance(raw, int | str) or not str(raw).isdigit():
+        raise ConfigError(f"node config cid must be a non-negative integer, got {raw!r}")
+    overrides: dict[str, Any] = {}
+    for key in ("data-dir", "data_dir"):
+        if node_config.get(key):
+            overrides["data_dir"] = str(node_config[key])
+    return int(raw), overrides
+
+
+# ---- writing an app folder ---------------------------------------------------------------------------------------
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML scalar for a config value (``None`` -> ``""``; lists and mappings as a YAML/JSON string)."""
+    if value is None:
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(json.dumps(value))
+    return json.dumps(str(value))
+
+
+def app_config(cfg: RunConfig, settings: FlowerSettings | None = None) -> str:
+    """The ``[tool.flwr.app.config]`` tables for ``cfg``: every run-config key (so that any can be overridden with
+    ``--run-config``), the method's given hyper-parameters, and the deployment settings."""
+    dumped = cfg.model_dump()
+    args = dumped.pop(METHOD_ARGS)
+    lines = ["[tool.flwr.app.config]"]
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in dumped.items()]
+    lines += ["", f"[tool.flwr.app.config.{METHOD_ARGS}]"]
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in args.items()]
+    lines += ["", f"[tool.flwr.app.config.{ENGINE}]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in (settings or FlowerSettings()).model_dump().items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_config(cfg: RunConfig, settings: FlowerSettings | None = None) -> dict[str, Any]:
+    """The flat ``context.run_config`` Flower gives the apps of an app folder written for ``cfg`` (its
+    ``[tool.flwr.app.config]``, nested tables joined with ``.``, as flwr flattens them)."""
+    import tomllib
+
+    def flat(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in table.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return flat(tomllib.loads(app_config(cfg, settings))["tool"]["flwr"]["app"]["config"])
+
+
+def project_name(folder: Path) -> str:
+    """A package-safe project name from the app folder's name."""
+    name = re.sub(r"[^a-z0-9]+", "-", folder.resolve().name.lower()).strip("-")
+    return name if name and name[0].isalpha() else f"fedskew-{name or 'app'}"
+
+
+def pyproject(cfg: RunConfig, name: str, settings: FlowerSettings | None = None) -> str:
+    """A complete Flower app ``pyproject.toml`` whose components are fedskew's ServerApp and ClientApp."""
+    return f"""# A Flower app running fedskew's {cfg.method} (written by `fedskew flower new`; see docs/flower.md).
+# Every machine needs fedskew with its Flower extra installed (pip install "fedskew[flower]") and, for the clients,
+# the dataset files; the SuperLink must run with --disable-runtime-dependency-installation (or let uv install these).
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "1.0.0"
+description = "fedskew {cfg.method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients)"
+license = "MIT"
+dependencies = ["{FLOWER_SPEC}"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fedskew"
+
+[tool.flwr.app.components]
+serverapp = "{SERVER_APP}"
+clientapp = "{CLIENT_APP}"
+
+{app_config(cfg, settings)}"""
+
+
+def write_app(folder: Path, cfg: RunConfig, settings: FlowerSettings | None = None) -> list[Path]:
+    """Write a ready-to-run Flower app for ``cfg`` into ``folder`` (created; an existing ``pyproject.toml`` is never
+    replaced). Returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "pyproject.toml"
+    if target.exists():
+        raise ConfigError(f"{target} exists; fedskew never replaces it (choose an empty folder)")
+    target.write_text(pyproject(cfg, project_name(folder), settings))
+    readme = folder / "README.md"
+    written = [target]
+    if not readme.exists():
+        readme.write_text(
+            f"# fedskew {cfg.method} on Flower\n\n"
+            "Run it on a SuperLink (see fedskew's docs/flower.md):\n\n"
+            "    flwr run . <connection> --stream --run-config \"out='/abs/run/dir'\"\n\n"
+            "Each SuperNode: `flower-supernode --superlink HOST:PORT --node-config \"cid=K data-dir='/path'\"`,\n"
+            f"K = 0..{cfg.clients - 1}, each id on exactly one node.\n"
+        )
+        written.append(readme)
+    return written
