@@ -77,6 +77,20 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
 
 
+DIGITS_DOMAINS = ("mnist", "usps", "svhn", "synth")
+
+
+def domain_fields(cfg: RunConfig, domains: tuple[str, ...]) -> dict[str, Any]:
+    """Summary fields of a domain-skew run: the domains it used and those of the Digits suite whose files were not
+    found (``{}`` without domains)."""
+    if not domains:
+        return {}
+    missing = []
+    if cfg.dataset == "digits_domains" and set(DIGITS_DOMAINS) & set(domains):
+        missing = [d for d in DIGITS_DOMAINS if d not in domains]
+    return {"domains": list(domains), "domains_missing": missing}
+
+
 class RunInterrupted(Exception):
     """SIGINT/SIGTERM stopped the run after a checkpoint; it can be resumed."""
 
@@ -293,21 +307,7 @@ def run_experiment(
             "diverged_reason": diverged.reason if diverged else None,
             "checkpoints": ckpt_count,
             "checkpoint_time": ckpt_time,
-            # domain skew: the domains the run used, and those of the Digits suite whose files were not found
-            **(
-                {
-                    "domains": list(data.domains),
-                    "domains_missing": [
-                        d
-                        for d in ("mnist", "usps", "svhn", "synth")
-                        if cfg.dataset == "digits_domains"
-                        and {"mnist", "usps", "svhn", "synth"} & set(data.domains)
-                        and d not in data.domains
-                    ],
-                }
-                if data.domains
-                else {}
-            ),
+            **domain_fields(cfg, data.domains),
         }
     )
     summary["headline"] = headline(cfg, summary)

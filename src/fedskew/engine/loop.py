@@ -271,6 +271,27 @@ def with_local(received: Params, local: Params | None, order: Params) -> Params:
     return {k: local[k] if k in local else received[k] for k in order}
 
 
+def global_views(server: Any, global_params: Params) -> dict[str, float]:
+    """The server-side views of the global model (loaded into ``server.model``): on the global test set (per domain
+    under domain skew, skipped when it is exactly the clients' test splits, scored there), plus the views the client
+    part adds (FedProto's nearest-prototype accuracy). ``server``: a :class:`Simulation` or a deployment's server
+    (Flower's), with ``model``, ``data``, ``eval_batch``, ``method``, ``client_server_state``,
+    ``global_is_local_union`` and ``local_names``."""
+    data, bs, model = server.data, server.eval_batch, server.model
+    model.load_state_dict(global_params)
+    rec: dict[str, float] = {}
+    # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
+    rec.update(client_part_views(server.method.client, server.client_server_state, model, data, bs))
+    if data.domains:  # one pass, per domain; the global numbers pool the domains
+        assert data.test_domain is not None
+        ds = predict_scores(model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
+        rec.update(pooled("global", ds))
+        rec.update(domain_summary(data.domains, ds))
+    elif not (server.global_is_local_union and not server.local_names):
+        rec.update(evaluate_global(model, data.x_test, data.y_test, bs))
+    return rec
+
+
 class Simulation:
     """A seeded, single-process simulation of one federation."""
 
@@ -524,17 +545,7 @@ class Simulation:
     def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
         """Every view once: each distinct (model, sample) pair is scored at most once."""
         data, bs = self.data, self.eval_batch
-        self.model.load_state_dict(self.global_params)
-        rec: dict[str, float] = {}
-        # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
-        rec.update(client_part_views(self.method.client, self.client_server_state, self.model, data, bs))
-        if data.domains:  # one pass, per domain; the global numbers pool the domains
-            assert data.test_domain is not None
-            ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
-            rec.update(pooled("global", ds))
-            rec.update(domain_summary(data.domains, ds))
-        elif not (self.global_is_local_union and not self.local_names):
-            rec.update(evaluate_global(self.model, data.x_test, data.y_test, bs))
+        rec: dict[str, float] = global_views(self, self.global_params)
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
             scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
         else:  # one pass over all clients' test sets

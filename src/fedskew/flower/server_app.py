@@ -47,21 +47,24 @@ from fedskew.config import ConfigError, RunConfig, dump_yaml
 from fedskew.data.federated import ClientData, FederatedData, build_federated
 from fedskew.engine.evaluate import (
     ClientScores,
-    client_part_views,
-    domain_summary,
-    evaluate_global,
     pooled,
-    predict_scores,
     summarize,
 )
-from fedskew.engine.loop import Diverged, RoundResult, Simulation, _same_samples, resolve_model_name
+from fedskew.engine.loop import (
+    Diverged,
+    RoundResult,
+    Simulation,
+    _same_samples,
+    global_views,
+    resolve_model_name,
+)
 from fedskew.flower.codec import from_record, to_record
 from fedskew.flower.settings import FlowerSettings, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.results.rundir import RunDirectory
 from fedskew.results.store import check_db_path, client_rows, default_run_dir, summarize_run
-from fedskew.runner import RunOutcome, headline, label_table, record_in_db
+from fedskew.runner import RunOutcome, domain_fields, headline, label_table, record_in_db
 
 log = logging.getLogger("flwr.fedskew")
 ENGINE = "flower"
@@ -273,17 +276,7 @@ class FlowerServer(Simulation):
         """The simulator's views: the global model on the global test set here, every client's views on its test
         split there (its replies are the per-client scores the simulator computes)."""
         data, bs, n = self.data, self.eval_batch, self.data.num_clients
-        self.model.load_state_dict(self.global_params)
-        rec: dict[str, Any] = {}
-        # views the client part adds on the global test set (FedProto's nearest-prototype accuracy)
-        rec.update(client_part_views(self.method.client, self.client_server_state, self.model, data, bs))
-        if data.domains:  # one pass, per domain; the global numbers pool the domains
-            assert data.test_domain is not None
-            ds = predict_scores(self.model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
-            rec.update(pooled("global", ds))
-            rec.update(domain_summary(data.domains, ds))
-        elif not (self.global_is_local_union and not self.local_names):
-            rec.update(evaluate_global(self.model, data.x_test, data.y_test, bs))
+        rec: dict[str, Any] = global_views(self, self.global_params)
         views = ["global_local"] + (["personal", "trained"] if self.method.personalized else [])
         glob = to_record(self._wire(self.global_params))
         contents = {}
@@ -398,21 +391,7 @@ def run_on_grid(
             "diverged_reason": diverged.reason if diverged else None,
             "checkpoints": 0,
             "checkpoint_time": 0.0,
-            # domain skew: the domains the run used, and those of the Digits suite whose files were not found
-            **(
-                {
-                    "domains": list(view.domains),
-                    "domains_missing": [
-                        d
-                        for d in ("mnist", "usps", "svhn", "synth")
-                        if cfg.dataset == "digits_domains"
-                        and {"mnist", "usps", "svhn", "synth"} & set(view.domains)
-                        and d not in view.domains
-                    ],
-                }
-                if view.domains
-                else {}
-            ),
+            **domain_fields(cfg, view.domains),
             "engine": ENGINE,
             "flower": {**settings.model_dump(), "failures": server.failures, "rejoined": server.rejoined},
         }
