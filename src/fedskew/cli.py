@@ -205,6 +205,7 @@ def _command_modules() -> list[Any]:
 
 
 def _config_from_args(args: argparse.Namespace):
+    """The run configuration from ``--config``, the ``RUN_FLAGS`` and ``-m`` (``fedskew run``, ``fedskew flower``)."""
     from fedskew.config import ConfigError, load_yaml, make_config
 
     if getattr(args, "resume", None):
@@ -225,8 +226,8 @@ def _config_from_args(args: argparse.Namespace):
     overrides: dict[str, Any] = {
         key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
     }
-    overrides["download"] = args.download
-    if args.batched_clients:
+    overrides["download"] = getattr(args, "download", None)  # flags a subcommand lacks are simply not set
+    if getattr(args, "batched_clients", False):
         overrides["batched_clients"] = True
     if args.method_arg:
         overrides["method_args"] = _parse_kv(args.method_arg)

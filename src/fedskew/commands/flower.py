@@ -88,17 +88,9 @@ def add_parsers(sub: Any) -> None:
 
 def _config(args: argparse.Namespace):
     """The run configuration from --config and the flags, as `fedskew run` reads them."""
-    from fedskew.cli import RUN_FLAGS, _parse_kv
-    from fedskew.config import load_yaml, make_config
+    from fedskew.cli import _config_from_args
 
-    file_values = load_yaml(args.config) if args.config else {}
-    overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
-    if args.method_arg:
-        overrides["method_args"] = _parse_kv(args.method_arg)
-    if args.no_db:
-        file_values["db"] = None
-        overrides.pop("db", None)
-    return make_config(file_values, overrides)
+    return _config_from_args(args)
 
 
 def _settings(args: argparse.Namespace):
