@@ -86,3 +86,64 @@ def test_batched_clients_setting_matches_the_sequential_run_and_falls_back_with_
         run_experiment(
             make_config(None, {**base, "method": "moon", "out": str(tmp_path / "m"), "batched_clients": True})
         )
+
+
+def test_a_dead_worker_stops_the_round_with_an_error_not_a_hang(one_thread):
+    import os
+
+    from conftest import digits_simulation
+
+    from fedskew.engine.workers import WorkerDied
+
+    sim = digits_simulation("fedavg")
+    train = sim._train
+
+    def dies_on_client_2(cid, rnd, received, broadcast):
+        if cid == 2:
+            os._exit(3)  # as if killed by the OOM killer
+        return train(cid, rnd, received, broadcast)
+
+    sim._train = dies_on_client_2  # inherited by the forked workers
+    jobs = [(c, sim.params_for(c), {}) for c in range(4)]
+    with ClientWorkers(sim, 2) as pool, pytest.raises(WorkerDied, match="round 1: a worker process died"):
+        list(pool.train(sim, 1, jobs))
+
+
+def test_jobs_travel_as_bytes_without_a_descriptor_passing_thread(one_thread):
+    """torch's shared-memory reducers start a resource_sharer thread in the sender; a later fork while it runs can
+    deadlock (a CI run hung on it). The pool must leave the parent with no such thread."""
+    import threading
+
+    from conftest import digits_simulation
+
+    sim = digits_simulation("scaffold")
+    with ClientWorkers(sim, 2) as pool:
+        list(pool.train(sim, 1, [(c, sim.params_for(c), {}) for c in range(3)]))
+    assert not [t.name for t in threading.enumerate() if "_serve" in t.name]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12.0).reshape(3, 4),
+        torch.tensor(3.5),
+        torch.zeros(0, 5),
+        torch.tensor([True, False, True]),
+        torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t(),  # not contiguous
+        torch.nn.Parameter(torch.ones(2, 2)),
+    ],
+)
+def test_transport_round_trips_tensors(value):
+    from fedskew.engine.workers import pack, unpack
+
+    got = unpack(pack({"x": value, "n": 3}))
+    assert got["n"] == 3 and type(got["x"]) is type(value)
+    assert got["x"].dtype == value.dtype and got["x"].shape == value.shape
+    assert torch.equal(got["x"], value.detach())
+
+
+def test_transport_sends_a_row_not_its_whole_stacked_buffer():
+    from fedskew.engine.workers import pack
+
+    stacked = torch.zeros(100, 1000)
+    assert len(pack(stacked[3])) < 2 * 4 * 1000  # one row, not the 400 kB storage

@@ -12,16 +12,29 @@ tensors, the model and the method (user-registered parts included) without pickl
 parent's ``client_states`` stays the one source of truth (checkpoints, resume). Each worker runs torch with one thread.
 Fork is the start method DataLoader workers use on Linux; it is not available on Windows or with CUDA tensors, where
 ``workers > 1`` is refused.
+
+Fork safety. A job and its result travel as plain bytes (``torch.save`` into a buffer), never through torch's
+shared-memory reducers: those hand file descriptors over a background ``resource_sharer`` thread, and a process
+forked while such a thread runs can deadlock (it did once in CI). The parent therefore runs no helper thread of ours
+when it forks, the workers never write to the parent's (possibly redirected, e.g. by a rich progress bar) stdout or
+stderr, and a worker that dies (out of memory, a crash in native code) stops the run with an error naming the client
+instead of leaving it waiting forever (``concurrent.futures``'s broken-pool detection).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import pickle
+import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from fedskew.protocol import ClientUpdate, Params
 
@@ -31,18 +44,55 @@ if TYPE_CHECKING:
 _SIM: Simulation | None = None  # the forked copy of the simulation, in a worker
 
 
+# ---- transport: plain bytes, each tensor compacted to its own elements ------------------------------------------
+def _rebuild_tensor(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...], kind: str, grad: bool) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    t = flat.view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    if kind == "parameter":
+        return nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(grad) if grad else t
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles CPU tensors as their own bytes: not through torch's shared-memory reducers (which need a background
+    fd-passing thread, see the module docstring) and not as their whole storage (a row of a stacked [K, ...] buffer
+    travels as one row)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor or type(obj) is nn.Parameter:
+            t = obj.detach()
+            flat = t.contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            kind = "parameter" if type(obj) is nn.Parameter else "tensor"
+            return _rebuild_tensor, (raw, t.dtype, tuple(t.shape), kind, obj.requires_grad)
+        return NotImplemented
+
+
+def pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def unpack(raw: bytes) -> Any:
+    return pickle.loads(raw)
+
+
+# ---- the worker side ----------------------------------------------------------------------------------------------
 def _init_worker() -> None:
     torch.set_num_threads(1)
+    # never write into the parent's streams (a progress bar may have replaced them with proxies holding locks)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
 
 
-def _train_one(job: tuple[int, int, Params, Params, dict[str, Any]]) -> tuple[ClientUpdate, dict[str, Any]]:
-    cid, rnd, received, broadcast, state = job
+def _train_one(job: bytes) -> bytes:
+    cid, rnd, received, broadcast, state = unpack(job)
     assert _SIM is not None
     _SIM.client_states[cid] = state
     update = _SIM._train(cid, rnd, received, broadcast)
     new_state = _SIM.client_states[cid]
     _SIM.client_states[cid] = {}  # the parent holds the state; do not keep a stale copy
-    return update, new_state
+    return pack((update, new_state))
 
 
 def can_fork(device: str) -> str | None:
@@ -52,6 +102,10 @@ def can_fork(device: str) -> str | None:
     if torch.device(device).type != "cpu":
         return f"worker processes train on the CPU; device {device!r} trains one client at a time"
     return None
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without returning its client's result (killed, out of memory, crashed)."""
 
 
 class ClientWorkers:
@@ -64,7 +118,10 @@ class ClientWorkers:
         global _SIM
         _SIM = sim  # inherited by the forked workers
         try:
-            self._pool = mp.get_context("fork").Pool(n, initializer=_init_worker)
+            self._pool = ProcessPoolExecutor(n, mp_context=mp.get_context("fork"), initializer=_init_worker)
+            # with fork, all n processes are started before the pool's own helper threads: start them now, while
+            # the simulation is the one to inherit
+            self._pool.submit(int).result()
         finally:
             _SIM = None
         self.n = n
@@ -75,17 +132,29 @@ class ClientWorkers:
     ) -> Iterator[ClientUpdate]:
         """Train ``(cid, received, broadcast)`` jobs in parallel; yield the uploads in the order of ``jobs``, each
         client's new state already stored in ``sim.client_states``."""
-        payload = [(cid, rnd, received, broadcast, sim.client_states[cid]) for cid, received, broadcast in jobs]
-        for (cid, _, _), (update, state) in zip(
-            jobs, self._pool.imap(_train_one, payload, chunksize=1), strict=True
-        ):
-            sim.client_states[cid] = state
-            yield update
+        futures = [
+            self._pool.submit(_train_one, pack((cid, rnd, received, broadcast, sim.client_states[cid])))
+            for cid, received, broadcast in jobs
+        ]
+        try:
+            for (cid, _, _), future in zip(jobs, futures, strict=True):
+                try:
+                    update, state = unpack(future.result())
+                except BrokenProcessPool as exc:
+                    raise WorkerDied(
+                        f"round {rnd}: a worker process died while training client {cid} or a client beside it "
+                        "(killed, out of memory, or a crash in native code); no result of this round was kept"
+                    ) from exc
+                sim.client_states[cid] = state
+                yield update
+        finally:
+            for future in futures:
+                future.cancel()
 
     def close(self) -> None:
-        if os.getpid() == self._owner:
-            self._pool.terminate()
-            self._pool.join()
+        if os.getpid() != self._owner:
+            return
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> ClientWorkers:
         return self
