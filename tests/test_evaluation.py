@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import fedskew.engine.loop as loop
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.evaluate import EVAL_ACTIVATION_BUDGET, auto_eval_batch, evaluate_global, predict_scores
@@ -16,26 +15,38 @@ def _sim(**kw):
     return Simulation(cfg, build_federated(cfg))
 
 
+def _passes(sim, monkeypatch):
+    """The sources of the evaluation passes ``sim`` makes from now on."""
+    seen = []
+    scores_of = sim.batch_scores_of
+
+    def spy(passes):
+        seen.extend(source for _, source in passes)
+        return scores_of(passes)
+
+    monkeypatch.setattr(sim, "batch_scores_of", spy)
+    return seen
+
+
 def test_pfllib_global_test_is_scored_once_as_the_clients_tests(monkeypatch):
     sim = _sim(protocol="pfllib")
     assert sim.global_is_local_union
     data = sim.data
     sim.model.load_state_dict(sim.global_params)
     direct = evaluate_global(sim.model, data.x_test, data.y_test, 64)
-
-    def no_second_pass(*a, **k):
-        raise AssertionError("the global test set was scored a second time")
-
-    monkeypatch.setattr(loop, "evaluate_global", no_second_pass)
+    passes = _passes(sim, monkeypatch)
     rec, _ = sim.evaluate()
+    assert passes == ["local"]  # the global test set is not scored a second time
     assert rec["global_acc"] == direct["global_acc"] == rec["global_local_acc"]
     assert rec["global_loss"] == pytest.approx(direct["global_loss"], rel=1e-6)  # float32 logits
 
 
-def test_default_protocol_keeps_a_separate_global_test_pass():
+def test_default_protocol_keeps_a_separate_global_test_pass(monkeypatch):
     sim = _sim()
     assert not sim.global_is_local_union
+    passes = _passes(sim, monkeypatch)
     rec, _ = sim.evaluate()
+    assert passes == ["test", "local"]
     sim.model.load_state_dict(sim.global_params)
     assert rec["global_acc"] == evaluate_global(sim.model, sim.data.x_test, sim.data.y_test, 7)["global_acc"]
 
@@ -48,8 +59,9 @@ def test_domain_runs_pool_the_per_domain_pass(fake_domains, monkeypatch):
     sim = Simulation(cfg, build_federated(cfg))
     sim.model.load_state_dict(sim.global_params)
     direct = evaluate_global(sim.model, sim.data.x_test, sim.data.y_test, 64)
-    monkeypatch.setattr(loop, "evaluate_global", lambda *a, **k: pytest.fail("scored twice"))
+    passes = _passes(sim, monkeypatch)
     rec, _ = sim.evaluate()
+    assert passes == ["test", "local"]  # one pass over the domains' test sets, scored per domain
     assert rec["global_acc"] == direct["global_acc"]
     assert rec["global_loss"] == pytest.approx(direct["global_loss"], rel=1e-6)  # float32 logits
 

@@ -147,3 +147,33 @@ def test_transport_sends_a_row_not_its_whole_stacked_buffer():
 
     stacked = torch.zeros(100, 1000)
     assert len(pack(stacked[3])) < 2 * 4 * 1000  # one row, not the 400 kB storage
+
+
+def test_worker_evaluation_splits_passes_into_whole_batches_with_the_same_scores(one_thread):
+    from conftest import digits_simulation
+
+    from fedskew.engine.evaluate import batch_scores
+
+    sim = digits_simulation("fedavg")
+    sim.eval_batch = 7  # the client test splits are not multiples of it
+    passes = [(sim.global_params, "local"), (sim.global_params, "test"), (sim.global_params, ("client", 2))]
+    expected = []
+    for params, source in passes:
+        sim.model.load_state_dict(params)
+        expected.append(batch_scores(sim.model, *sim.eval_tensors(source), 7))
+    with ClientWorkers(sim, 3) as pool:
+        got = pool.score(sim, passes, 7)
+    assert [len(b) for b in got] == [len(b) for b in expected]
+    for exp, out in zip(expected, got, strict=True):
+        for (h1, l1), (h2, l2) in zip(exp, out, strict=True):
+            assert torch.equal(h1, h2) and torch.equal(l1, l2)
+
+
+def test_workers_give_the_sequential_metrics_under_domain_skew(tmp_path, one_thread, fake_domains):
+    base = {
+        "dataset": "digits_domains", "partition": "domain", "clients": 6, "domain_fraction": 0.1, "rounds": 2,
+        "method": "fedavg+heal", "db": None, "seed": 4, "skew_probes": 0,
+    }  # fmt: skip
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "seq")}))
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "par"), "workers": 2}))
+    assert _records(tmp_path / "par") == _records(tmp_path / "seq")

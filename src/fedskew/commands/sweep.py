@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any
 
 SCALE_HELP = (
-    "smoke: a pipeline check on a small subset (minutes on a CPU); small: a stated reduction (about an hour on one "
-    "GPU); paper: the paper's rounds, local epochs, clients and model"
+    "smoke: a pipeline check on a small subset (minutes on a CPU); cpu: the paper's protocol on the embedded 8x8 "
+    "digits, sized for a laptop (about 15 minutes per paper on 2 cores with --jobs 2); small: a stated reduction "
+    "(about an hour on one GPU); paper: the paper's rounds, local epochs, clients and model"
 )
 
 
 def add_parsers(sub: Any) -> None:
+    from fedskew.reproduce.papers import SCALES
+
     sw = sub.add_parser(
         "sweep",
         help="run a grid of experiments from a YAML spec (docs/sweeps.md), idempotently, into one database",
@@ -40,7 +43,7 @@ def add_parsers(sub: Any) -> None:
         "dropped. Idempotent like `fedskew sweep`.",
     )
     rp.add_argument("paper", help="fedsa (fedpake), feddisco, fedcac or fedheal")
-    rp.add_argument("--scale", choices=("smoke", "small", "paper"), default="smoke", help=SCALE_HELP)
+    rp.add_argument("--scale", choices=SCALES, default="smoke", help=SCALE_HELP)
     rp.add_argument("--jobs", "-j", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     rp.add_argument("--out", default=None, help="output folder (default runs/reproduce/PAPER-SCALE)")
     rp.add_argument("--data-dir", default=None, help="dataset folder (default $FEDSKEW_DATA)")

@@ -80,22 +80,47 @@ def auto_eval_batch(model: nn.Module, sample: Tensor) -> int:
 
 
 @torch.inference_mode()
+def batch_scores(
+    model: nn.Module, x: Tensor, y: Tensor, batch_size: int, start: int = 0, stop: int | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """Per evaluation batch of samples ``[start, stop)`` (``start`` on a batch boundary): each sample's hit (1.0 or
+    0.0) and cross-entropy loss, float64. The batches are those of a pass from sample 0, so any split of a pass into
+    ranges (worker processes) computes exactly what the whole pass does."""
+    stop = x.shape[0] if stop is None else stop
+    if start % batch_size:
+        raise ValueError(f"start {start} is not on a batch boundary of {batch_size}")
+    model.eval()
+    out = []
+    for i in range(start, stop, batch_size):
+        xb, yb = x[i : min(i + batch_size, stop)], y[i : min(i + batch_size, stop)]
+        logits = model(xb)
+        losses = F.cross_entropy(logits, yb, reduction="none").double()
+        out.append(((logits.argmax(1) == yb).double(), losses))
+    return out
+
+
+def accumulate(batches: list[tuple[Tensor, Tensor]], owner: Tensor, num_owners: int) -> ClientScores:
+    """Correct predictions and summed loss per owner from a whole pass's :func:`batch_scores`, added in sample
+    order."""
+    correct = torch.zeros(num_owners, dtype=torch.float64, device=owner.device)
+    loss_sum = torch.zeros(num_owners, dtype=torch.float64, device=owner.device)
+    i = 0
+    for hits, losses in batches:
+        ob = owner[i : i + hits.shape[0]]
+        correct.index_add_(0, ob, hits.to(owner.device))
+        loss_sum.index_add_(0, ob, losses.to(owner.device))
+        i += hits.shape[0]
+    if i != owner.shape[0]:
+        raise ValueError(f"scores for {i} samples, owners for {owner.shape[0]}")
+    count = torch.bincount(owner, minlength=num_owners).double()
+    return ClientScores(correct.cpu().numpy(), loss_sum.cpu().numpy(), count.cpu().numpy())
+
+
 def predict_scores(
     model: nn.Module, x: Tensor, y: Tensor, owner: Tensor, num_owners: int, batch_size: int
 ) -> ClientScores:
     """Correct predictions and summed loss per owner (client) in one pass of large batches."""
-    model.eval()
-    correct = torch.zeros(num_owners, dtype=torch.float64, device=x.device)
-    loss_sum = torch.zeros(num_owners, dtype=torch.float64, device=x.device)
-    for i in range(0, x.shape[0], batch_size):
-        xb, yb, ob = x[i : i + batch_size], y[i : i + batch_size], owner[i : i + batch_size]
-        logits = model(xb)
-        losses = F.cross_entropy(logits, yb, reduction="none").double()
-        hits = (logits.argmax(1) == yb).double()
-        correct.index_add_(0, ob, hits)
-        loss_sum.index_add_(0, ob, losses)
-    count = torch.bincount(owner, minlength=num_owners).double()
-    return ClientScores(correct.cpu().numpy(), loss_sum.cpu().numpy(), count.cpu().numpy())
+    return accumulate(batch_scores(model, x, y, batch_size), owner, num_owners)
 
 
 def summarize(prefix: str, s: ClientScores) -> dict[str, float]:

@@ -31,12 +31,12 @@ from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.evaluate import (
     ClientScores,
+    accumulate,
     auto_eval_batch,
+    batch_scores,
     client_part_views,
     domain_summary,
-    evaluate_global,
     pooled,
-    predict_scores,
     summarize,
 )
 from fedskew.engine.probe import skew_probe
@@ -48,6 +48,8 @@ from fedskew.server.api import UploadStack, check_model
 
 if TYPE_CHECKING:
     from fedskew.engine.workers import ClientWorkers
+
+EvalSource = str | tuple[str, int]  # an evaluation pass's samples (Simulation.eval_tensors)
 
 
 def payload_bytes(tensors: Params) -> int:
@@ -131,7 +133,7 @@ def init_model(
             torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
             example = data.clients[0].x_train[:2].cpu()
             model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
-        return model.to(torch.device(cfg.device))
+        return _placed(model, cfg)
     if cfg.model.startswith("custom:"):
         raise ConfigError(
             f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
@@ -146,7 +148,14 @@ def init_model(
             norm=cfg.norm,
             **(method.model_options if method is not None else {}),
         )
-    return model.to(torch.device(cfg.device))
+    return _placed(model, cfg)
+
+
+def _placed(model: nn.Module, cfg: RunConfig) -> nn.Module:
+    """The model on the run's device, its 4-D (convolution) weights channels-last when ``cfg.channels_last``: the
+    layout is kept through ``load_state_dict`` (a copy into the existing tensors), so every client trains in it."""
+    model = model.to(torch.device(cfg.device))
+    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
 
 LOCAL_GROUPS = {
@@ -284,12 +293,22 @@ def global_views(server: Any, global_params: Params) -> dict[str, float]:
     rec.update(client_part_views(server.method.client, server.client_server_state, model, data, bs))
     if data.domains:  # one pass, per domain; the global numbers pool the domains
         assert data.test_domain is not None
-        ds = predict_scores(model, data.x_test, data.y_test, data.test_domain, len(data.domains), bs)
+        ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
         rec.update(pooled("global", ds))
         rec.update(domain_summary(data.domains, ds))
     elif not (server.global_is_local_union and not server.local_names):
-        rec.update(evaluate_global(model, data.x_test, data.y_test, bs))
+        owner = torch.zeros(data.x_test.shape[0], dtype=torch.long, device=data.x_test.device)
+        rec.update(pooled("global", accumulate(_test_pass(server, global_params), owner, 1)))
     return rec
+
+
+def _test_pass(server: Any, global_params: Params) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global model's batch scores on the global test set: through the server's ``batch_scores_of`` (the
+    simulator's worker processes) where it has one, else with ``server.model``, which holds ``global_params``."""
+    passes = getattr(server, "batch_scores_of", None)
+    if passes is not None:
+        return passes([(global_params, "test")])[0]
+    return batch_scores(server.model, server.data.x_test, server.data.y_test, server.eval_batch)
 
 
 class Simulation:
@@ -532,28 +551,46 @@ class Simulation:
         return self.trained.get(cid) or self.personal_params(cid)
 
     # ---- evaluation views --------------------------------------------------------------------------------
+    def eval_tensors(self, source: EvalSource) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test samples of an evaluation pass: ``"local"`` (every client's test split, in client order),
+        ``"test"`` (the global test set) or ``("client", cid)``."""
+        if source == "local":
+            return self.data.local_x, self.data.local_y
+        if source == "test":
+            return self.data.x_test, self.data.y_test
+        c = self.data.clients[source[1]]
+        return c.x_test, c.y_test
+
+    def batch_scores_of(self, passes: list[tuple[Params, EvalSource]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per ``(params, source)`` pass, its :func:`~fedskew.engine.evaluate.batch_scores`: in the worker processes
+        when there are any (split into ranges of whole batches: the same numbers), else here."""
+        if self._workers is not None:
+            return self._workers.score(self, passes, self.eval_batch)
+        out = []
+        for params, source in passes:
+            self.model.load_state_dict(params)
+            out.append(batch_scores(self.model, *self.eval_tensors(source), self.eval_batch))
+        return out
+
     def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
-        data, bs = self.data, self.eval_batch
+        data = self.data
         correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
-        for c in data.clients:
-            self.model.load_state_dict(params_of(c.cid))
+        passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), ("client", c.cid)) for c in data.clients]
+        for c, batches in zip(data.clients, self.batch_scores_of(passes), strict=True):
             owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
-            s = predict_scores(self.model, c.x_test, c.y_test, owner, 1, bs)
+            s = accumulate(batches, owner, 1)
             correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
         return ClientScores(correct, loss, count)
 
     def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
         """Every view once: each distinct (model, sample) pair is scored at most once."""
-        data, bs = self.data, self.eval_batch
+        data = self.data
         rec: dict[str, float] = global_views(self, self.global_params)
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
             scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
         else:  # one pass over all clients' test sets
-            scores = {
-                "global_local": predict_scores(
-                    self.model, data.local_x, data.local_y, data.local_owner, data.num_clients, bs
-                )
-            }
+            (batches,) = self.batch_scores_of([(self.global_params, "local")])
+            scores = {"global_local": accumulate(batches, data.local_owner, data.num_clients)}
             if self.global_is_local_union and not data.domains:
                 rec.update(pooled("global", scores["global_local"]))
         rec.update(summarize("global_local", scores["global_local"]))

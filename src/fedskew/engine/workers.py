@@ -24,22 +24,24 @@ instead of leaving it waiting forever (``concurrent.futures``'s broken-pool dete
 from __future__ import annotations
 
 import io
+import math
 import multiprocessing as mp
 import os
 import pickle
 import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from fedskew.engine.evaluate import batch_scores
 from fedskew.protocol import ClientUpdate, Params
 
 if TYPE_CHECKING:
-    from fedskew.engine.loop import Simulation
+    from fedskew.engine.loop import EvalSource, Simulation
 
 _SIM: Simulation | None = None  # the forked copy of the simulation, in a worker
 
@@ -95,6 +97,14 @@ def _train_one(job: bytes) -> bytes:
     return pack((update, new_state))
 
 
+def _score_one(job: bytes) -> bytes:
+    params, source, start, stop, batch_size = unpack(job)
+    assert _SIM is not None
+    x, y = _SIM.eval_tensors(source)
+    _SIM.model.load_state_dict(params)
+    return pack(batch_scores(_SIM.model, x, y, batch_size, start, stop))
+
+
 def can_fork(device: str) -> str | None:
     """Why worker processes cannot be used here (``None``: they can)."""
     if "fork" not in mp.get_all_start_methods():
@@ -132,10 +142,13 @@ class ClientWorkers:
     ) -> Iterator[ClientUpdate]:
         """Train ``(cid, received, broadcast)`` jobs in parallel; yield the uploads in the order of ``jobs``, each
         client's new state already stored in ``sim.client_states``."""
-        futures = [
-            self._pool.submit(_train_one, pack((cid, rnd, received, broadcast, sim.client_states[cid])))
-            for cid, received, broadcast in jobs
-        ]
+        # the largest clients start first (longest-processing-time order), so that no worker is left training a big
+        # client alone at the end of the round; the uploads are still taken in the order of ``jobs``
+        sizes = [len(sim.data.clients[cid].y_train) for cid, _, _ in jobs]
+        futures: list[Future[bytes]] = [None] * len(jobs)  # type: ignore[list-item]
+        for i in sorted(range(len(jobs)), key=lambda i: -sizes[i]):
+            cid, received, broadcast = jobs[i]
+            futures[i] = self._pool.submit(_train_one, pack((cid, rnd, received, broadcast, sim.client_states[cid])))
         try:
             for (cid, _, _), future in zip(jobs, futures, strict=True):
                 try:
@@ -150,6 +163,27 @@ class ClientWorkers:
         finally:
             for future in futures:
                 future.cancel()
+
+    def score(
+        self, sim: Simulation, passes: Sequence[tuple[Params, EvalSource]], batch_size: int
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:func:`~fedskew.engine.evaluate.batch_scores` of each ``(params, source)`` pass, computed in the workers:
+        a pass over many samples is split into one range of whole batches per worker, so the batches, and therefore
+        the scores, are exactly those of the pass in one process."""
+        jobs: list[tuple[int, Future[bytes]]] = []
+        for k, (params, source) in enumerate(passes):
+            n = sim.eval_tensors(source)[1].shape[0]
+            per = math.ceil(math.ceil(n / batch_size) / self.n) * batch_size  # samples per range: whole batches
+            for start in range(0, n, max(per, 1)):
+                job = pack((params, source, start, min(start + per, n), batch_size))
+                jobs.append((k, self._pool.submit(_score_one, job)))
+        out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in passes]
+        for k, future in jobs:
+            try:
+                out[k].extend(unpack(future.result()))
+            except BrokenProcessPool as exc:
+                raise WorkerDied("a worker process died while evaluating (killed or out of memory)") from exc
+        return out
 
     def close(self) -> None:
         if os.getpid() != self._owner:

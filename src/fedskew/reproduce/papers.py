@@ -7,8 +7,9 @@ setting). A file describes:
 * ``settings``: the paper's data settings (dataset + partition keys), and offline *stand-ins* (``stands_for``: the
   paper's partition on a dataset shipped offline, compared with the paper's number of the setting it stands for);
 * ``rows``: the methods of the tables as fedskew compositions with their hyper-parameters;
-* ``scales``: ``paper`` (the paper's rounds, epochs, clients, model), ``small`` (a stated reduction) and ``smoke``
-  (a pipeline check on a small subset);
+* ``scales``: ``paper`` (the paper's rounds, epochs, clients, model), ``small`` (a stated reduction, about an hour
+  on one GPU), ``cpu`` (the paper's protocol on the embedded 8x8 digits, sized for a laptop: about 15 minutes per
+  paper on 2 cores) and ``smoke`` (a pipeline check on a small subset);
 * ``tables``: columns (a setting, and a metric when the columns are metrics of one setting) and the paper's values.
 """
 
@@ -25,8 +26,8 @@ from pydantic import Field, ValidationError, model_validator
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 PAPER_DIR = Path(__file__).parent / "papers"
-SCALES = ("smoke", "small", "paper")
-Scale = Literal["smoke", "small", "paper"]
+SCALES = ("smoke", "cpu", "small", "paper")
+Scale = Literal["smoke", "cpu", "small", "paper"]
 
 
 class Source(StrictSettings):
