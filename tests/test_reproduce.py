@@ -144,3 +144,12 @@ def test_smoke_fedheal_per_domain_columns(tmp_path, capsys, monkeypatch):
         assert cells[4]["ours"] and cells[5]["ours"]  # AVG and STD over the domains present
     assert "Office-Caltech" in text and "(paper +2.09)" in text  # HEAL's AVG gain over FedAvg in the paper
     assert len(list((out / "figures").glob("domains-*.png"))) == 1
+
+
+@pytest.mark.parametrize("name", ["fedsa", "feddisco", "fedcac"])
+def test_cpu_scale_runs_on_the_embedded_digits_with_three_seeds(name, monkeypatch):
+    """`--scale cpu` needs no data directory for the label-skew papers: its settings are the embedded 8x8 digits."""
+    monkeypatch.delenv("FEDSKEW_DATA", raising=False)
+    plan = make_plan(load_paper(name), "cpu")
+    assert plan.settings and {s.case["dataset"] for s in plan.settings} == {"digits"}
+    assert plan.seeds == [0, 1, 2] and plan.base["rounds"] == 50
