@@ -59,3 +59,14 @@ def test_channels_last_runs_are_reproducible_and_workers_match(tmp_path, one_thr
     ]
     strip = [[{k: v for k, v in r.items() if not k.startswith("time_")} for r in recs] for recs in runs]
     assert strip[0] == strip[1] == strip[2]
+
+
+def test_cli_flag_sets_channels_last_and_the_config_records_it(tmp_path):
+    import yaml
+
+    from fedskew.cli import main
+
+    out = tmp_path / "run"
+    argv = ["run", "--clients", "3", "--rounds", "1", "--model", "lenet", "--channels-last", "--no-db", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["channels_last"] is True
