@@ -11,7 +11,7 @@ from typing import Any
 
 SCALE_HELP = (
     "smoke: a pipeline check on a small subset (minutes on a CPU); cpu: the paper's protocol on the embedded 8x8 "
-    "digits, sized for a laptop (about 15 minutes per paper on 2 cores with --jobs 2); small: a stated reduction "
+    "digits, sized for a laptop (6 to 17 minutes per paper on 2 cores with --jobs 2); small: a stated reduction "
     "(about an hour on one GPU); paper: the paper's rounds, local epochs, clients and model"
 )
 

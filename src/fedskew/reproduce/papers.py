@@ -8,7 +8,7 @@ setting). A file describes:
   paper's partition on a dataset shipped offline, compared with the paper's number of the setting it stands for);
 * ``rows``: the methods of the tables as fedskew compositions with their hyper-parameters;
 * ``scales``: ``paper`` (the paper's rounds, epochs, clients, model), ``small`` (a stated reduction, about an hour
-  on one GPU), ``cpu`` (the paper's protocol on the embedded 8x8 digits, sized for a laptop: about 15 minutes per
+  on one GPU), ``cpu`` (the paper's protocol on the embedded 8x8 digits, sized for a laptop: 6 to 17 minutes per
   paper on 2 cores) and ``smoke`` (a pipeline check on a small subset);
 * ``tables``: columns (a setting, and a metric when the columns are metrics of one setting) and the paper's values.
 """
