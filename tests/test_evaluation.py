@@ -5,9 +5,14 @@ import torch
 
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
-from fedskew.engine.evaluate import EVAL_ACTIVATION_BUDGET, auto_eval_batch, evaluate_global, predict_scores
+from fedskew.engine.evaluate import EVAL_ACTIVATION_BUDGET, auto_eval_batch, pooled, predict_scores
 from fedskew.engine.loop import Simulation
 from fedskew.models import build_model
+
+
+def evaluate_global(model, x, y, batch_size):
+    """The global test set scored directly, one pass: the reference for the engine's views."""
+    return pooled("global", predict_scores(model, x, y, torch.zeros(x.shape[0], dtype=torch.long), 1, batch_size))
 
 
 def _sim(**kw):

@@ -12,6 +12,9 @@ import yaml
 
 from fedskew import __version__
 
+# `fedskew run` switches (store_true flags) that set a config key of the same name to true
+RUN_SWITCHES = ("batched_clients", "channels_last")
+
 # flag name -> config key; every one of these overrides the YAML file
 RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--method": ("method", str, "method or composition (see `fedskew methods`)"),
@@ -219,7 +222,7 @@ def _config_from_args(args: argparse.Namespace):
         flags = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
         if args.no_db:
             flags["db"] = None
-        for switch in ("batched_clients", "channels_last"):
+        for switch in RUN_SWITCHES:
             if getattr(args, switch, False):
                 flags[switch] = True
         if args.config or args.method_arg:
@@ -233,7 +236,7 @@ def _config_from_args(args: argparse.Namespace):
         key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
     }
     overrides["download"] = getattr(args, "download", None)  # flags a subcommand lacks are simply not set
-    for switch in ("batched_clients", "channels_last"):  # flags a subcommand lacks are simply not set
+    for switch in RUN_SWITCHES:  # flags a subcommand lacks are simply not set
         if getattr(args, switch, False):
             overrides[switch] = True
     if args.method_arg:

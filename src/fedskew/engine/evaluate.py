@@ -154,11 +154,6 @@ def pooled(prefix: str, s: ClientScores) -> dict[str, float]:
     return {f"{prefix}_acc": float(s.correct.sum() / total), f"{prefix}_loss": float(s.loss_sum.sum() / total)}
 
 
-def evaluate_global(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> dict[str, float]:
-    owner = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-    return pooled("global", predict_scores(model, x, y, owner, 1, batch_size))
-
-
 def client_part_views(
     algo: object, state: object, model: nn.Module, data: FederatedData, batch_size: int
 ) -> dict[str, float]:
