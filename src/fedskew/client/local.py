@@ -167,8 +167,7 @@ class LocalSGD:
             nesterov=False,
             maximize=False,
             has_sparse_grad=any(g.is_sparse for g in grads),  # type: ignore[union-attr]
-            foreach=self.foreach,
-            fused=False if self.foreach is not None else None,
+            foreach=self.foreach,  # fused stays unset: SGD's default, as torch.optim.SGD leaves it
         )
         if self.momentum != 0:
             for i, buf in zip(live, buffers, strict=True):
