@@ -14,7 +14,7 @@ from conftest import digits_simulation
 
 import fedskew.data.federated as fed
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
-from fedskew.client.loss_before import LOSS_BEFORE, LossBefore, mean_loss
+from fedskew.client.loss_before import LOSS_AFTER, LOSS_BEFORE, MOMENTUM, LossAfter, LossBefore, mean_loss
 from fedskew.client.prototypes import (
     GLOBAL_PRESENT,
     GLOBAL_PROTOS,
@@ -23,6 +23,7 @@ from fedskew.client.prototypes import (
     FedProc,
     FedProto,
     aggregate_prototypes,
+    curriculum_weight,
 )
 from fedskew.config import ConfigError, make_config
 from fedskew.engine.checkpoint import capture, restore
@@ -38,22 +39,26 @@ from fedskew.server.fairness import (
     QfflCombine,
     project_simplex,
     qffl_coefficients,
+    qffl_lipschitz,
 )
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 F64 = torch.float64
 
 
-def _rin(glob, deltas, losses, cids=None, sizes=None, rnd=1, lr=0.1, buffers=None):
-    """Round input whose client k uploads ``glob + deltas[k]`` and reports ``losses[k]`` before training."""
+def _rin(glob, deltas, losses, cids=None, sizes=None, rnd=1, lr=0.1, buffers=None, steps=None, momentum=0.0):
+    """Round input whose client k uploads ``glob + deltas[k]`` and reports ``losses[k]`` before training, after
+    ``steps[k]`` local steps (1 each by default) at learning rate ``lr`` and momentum ``momentum``."""
     cids = list(range(len(deltas))) if cids is None else cids
     sizes = [10 * (i + 1) for i in range(len(deltas))] if sizes is None else sizes
+    steps = [1] * len(deltas) if steps is None else steps
     ups = []
     for i, (cid, delta, n, loss) in enumerate(zip(cids, deltas, sizes, losses, strict=True)):
         params = {"w": glob["w"] + torch.tensor(delta, dtype=F64)}
         if buffers is not None:
             params["b"] = buffers[i]
-        ups.append(ClientUpdate(cid, params, n, metrics={LOSS_BEFORE: float(loss), "lr": lr}))
+        metrics = {LOSS_BEFORE: float(loss), "lr": lr, "steps": float(steps[i]), MOMENTUM: momentum}
+        ups.append(ClientUpdate(cid, params, n, metrics=metrics))
     trainable = frozenset({"w"})
     return stack_updates(ups, rnd=rnd, global_params=glob, trainable=trainable, label_hists=np.ones((len(ups), 2)))
 
@@ -71,22 +76,25 @@ def _same_params(a, b, tol=0.0):
 
 
 # ---- q-FFL ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lipschitz", ["auto", "lr", 3.0])
 @pytest.mark.parametrize("weighting", [SampleWeights(), UniformWeights()], ids=["samples", "uniform"])
-def test_qffl_with_q_zero_is_fedavg(weighting):
+def test_qffl_with_q_zero_is_fedavg(weighting, lipschitz):
     glob = {"w": torch.tensor([0.5, -1.0], dtype=F64)}
-    rin = _rin(glob, [[1.0, 2.0], [-3.0, 0.5], [0.2, 0.2]], [0.3, 2.0, 1.1])
+    rin = _rin(glob, [[1.0, 2.0], [-3.0, 0.5], [0.2, 0.2]], [0.3, 2.0, 1.1], steps=[5, 9, 2], momentum=0.9)
     w, _ = weighting(rin, None, None)
-    out, _ = QfflCombine(q=0.0)(rin, w, None)
+    out, _ = QfflCombine(q=0.0, lipschitz=lipschitz)(rin, w, None)
     ref, _ = WeightedMean()(rin, w, None)
     assert torch.allclose(out["w"], ref["w"], atol=1e-12, rtol=0)
 
 
-def test_qffl_step_written_out():
+@pytest.mark.parametrize("lipschitz", ["auto", "lr"])
+def test_qffl_step_written_out(lipschitz):
     # W = 0, u1 = [1, 0], u2 = [0, 2], F = [1, 4], q = 1, L = 1/lr = 10, uniform p:
     # h_k = q F^{q-1} L ||u_k||^2 + F^q = [10 + 1, 40 + 4] = [11, 44]; coef = F / sum(h) = [1, 4] / 55
+    # (one plain SGD step each, tau = 1 and beta = 0: the auto estimate (1 - beta)^2/(lr tau^2) is fair_flearn's 1/lr)
     glob = {"w": torch.zeros(2, dtype=F64)}
     rin = _rin(glob, [[1.0, 0.0], [0.0, 2.0]], [1.0, 4.0], lr=0.1)
-    out, diag = QfflCombine(q=1.0)(rin, torch.tensor([0.5, 0.5], dtype=F64), None)
+    out, diag = QfflCombine(q=1.0, lipschitz=lipschitz)(rin, torch.tensor([0.5, 0.5], dtype=F64), None)
     assert diag["qffl_coef"] == pytest.approx([1 / 55, 4 / 55], abs=1e-9)
     assert out["w"].tolist() == pytest.approx([1 / 55, 8 / 55], abs=1e-9)
     # a given Lipschitz constant replaces 1/lr; q = 2: h = 2 F L ||u||^2 + F^2
@@ -95,6 +103,39 @@ def test_qffl_step_written_out():
     )
     h = [2 * 1 * 3 * 1 + 1, 2 * 4 * 3 * 4 + 16]
     assert coef.tolist() == pytest.approx([1 / sum(h), 16 / sum(h)], rel=1e-9)
+
+
+def test_qffl_lipschitz_estimate_written_out():
+    # L_k = (1 - beta)^2 / (lr tau_k^2): one plain step is 1/lr; 4 steps at beta 0.5 and lr 0.1: 0.25 / 1.6
+    lr, steps, beta = (torch.tensor(v, dtype=F64) for v in ([0.1, 0.1, 0.2], [1.0, 4.0, 0.0], [0.0, 0.5, 0.9]))
+    assert qffl_lipschitz(lr, steps, beta).tolist() == pytest.approx([10.0, 0.15625, 0.01 / 0.2], rel=1e-12)
+    assert qffl_lipschitz(lr, steps, beta).dtype == F64  # no step counted (cannot happen) is read as one
+
+
+def test_qffl_auto_lipschitz_takes_a_larger_step_after_several_momentum_steps():
+    # W = 0, u1 = [1, 0], u2 = [0, 2], F = [1, 4], q = 1, lr 0.1, momentum 0.5, steps [4, 2], uniform p:
+    # L = 0.25 / (0.1 * [16, 4]) = [0.15625, 0.625]; h = L ||u||^2 + F = [0.15625 + 1, 2.5 + 4]
+    glob = {"w": torch.zeros(2, dtype=F64)}
+    rin = _rin(glob, [[1.0, 0.0], [0.0, 2.0]], [1.0, 4.0], lr=0.1, steps=[4, 2], momentum=0.5)
+    p = torch.tensor([0.5, 0.5], dtype=F64)
+    out, diag = QfflCombine(q=1.0)(rin, p, None)  # the default is "auto"
+    total = 1.15625 + 6.5
+    assert diag["qffl_coef"] == pytest.approx([1 / total, 4 / total], rel=1e-9)
+    assert out["w"].tolist() == pytest.approx([1 / total, 8 / total], rel=1e-9)
+    _, ref = QfflCombine(q=1.0, lipschitz="lr")(rin, p, None)  # fair_flearn's 1/lr ignores steps and momentum
+    assert ref["qffl_coef"] == pytest.approx([1 / 55, 4 / 55], abs=1e-9)
+    assert diag["qffl_step"] > 5 * ref["qffl_step"]
+    _, const = QfflCombine(q=1.0, lipschitz=0.625)(rin, p, None)  # a given constant for every client
+    assert const["qffl_coef"] == pytest.approx([1 / (0.625 + 1 + 6.5), 4 / (0.625 + 1 + 6.5)], rel=1e-9)
+
+
+def test_qffl_lipschitz_parameter():
+    assert resolve_method("fedavg+qffl", {}).server.combine.lipschitz == "auto"
+    assert resolve_method("fedavg+qffl", {"lipschitz": "lr"}).server.combine.lipschitz == "lr"
+    assert resolve_method("fedavg+qffl", {"lipschitz": 2}).server.combine.lipschitz == 2.0
+    for bad in (0, -1.0, "steps", True):
+        with pytest.raises(ConfigError, match="lipschitz"):
+            resolve_method("fedavg+qffl", {"lipschitz": bad})
 
 
 def test_qffl_refuses_masks_and_defaults_to_the_references_uniform_average():
@@ -330,6 +371,40 @@ def test_fedproc_loss_written_out():
     assert float(algo.loss(ctx0, logits, feats, y, x)) == pytest.approx(ce, rel=1e-6)
 
 
+def test_fedproc_curriculum_runs_over_the_runs_rounds_by_default():
+    assert [curriculum_weight(t, 5) for t in (1, 2, 3, 5, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    assert curriculum_weight(1, 1) == 0.0
+    assert FedProc().alpha(3, 5) == 0.5  # T = the run's rounds (MarsFL's communication_epoch)
+    assert FedProc(curriculum_rounds=200).alpha(3, 5) == pytest.approx(1 - 2 / 199)  # an explicit T overrides
+    with pytest.raises(ValueError, match="rounds"):
+        FedProc().alpha(3)  # neither the run's rounds nor curriculum_rounds
+    model, x, y = _tiny()
+    with torch.no_grad():
+        feats = model.body(x)
+        logits = model.head(feats)
+    bc = {GLOBAL_PROTOS: torch.randn(3, feats.shape[1]), GLOBAL_PRESENT: torch.ones(3, dtype=torch.bool)}
+    losses = []
+    for algo, rounds in ((FedProc(), 5), (FedProc(curriculum_rounds=5), None), (FedProc(curriculum_rounds=5), 50)):
+        ctx = LocalContext(0, 3, model, snapshot(model), {}, bc, TrainSettings(2, 5, 0.0, rounds=rounds))
+        ctx.x, ctx.y = x, y
+        algo.begin(ctx)
+        with torch.no_grad():
+            losses.append(float(algo.loss(ctx, logits, feats, y, x)))
+    assert losses[0] == losses[1] == losses[2]
+
+
+def test_fedproc_run_reads_its_rounds():
+    default = digits_simulation("fedproc", rounds=2)
+    assert default.settings.rounds == 2
+    same = digits_simulation("fedproc", {"curriculum_rounds": 2}, rounds=2)
+    longer = digits_simulation("fedproc", {"curriculum_rounds": 200}, rounds=2)  # the old default
+    r_default, r_same = _records(default.run()), _records(same.run())
+    longer.run()
+    assert r_default == r_same
+    assert _same_params(default.global_params, same.global_params)
+    assert not _same_params(default.global_params, longer.global_params, tol=1e-6)  # round 2: alpha 0 vs 0.995
+
+
 # ---- the loss before training ---------------------------------------------------------------------------------------
 def test_loss_before_is_reported_and_changes_nothing_else():
     model, x, y = _tiny()
@@ -342,9 +417,42 @@ def test_loss_before_is_reported_and_changes_nothing_else():
     wrapped = LossBefore(FedProto())
     up = local_train(wrapped, _local_ctx(model2, lr=0.1), x, y, torch.Generator().manual_seed(1))
     assert up.metrics[LOSS_BEFORE] == pytest.approx(expected, rel=1e-6) and up.metrics["lr"] == 0.1
+    assert up.metrics[MOMENTUM] == 0.0 and up.metrics["steps"] == 2 * 3  # q-FFL's auto Lipschitz estimate reads both
     assert _same_params(up.params, plain.params) and _same_params(up.extras, plain.extras)
     assert wrapped.name == "fedproto" and wrapped.lam == 1.0  # the host's attributes show through
     assert isinstance(resolve_method("fedproto+afl+fedfv", {}).client, LossBefore)  # wrapped once for both
+
+
+def test_loss_after_scores_the_trained_model_on_the_validation_split_and_changes_nothing_else():
+    model, x, y = _tiny()
+    _, x_val, y_val = _tiny(n=6, seed=3)
+    plain = local_train(FedProto(), _local_ctx(model, lr=0.1), x, y, torch.Generator().manual_seed(1))
+    model2, _, _ = _tiny()
+    ctx = _local_ctx(model2, lr=0.1)
+    ctx.x_val, ctx.y_val = x_val, y_val
+    up = local_train(LossAfter(FedProto()), ctx, x, y, torch.Generator().manual_seed(1))
+    assert _same_params(up.params, plain.params) and _same_params(up.extras, plain.extras)
+    model2.load_state_dict(up.params)  # the uploaded (trained) model on the validation split
+    assert up.metrics[LOSS_AFTER] == pytest.approx(mean_loss(model2, x_val, y_val), rel=1e-6)
+    assert LOSS_BEFORE not in up.metrics
+    with pytest.raises(ValueError, match="validation split"):
+        local_train(LossAfter(FedProto()), _local_ctx(model2, lr=0.1), x, y, torch.Generator().manual_seed(1))
+
+
+def test_afl_after_training_reads_the_loss_after_and_needs_validation_splits():
+    glob = {"w": torch.zeros(2, dtype=F64)}
+    rin = _rin(glob, [[1.0, 0.0]] * 3, [1.0, 2.0, 3.0])
+    rin.metrics[LOSS_AFTER] = rin.metrics.pop(LOSS_BEFORE).flip(0)  # 3, 2, 1 after training
+    w, _ = AflWeights(step=0.1, floor=0.0, restart=True, loss=LOSS_AFTER)(rin, None, None)
+    assert w.tolist() == pytest.approx([1 / 3 + 0.1, 1 / 3, 1 / 3 - 0.1], abs=1e-12)
+    method = resolve_method("fedprox+afl", {"loss": "after", "restart": True})
+    assert isinstance(method.client, LossAfter) and method.client.name == "fedprox"
+    with pytest.raises(ConfigError, match="set validation"):
+        make_config(None, {"method": "fedavg+afl", "method_args": {"loss": "after"}, "db": None})
+    sim = digits_simulation("fedavg+afl", {"loss": "after", "restart": True}, rounds=2, validation=0.2)
+    records = sim.run()
+    weights = records[-1]["diagnostics"]["weights"]
+    assert len(weights) == 4 and sum(weights) == pytest.approx(1.0) and len(set(weights)) > 1
 
 
 # ---- whole runs -----------------------------------------------------------------------------------------------------
@@ -361,9 +469,9 @@ def test_fedproto_with_heal_switched_off_equals_fedproto(one_thread):
 
 LEARNS = [
     ("fedproto", {}),
-    ("fedproc", {"curriculum_rounds": 4}),
+    ("fedproc", {}),  # the curriculum over the run's 4 rounds
     ("fedavg+afl", {}),
-    ("fedprox+qffl", {"q": 0.1}),  # q = 1 with L = 1/lr takes ~6% of FedAvg's step here: 4 rounds show little
+    ("fedprox+qffl", {}),  # q = 1 with L = 1/lr (-m lipschitz=lr) stays at 10% accuracy here; the auto L learns
     ("fedavg+fedfv", {}),
     ("moon+afl", {"projection": 0}),
     ("scaffold+afl", {}),

@@ -156,3 +156,55 @@ def test_domain_partition_has_no_leak(shared_data):
     data = fed.build_federated(cfg)
     domains = digits_domains(root, size=cfg.image_size, seed=cfg.seed)  # cached: the same arrays
     assert_no_leak(data, _source([domains[n] for n in data.domains]))
+
+
+# ---- validation splits: carved from training, and under evaluate_on=validation no test sample is left -------------
+def _all_test_indices(data: fed.FederatedData) -> np.ndarray:
+    return np.concatenate([data.test_index, *(c.test_index for c in data.clients)])
+
+
+def assert_validation_federation(values: dict, source: tuple) -> None:
+    """The plain federation's test samples (local and global) appear nowhere in the validation-evaluated one; its
+    validation splits came from the clients' own training splits and left them."""
+    plain = fed.build_federated(make_config(None, values))
+    carved = fed.build_federated(make_config(None, {**values, "validation": 0.2}))
+    tuned = fed.build_federated(make_config(None, {**values, "validation": 0.2, "evaluate_on": "validation"}))
+    tests = _all_test_indices(plain)
+    for c_plain, c_carved, c_tuned in zip(plain.clients, carved.clients, tuned.clients, strict=True):
+        _check_indices(c_carved.x_val, c_carved.y_val, c_carved.val_index, source)
+        # train + validation is exactly the former training split, disjoint
+        both = np.concatenate([c_carved.train_index, c_carved.val_index])
+        assert np.array_equal(np.sort(both), np.sort(c_plain.train_index))
+        assert len(np.intersect1d(c_carved.train_index, c_carved.val_index)) == 0
+        assert len(c_carved.val_index) >= 1 and len(c_carved.train_index) >= 1
+        # the test splits are untouched when evaluating on test; replaced by the validation splits otherwise
+        assert np.array_equal(c_carved.test_index, c_plain.test_index)
+        assert np.array_equal(c_tuned.test_index, c_carved.val_index)
+        assert np.array_equal(c_tuned.train_index, c_carved.train_index)
+    leak_report(tuned, source)  # checks every recorded index against the tensors
+    used = np.concatenate(
+        [tuned.test_index, *(c.train_index for c in tuned.clients), *(c.test_index for c in tuned.clients)]
+    )
+    assert not np.isin(used, tests).any(), "a test sample is in the federation evaluated on validation"
+    assert np.array_equal(tuned.train_hists, carved.train_hists)
+    assert tuned.train_hists.sum() == plain.train_hists.sum() - sum(len(c.val_index) for c in carved.clients)
+
+
+@pytest.mark.parametrize("partition, protocol", COMBOS)
+def test_evaluating_on_validation_reads_no_test_sample(partition, protocol):
+    assert_validation_federation(_values(partition, protocol), _source([load_dataset("digits")]))
+
+
+def test_evaluating_on_validation_under_domain_skew(fake_domains):
+    values = {"dataset": "digits_domains", "partition": "domain", "clients": 6, "domain_fraction": 0.1, "db": None}
+    assert_validation_federation(values, _source(list(fake_domains.values())))
+    data = fed.build_federated(make_config(None, {**values, "validation": 0.2, "evaluate_on": "validation"}))
+    owner_domain = np.repeat(data.client_domain, [len(c.y_test) for c in data.clients])
+    assert np.array_equal(data.test_domain.cpu().numpy(), owner_domain)  # each sample keeps its client's domain
+
+
+def test_evaluate_on_validation_needs_a_validation_share():
+    with pytest.raises(ConfigError, match="evaluate_on 'validation'.*set validation"):
+        make_config(None, {"evaluate_on": "validation", "db": None})
+    with pytest.raises(ConfigError, match="validation"):
+        make_config(None, {"validation": 1.0, "db": None})

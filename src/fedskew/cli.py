@@ -43,6 +43,8 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--weight-decay": ("weight_decay", float, "local SGD weight decay"),
     "--model": ("model", str, "mlp | cnn | lenet | resnet8/10/18/34 | auto"),
     "--train-ratio": ("train_ratio", float, "per-client train share (rest = local test)"),
+    "--validation": ("validation", float, "share of every client's training split held out as validation (0: none)"),
+    "--evaluate-on": ("evaluate_on", str, "test | validation: what every evaluation view scores"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds"),
     "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
     "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
@@ -202,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands defined next to what they drive: each module has add_parsers(sub) and HANDLERS (name -> handler)
-COMMAND_MODULES = ("fedskew.commands.sweep", "fedskew.commands.flower")
+COMMAND_MODULES = ("fedskew.commands.sweep", "fedskew.commands.tune", "fedskew.commands.flower")
 
 
 def _command_modules() -> list[Any]:

@@ -90,6 +90,18 @@ class RunConfig(StrictSettings):
     holdout: float = Field(
         0.2, gt=0, lt=1, description="global test share of the pool, for datasets without an official test split"
     )
+    validation: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="share of every client's training split held out as its validation split (0: none); the "
+        "clients do not train on it",
+    )
+    evaluate_on: Literal["test", "validation"] = Field(
+        "test",
+        description="validation: every evaluation view scores the clients' validation splits instead of the test "
+        "sets, which are then never read (what `fedskew tune` runs); needs validation > 0",
+    )
     # federation
     rounds: int = Field(100, ge=1)
     join_ratio: float = Field(1.0, gt=0, le=1, description="share of clients sampled each round")
@@ -198,6 +210,11 @@ class RunConfig(StrictSettings):
                 f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
             )
         _check_dataset(self)
+        if self.evaluate_on == "validation" and not self.validation:
+            raise ValueError(
+                "evaluate_on 'validation' scores the clients' validation splits: set validation to a share in (0, 1) "
+                "(e.g. 0.2)"
+            )
         if self.protocol == "pfllib" and self.partition not in (*PFLLIB_PARTITIONS, "given"):
             raise ValueError(
                 f"protocol 'pfllib' supports partitions {', '.join(PFLLIB_PARTITIONS)} (and given, for per-client "
@@ -215,7 +232,12 @@ class RunConfig(StrictSettings):
                 )
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
         # (fedsa+disco needs low_weighting=samples)
-        resolve_method(self.method, self.method_args)
+        method = resolve_method(self.method, self.method_args)
+        if getattr(method.client, "needs_validation", False) and not self.validation:
+            raise ValueError(
+                f"method {self.method!r} scores each client's validation split (e.g. AFL with loss=after): set "
+                "validation to a share of the training split (e.g. 0.1)"
+            )
         return self
 
     def identity(self) -> dict[str, Any]:

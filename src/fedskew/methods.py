@@ -42,6 +42,7 @@ from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import FaelWeights, HealMasks
 from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
+from fedskew.tuning.space import Float, Int, LogFloat
 
 
 class ServerBaseParams(StrictSettings):
@@ -89,6 +90,8 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
         FedProxParams,
         lambda p: FedProx(mu=p.mu),
+        # MOON and FedDisco's code tune mu over {0.001, 0.01, 0.1, 1}
+        tunable={"mu": LogFloat(1e-3, 1.0)},
     ),
     "moon": ClientPart(
         "moon",
@@ -97,6 +100,8 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         MoonParams,
         lambda p: Moon(mu=p.mu, tau=p.tau, projection=p.projection),
         model_options=lambda p: {"projection": p.projection} if p.projection else {},
+        # MOON paper: mu in {0.1, 1, 5, 10}, tau in {0.1, 0.5, 1}; FedDisco's code/scripts: mu 0.01 / 0.1
+        tunable={"mu": LogFloat(1e-2, 10.0), "tau": Float(0.1, 1.0)},
     ),
     "scaffold": ClientPart(
         "scaffold",
@@ -113,6 +118,7 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         FedRepParams,
         lambda p: FedRep(head_epochs=p.head_epochs),
         implies=("fedper",),
+        tunable={"head_epochs": Int(1, 10)},  # FedRep: 10 head epochs (its paper's default)
     ),
     "ditto": ClientPart(
         "ditto",
@@ -123,6 +129,7 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         lambda p: Ditto(lam=p.lam, personal_epochs=p.personal_epochs),
         personalized=True,
         weights="uniform",
+        tunable={"lam": LogFloat(1e-3, 2.0)},  # Ditto paper: lambda in {0.01, 0.1, 1, 2}; FedSA/FedPake 0.001
     ),
     "fedamp": ClientPart(
         "fedamp",
@@ -132,6 +139,7 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         lambda p: AmpClient(mu=p.mu),
         implies=("amp",),
         personalized=True,
+        tunable={"mu": LogFloat(1e-5, 1e-2)},
     ),
 }
 
@@ -201,6 +209,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
         DiscoParams,
         ("weighting",),
         lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target)},
+        tunable={"a": Float(0.1, 1.0), "b": Float(0.0, 0.2)},  # FedDisco Fig. 4 tunes a and b around 0.5 / 0.1
     ),
     "fedsa": ServerPlugin(
         "fedsa",
@@ -209,6 +218,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
         FedSAParams,
         ("combine",),
         _fedsa,
+        tunable={"lam": Float(0.1, 0.5), "C": Int(2, 8), "S": Int(2, 8)},  # FedPake Fig. 4: lam, C, S
     ),
     "heal": ServerPlugin(
         "heal",
@@ -217,6 +227,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
         HealParams,
         ("masking", "weighting"),
         _heal,
+        tunable={"tau": Float(0.1, 0.6), "beta": Float(0.1, 0.9)},  # FedHEAL Table 4 / Fig. 6
     ),
     "local": ServerPlugin(
         "local",
@@ -253,6 +264,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
             "personalize": lambda w: FedCAC(weighting=w, beta=p.beta),
             "upload": CriticalMasks(tau=p.tau),
         },
+        tunable={"tau": Float(0.1, 0.9), "beta": LogFloat(10.0, 300.0)},  # FedCAC Figs. 5 and 6
     ),
     "amp": ServerPlugin(
         "amp",
@@ -330,8 +342,8 @@ def _given(args: Mapping[str, Any], field_name: str) -> bool:
     return any(k.rpartition(".")[2] == field_name for k in args)
 
 
-def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
-    """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
+def _parse_name(name: str) -> tuple[list[str], str, list[str]]:
+    """``(tokens, client part, plug-ins)`` of a composition name (aliases resolved, implied plug-ins added)."""
     load_entry_points()
     tokens = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in name.split("+")]
     if not all(tokens):
@@ -346,6 +358,33 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
             raise ConfigError(f"method {name!r}: unknown {where} {t!r} (known: {known})")
     if len(set(plugin_names)) != len(plugin_names):
         raise ConfigError(f"method {name!r}: a plug-in is repeated")
+    return tokens, client_name, plugin_names
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """A part of a composition as hyper-parameters see it: its name, its settings model, its tunable ranges."""
+
+    name: str
+    params: type[BaseModel]
+    tunable: Mapping[str, Any]
+
+
+def method_parts(name: str) -> list[PartInfo]:
+    """The parts of a composition in the order ``-m`` keys are resolved: the server's base average, the client part,
+    then the plug-ins (implied ones included)."""
+    _, client_name, plugin_names = _parse_name(name)
+    client = CLIENTS[client_name]
+    plugins = [SERVER_PLUGINS[t] for t in plugin_names]
+    return [
+        PartInfo("server", ServerBaseParams, {}),
+        *(PartInfo(p.name, p.params, p.tunable) for p in (client, *plugins)),
+    ]
+
+
+def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
+    """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
+    tokens, client_name, plugin_names = _parse_name(name)
     client = CLIENTS[client_name]
     for plugin_name, reason in client.excludes:
         if plugin_name in plugin_names:

@@ -13,8 +13,8 @@ Every part is checked the same way when it is registered: a lower-case name not 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from fedskew.client.local import LocalAlgorithm
 from fedskew.schema import ConfigError, StrictSettings
+from fedskew.tuning.space import Dist
 
 # the roles a server plug-in may fill (each at most once per method), see fedskew.server.api.Aggregation:
 #   weighting  [K] client weights                      (Disco, FAEL, AFL, ...)
@@ -57,6 +58,8 @@ class ClientPart:
     weights: Literal["samples", "uniform"] = "samples"
     # params -> keyword arguments for models.build_model (MOON's projection head)
     model_options: Callable[[Any], dict[str, Any]] = lambda p: {}
+    # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
+    tunable: Mapping[str, Dist] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class ServerPlugin:
     # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
     # clients, see engine.loop.LOCAL_GROUPS) and "upload" (a client-side Upload)
     build: Callable[[Any], dict[str, Any]]
+    # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
+    tunable: Mapping[str, Dist] = field(default_factory=dict)
 
 
 def keep_local(*groups: str) -> Callable[[Any], dict[str, Any]]:
@@ -95,6 +100,9 @@ def _check(part: ClientPart | ServerPlugin) -> None:
         )
     if not callable(part.build):
         raise ConfigError(f"{kind} {part.name!r}: build must be callable")
+    stray = [k for k in part.tunable if k not in part.params.model_fields]
+    if stray:
+        raise ConfigError(f"{kind} {part.name!r}: tunable {stray} are not among its hyper-parameters")
     if isinstance(part, ServerPlugin):
         bad = [r for r in part.roles if r not in ROLES]
         if bad or len(set(part.roles)) != len(part.roles):

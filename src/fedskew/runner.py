@@ -99,6 +99,12 @@ class RunInterrupted(Exception):
         self.signum, self.run_dir, self.completed = signum, run_dir, completed
 
 
+class StopRun(Exception):
+    """Raised by an ``on_round`` callback to end a run early on purpose (``fedskew tune`` pruning a hopeless trial):
+    the finished rounds and the last checkpoint are kept, the run is marked ``stopped`` with the message, and the
+    exception reaches the caller. Nothing is written to the database (the run did not finish)."""
+
+
 class DatabaseWriteError(DatabaseError):
     """The run finished and its directory is complete, but its database rows could not be written."""
 
@@ -283,7 +289,9 @@ def run_experiment(
             rd.discard()
             raise
         done = rd.status().get("checkpoint_round") or 0
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        status = "failed"
+        if isinstance(exc, KeyboardInterrupt | StopRun):
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
         rd.set_status(status, error=f"{type(exc).__name__}: {exc}", completed_rounds=len(records))
         rd.unlock()
         if isinstance(exc, KeyboardInterrupt):

@@ -36,6 +36,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
+from fedskew.tuning.tuned import apply_tuned
 
 # keys every run gets from the sweep itself, never from an axis
 _SWEEP_OWNED = ("out", "db", "seed")
@@ -73,6 +74,9 @@ class SweepSpec(StrictSettings):
     db: str | None = Field(None, description="the one results database (default <out>/fedskew.db)")
     jobs: int | None = Field(None, ge=1, description="runs at a time (default 1; --jobs wins)")
     metrics: list[str] = Field(default_factory=lambda: ["global_acc"], description="metrics of the final table")
+    tuned: str | None = Field(
+        None, description="a tuned.yaml of `fedskew tune`: each run takes the tuned arguments of its method and setting"
+    )
 
     @field_validator("grid")
     @classmethod
@@ -139,6 +143,7 @@ class PlannedRun:
     cfg: RunConfig
     label: str  # for the progress display
     point: dict[str, Any] = field(default_factory=dict)  # {"case": i, "method": j, "seed": s, ...}
+    tuned: dict[str, Any] | None = None  # the tuned arguments it took ({"args": ..., "run": ..., "study": ...})
 
 
 def _set(values: dict[str, Any], key: str, value: Any, where: str) -> None:
@@ -202,6 +207,12 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
             raise ConfigError(f"sweep base: {key!r} is set by the sweep (top-level {key}:), not in base")
     base.pop("seed", None)
     axes = _axes(spec)
+    tuned_entries = None
+    if spec.tuned:
+        from fedskew.tuning.tuned import load_tuned
+
+        tuned_entries = load_tuned(spec.tuned)
+    tuned_by_draft: list[dict[str, Any] | None] = []
     drafts: list[tuple[RunConfig, str, dict[str, Any]]] = []
     for seed in spec.seed_list():
         for combo in itertools.product(*axes):
@@ -220,17 +231,21 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
                     values["method_args"] = {**values.get("method_args", {}), **method.args}
                     where += f", method {method.display()}"
                 values.update(seed=seed, db=db_path)
+                took = None
                 try:
+                    if tuned_entries is not None:
+                        values, took = apply_tuned(values, tuned_entries)
                     cfg = make_config(values)
                 except ConfigError as exc:
                     raise ConfigError(f"{where}): {exc}") from None
                 label = method.display() if method is not None else cfg.method
-                drafts.append((cfg, label, point))
+                drafts.append((cfg, label + (" [tuned]" if took else ""), point))
+                tuned_by_draft.append(took)
     idents = [cfg.identity() for cfg, _, _ in drafts]
     keys = list(dict.fromkeys(k for ident in idents for k in ident))
     varying = [k for k in keys if len({json.dumps(i.get(k), sort_keys=True, default=str) for i in idents}) > 1]
     runs: dict[str, PlannedRun] = {}
-    for cfg, label, point in drafts:
+    for (cfg, label, point), took in zip(drafts, tuned_by_draft, strict=True):
         name = run_name(cfg, varying)
         # the hash alone identifies the run: a folder from before the spec grew (another key varies now, so the
         # readable part of the name differs) is still this run's
@@ -241,7 +256,7 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
         if name not in runs:
             cfg = cfg.model_copy(update={"out": str(root / name)})
             extra = ", ".join(f"{k}={_slug(cfg.identity().get(k))}" for k in varying if k not in _NAMED)
-            runs[name] = PlannedRun(name, cfg, f"{label}{' ' + extra if extra else ''} s{cfg.seed}", point)
+            runs[name] = PlannedRun(name, cfg, f"{label}{' ' + extra if extra else ''} s{cfg.seed}", point, took)
     return list(runs.values())
 
 

@@ -41,6 +41,9 @@ class FedBABUParams(StrictSettings):
     fine_tuning_epochs: int = Field(10, ge=1)  # PFLlib -fte (FedSA/FedPake: "fine-tuning epochs 10")
     fine_tune: Literal["full", "head"] = "full"  # PFLlib's fine_tune(['base', 'head']); the paper fine-tunes all
     fine_tune_every: int = Field(1, ge=1)  # fedskew: fine-tune in every k-th round only (PFLlib: once, at the end)
+    # where fine-tuning starts: the client's model right after its local training (PFLlib serverbabu.py), or the
+    # received global model (fedskew's earlier form)
+    fine_tune_from: Literal["local", "global"] = "local"
 
 
 class FedALAParams(StrictSettings):
@@ -74,8 +77,8 @@ CLIENTS: dict[str, ClientPart] = {
     ),
     "fedbabu": ClientPart(
         "fedbabu",
-        "body trained federatedly with the random head frozen; the received model fine-tuned locally "
-        "(fine_tuning_epochs=10) is the personal model",
+        "body trained federatedly with the random head frozen; the locally trained model fine-tuned "
+        "(fine_tuning_epochs=10, fine_tune_from=local as PFLlib) is the personal model",
         "Oh, Kim, Yun, FedBABU: Toward Enhanced Representation for Federated Image Classification, ICLR 2022",
         FedBABUParams,
         lambda p: FedBABU(**p.model_dump()),

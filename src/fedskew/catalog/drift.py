@@ -21,6 +21,7 @@ from fedskew.client.drift import FedDC, FedDyn
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.optimizers import CloudCorrection, NovaCombine, ServerMomentum
+from fedskew.tuning.space import Float, LogFloat
 
 
 class FedDynParams(StrictSettings):
@@ -74,6 +75,7 @@ CLIENTS: dict[str, ClientPart] = {
         lambda p: FedDyn(alpha=p.alpha, size_scaling=p.size_scaling, clip=p.clip),
         implies=("cloud",),
         excludes=_excludes("FedDyn"),
+        tunable={"alpha": LogFloat(1e-3, 0.1)},  # Acar et al. tune {0.1, 0.01, 0.001}
         weights="uniform",
     ),
     "feddc": ClientPart(
@@ -85,6 +87,7 @@ CLIENTS: dict[str, ClientPart] = {
         lambda p: FedDC(alpha=p.alpha, size_scaling=p.size_scaling, clip=p.clip, correction=p.correction),
         implies=("cloud",),
         excludes=_excludes("FedDC"),
+        tunable={"alpha": LogFloat(1e-3, 0.1)},  # FedDC's code 0.1 / 0.01, FedDisco's 0.01
         weights="uniform",
     ),
 }
@@ -99,6 +102,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         FedAvgMParams,
         ("update",),
         lambda p: {"update": ServerMomentum(momentum=p.server_momentum, server_lr=p.server_lr, form=p.form)},
+        tunable={"server_momentum": Float(0.0, 0.97)},  # Hsu et al. sweep beta up to 0.97; FedDisco tunes m
     ),
     "fednova": ServerPlugin(
         "fednova",

@@ -2,8 +2,8 @@
 
 * :class:`FedNTD`  cross-entropy + ``beta`` · not-true-class distillation from the received global model.
 * :class:`FedBABU` the body is trained with the head frozen at its random initial value (so the global head never
-                   changes); each round the client also fine-tunes the received model and keeps that as its
-                   personalized model.
+                   changes); each round the client also fine-tunes its locally trained model (PFLlib; or the
+                   received model) and keeps that as its personalized model.
 * :class:`FedALA`  before training, the received model is blended into the client's previous local model on the top
                    ``layer_idx`` parameter tensors with element-wise weights learned on a sample of the local data.
 
@@ -16,7 +16,7 @@ differences are listed in ``docs/methods.md``. FedGen, which also has a server-s
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -39,7 +39,8 @@ def not_true_logits(logits: Tensor, y: Tensor) -> Tensor:
 
 
 def ntd_loss(logits: Tensor, global_logits: Tensor, y: Tensor, tau: float) -> Tensor:
-    """FedNTD's not-true distillation (Lee et al. 2022, Eq. 5, with PFLlib's ``tau²`` scale):
+    """FedNTD's not-true distillation (Lee et al. 2022, Eq. 5, with the ``tau²`` scale of the official criterion,
+    Lee-Gihun/FedNTD ``algorithms/fedntd/criterion.py``, and of PFLlib's ``clientntd.py``):
 
     ``tau² · (1/B) Σ_i KL(q_i ‖ p_i)``, ``p_i = softmax(l̃_i/tau)``, ``q_i = softmax(g̃_i/tau)``, where ``l̃_i`` and
     ``g̃_i`` are the local and global model's logits with the true class ``y_i`` removed; ``q`` carries no gradient.
@@ -90,38 +91,54 @@ class FedNTD(LocalAlgorithm):
 # ---- FedBABU --------------------------------------------------------------------------------------------------------
 
 
+BABU_UPLOAD = "fedbabu_upload"  # client_state, within one local_train only: the body-trained model to upload
+
+
 @dataclass
 class FedBABU(LocalAlgorithm):
     """FedBABU (Oh, Kim, Yun, ICLR 2022): federated training updates the body only; the head keeps its random
     initial value (frozen in every client's training, so the aggregated head is the initial one). For evaluation
-    the received model is fine-tuned locally for ``fine_tuning_epochs`` (``fine_tune = "full"``: body and head, as
+    a client's model is fine-tuned locally for ``fine_tuning_epochs`` (``fine_tune = "full"``: body and head, as
     PFLlib's default ``fine_tune(['base', 'head'])``; ``"head"``: the head only) and kept as the client's
     personalized model.
 
-    Phases per round: ``fine_tune`` (from the received model, kept as the personal model), then ``body`` (from the
-    received model again, head frozen; this is what is uploaded). PFLlib fine-tunes once, after the last round, from
-    the final global model; here every participating client fine-tunes each round from the model it received, so
-    the personal view after round t is the fine-tuned global model of round t-1 (see docs/methods.md).
-    ``fine_tune_every = k`` fine-tunes only in rounds divisible by k (the personal model is the latest one between):
-    with ``--eval-every k`` the evaluated personal views are the same at a k-th of the cost."""
+    Where the fine-tuning starts (``fine_tune_from``):
+
+    * ``"local"`` (default, PFLlib's ``serverbabu.py``: after the last aggregation every client fine-tunes its own
+      ``client.model``, the model right after its latest local training, nothing being sent after the last
+      aggregation): phases ``body`` (from the received model, head frozen; kept aside as the upload), then
+      ``fine_tune`` continuing from that locally trained model (kept as the personal model); :meth:`end` reloads
+      the body-trained model, which is what is uploaded. The personal view after round t is the fine-tuned local
+      model of round t (PFLlib's final models when t is the last round, under full participation).
+    * ``"global"`` (fedskew's earlier form): phases ``fine_tune`` from the received model (kept as the personal
+      model), then ``body`` from the received model again (uploaded); the personal view after round t is the
+      fine-tuned global model of round t−1.
+
+    PFLlib fine-tunes once, after the last round; here every participating client fine-tunes in each round (see
+    docs/methods.md). ``fine_tune_every = k`` fine-tunes only in rounds divisible by k (the personal model is the
+    latest one between): with ``--eval-every k`` the evaluated personal views are the same at a k-th of the cost."""
 
     fine_tuning_epochs: int = 10
     fine_tune: Literal["full", "head"] = "full"
     fine_tune_every: int = 1
+    fine_tune_from: Literal["local", "global"] = "local"
     name: str = "fedbabu"
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         body = Phase(ctx.settings.epochs, name="body", start=ctx.received, trains=lambda n: not is_head(n))
         if ctx.round % self.fine_tune_every:
             return [body]
-        tune = Phase(
-            self.fine_tuning_epochs,
-            name="fine_tune",
-            start=ctx.received,
-            trains=None if self.fine_tune == "full" else is_head,
-            keep=PERSONAL,
-        )
-        return [tune, body]
+        trains = None if self.fine_tune == "full" else is_head
+        if self.fine_tune_from == "global":
+            return [Phase(self.fine_tuning_epochs, "fine_tune", start=ctx.received, trains=trains, keep=PERSONAL), body]
+        tune = Phase(self.fine_tuning_epochs, "fine_tune", start=None, trains=trains, keep=PERSONAL)  # from the body
+        return [replace(body, keep=BABU_UPLOAD), tune]
+
+    def end(self, ctx: LocalContext) -> Params:
+        upload = ctx.client_state.pop(BABU_UPLOAD, None)
+        if upload is not None:  # fine-tuned after the body phase: upload the body-trained model, not the personal one
+            ctx.model.load_state_dict(upload)
+        return {}
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(PERSONAL)

@@ -34,12 +34,17 @@ from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, St
 
 @dataclass(frozen=True)
 class TrainSettings:
+    """The local optimizer's settings of a run, and the run's length (``rounds``: the number of federated rounds,
+    which a local objective scheduled over the run reads, e.g. FedProc's curriculum; ``None``: unknown, as in a
+    context built by hand)."""
+
     epochs: int
     batch_size: int
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     drop_last: bool = False
+    rounds: int | None = None
 
 
 @dataclass
@@ -61,6 +66,9 @@ class LocalContext:
     x: Tensor | None = None
     y: Tensor | None = None
     generator: torch.Generator | None = None
+    # the client's validation split (``validation`` > 0), never trained on: e.g. AFL's loss after training
+    x_val: Tensor | None = None
+    y_val: Tensor | None = None
     # scalar metrics a hook reports with the upload (RoundInput.metrics on the server), e.g. {"loss_before": ...}
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -8,12 +8,20 @@ model). A server plug-in that needs it returns ``"wrap_client": with_loss_before
 is loaded, training has not started), the metrics
 
 * ``loss_before``: the sample-weighted mean cross-entropy over the client's training tensors, the model in eval mode
-  (BatchNorm statistics untouched), and
+  (BatchNorm statistics untouched),
 * ``lr``: the client's learning rate (q-FFL's Lipschitz estimate ``L = 1/lr``, computed on the clients in the
-  reference code),
+  reference code), and
+* ``momentum``: the client's SGD momentum (with ``lr`` and the ``steps`` every client reports, q-FFL's default
+  estimate ``L_k = (1 − β)²/(lr · τ_k²)``, :func:`fedskew.server.fairness.qffl_lipschitz`),
 
-which reach the server as ``RoundInput.metrics['loss_before']`` / ``['lr']``. The pass is deterministic (the whole
-training set, no sampling), so it draws nothing from the client's generator.
+which reach the server as ``RoundInput.metrics['loss_before']`` / ``['lr']`` / ``['momentum']``. The pass is
+deterministic (the whole training set, no sampling), so it draws nothing from the client's generator.
+
+:class:`LossAfter` (``with_loss_after``) reports instead, in ``end`` (after the host's own ``end``, on the model it
+uploads), ``loss_after``: the mean cross-entropy of the trained model on the client's **validation split**
+(``validation`` > 0; :class:`~fedskew.client.local.LocalContext` ``x_val``/``y_val``). It is what FedHEAL's framework
+(MarsFL's ``AFLSever``) feeds AFL, except that MarsFL scores the client's *test* split; fedskew never reads a test
+split during training, so it uses the validation split carved from the client's training data.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.protocol import Params, RoundInput, ServerContext, State
 
 LOSS_BEFORE = "loss_before"
+LOSS_AFTER = "loss_after"
 LEARNING_RATE = "lr"
+MOMENTUM = "momentum"
 EVAL_BATCH = 1024  # samples per forward pass of the loss computation (no effect on the value beyond float rounding)
 
 
@@ -67,6 +77,7 @@ class LossBefore(LocalAlgorithm):
         assert ctx.x is not None and ctx.y is not None
         ctx.metrics[LOSS_BEFORE] = mean_loss(ctx.model, ctx.x, ctx.y)
         ctx.metrics[LEARNING_RATE] = float(ctx.settings.lr)
+        ctx.metrics[MOMENTUM] = float(ctx.settings.momentum)
         self.inner.begin(ctx)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
@@ -100,3 +111,29 @@ class LossBefore(LocalAlgorithm):
 def with_loss_before(algo: LocalAlgorithm) -> LocalAlgorithm:
     """``algo`` reporting its loss before training (once: wrapping twice adds nothing)."""
     return algo if isinstance(algo, LossBefore) else LossBefore(algo)
+
+
+@dataclass
+class LossAfter(LossBefore):
+    """``inner`` unchanged, plus ``loss_after`` (the trained model's loss on the validation split) in ``ctx.metrics``
+    (module docstring). Needs the run's clients to have validation splits."""
+
+    needs_validation = True
+
+    def begin(self, ctx: LocalContext) -> None:
+        self.inner.begin(ctx)
+
+    def end(self, ctx: LocalContext) -> Params:
+        extras = self.inner.end(ctx)
+        if ctx.x_val is None or ctx.y_val is None or ctx.x_val.shape[0] == 0:
+            raise ValueError(
+                f"client {ctx.cid}: the loss after training is scored on the client's validation split, and it has "
+                "none: set validation to a share of the training split (e.g. 0.1)"
+            )
+        ctx.metrics[LOSS_AFTER] = mean_loss(ctx.model, ctx.x_val, ctx.y_val)
+        return extras
+
+
+def with_loss_after(algo: LocalAlgorithm) -> LocalAlgorithm:
+    """``algo`` reporting its trained model's loss on its validation split (once)."""
+    return algo if isinstance(algo, LossAfter) else LossAfter(algo)

@@ -219,27 +219,41 @@ def prototypical_contrastive(
     return torch.where(has, per_sample, torch.zeros_like(per_sample))
 
 
+def curriculum_weight(rnd: int, total: int) -> float:
+    """FedProc's curriculum weight of the contrastive term in round ``rnd`` (1-based) of ``total``:
+    ``α = 1 − (rnd − 1)/(total − 1)`` clipped to ``[0, 1]`` (MarsFL's ``1 − epoch_index/(communication_epoch − 1)``,
+    ``epoch_index`` 0-based); 1 in the first round, 0 in the last and after it; 0 throughout when ``total <= 1``."""
+    if total <= 1:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - (rnd - 1) / (total - 1)))
+
+
 @dataclass
 class FedProc(PrototypeLearning):
     """FedProc (Mu et al., FGCS 2023 / arXiv 2109.12273): ``α · L_pc + (1 − α) · CE`` with the curriculum
     ``α = 1 − (t − 1)/(T − 1)`` over rounds ``t = 1..T`` (from the contrastive loss to cross-entropy; MarsFL's
-    ``1 − epoch_index/(communication_epoch − 1)``), where ``L_pc`` is the batch mean of
+    ``1 − epoch_index/(communication_epoch − 1)``, :func:`curriculum_weight`), where ``L_pc`` is the batch mean of
     :func:`prototypical_contrastive` (samples whose class has no global prototype count 0, as MarsFL divides by the
-    batch size). ``curriculum_rounds`` is T (the client does not know the run's length: set it to ``--rounds``;
-    default 200, the FedHEAL protocol); past T, α stays 0. Without any global prototype (the first round) the loss is
-    plain cross-entropy (MarsFL's would be ``(1 − α)·CE = 0`` in round 1, a round without training). Default
-    temperature 1 (MarsFL's plain cosine). Evaluation by the prototype of highest cosine similarity.
+    batch size). ``T``: ``curriculum_rounds`` if given, else (``None``, the default) the run's number of rounds
+    (``ctx.settings.rounds``), as MarsFL's ``communication_epoch`` is the run's length; past T, α stays 0. Without
+    any global prototype (the first round) the loss is plain cross-entropy (MarsFL's would be ``(1 − α)·CE = 0`` in
+    round 1, a round without training). Default temperature 1 (MarsFL's plain cosine). Evaluation by the prototype
+    of highest cosine similarity.
     """
 
-    curriculum_rounds: int = 200
+    curriculum_rounds: int | None = None
     temperature: float = 1.0
     name: str = "fedproc"
 
-    def alpha(self, rnd: int) -> float:
-        """The curriculum weight of the contrastive term in round ``rnd`` (1-based)."""
-        if self.curriculum_rounds <= 1:
-            return 0.0
-        return min(1.0, max(0.0, 1.0 - (rnd - 1) / (self.curriculum_rounds - 1)))
+    def alpha(self, rnd: int, run_rounds: int | None = None) -> float:
+        """The curriculum weight of the contrastive term in round ``rnd`` (1-based) of a run of ``run_rounds``
+        rounds (``curriculum_rounds`` overrides the run's length)."""
+        total = self.curriculum_rounds if self.curriculum_rounds is not None else run_rounds
+        if total is None:
+            raise ValueError(
+                "FedProc's curriculum needs T: the run's number of rounds (TrainSettings.rounds) or curriculum_rounds"
+            )
+        return curriculum_weight(rnd, total)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
@@ -247,7 +261,7 @@ class FedProc(PrototypeLearning):
         if ctx.scratch["protos"] is None:
             return ce
         protos, present = ctx.scratch["protos"]
-        a = self.alpha(ctx.round)
+        a = self.alpha(ctx.round, ctx.settings.rounds)
         contrast = prototypical_contrastive(features, y, protos, present, self.temperature).mean()
         return a * contrast + (1.0 - a) * ce
 

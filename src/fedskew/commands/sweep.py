@@ -31,6 +31,9 @@ def add_parsers(sub: Any) -> None:
     sw.add_argument("--out", default=None, help="root of the run directories (default: the spec's out)")
     sw.add_argument("--db", default=None, help="the results database (default: the spec's db, or OUT/fedskew.db)")
     sw.add_argument("--metric", action="append", default=None, help="metric(s) of the final table (default: spec's)")
+    sw.add_argument(
+        "--tuned", default=None, help="tuned.yaml of `fedskew tune`: runs take their method's tuned arguments"
+    )
     sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -51,6 +54,11 @@ def add_parsers(sub: Any) -> None:
     rp.add_argument("--seeds", default=None, help="comma-separated seeds (default: the scale's)")
     rp.add_argument(
         "--rows", default=None, help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco)"
+    )
+    rp.add_argument(
+        "--tuned",
+        default=None,
+        help="tuned.yaml of `fedskew tune`: rows take their method's tuned arguments (default out: ...-tuned)",
     )
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
     rp.add_argument("--quiet", action="store_true", help="no progress display")
@@ -119,6 +127,24 @@ class Display:
             self.console.print(f"[red]failed[/]: {what}", highlight=False)
 
 
+def tuned_note(runs: list[Any], path: str) -> str:
+    """Which methods took tuned arguments from ``path`` (and which), and which found no entry for their setting."""
+    from fedskew.tuning.tuned import format_args
+
+    took: dict[str, str] = {}
+    none: set[str] = set()
+    for r in runs:
+        if r.tuned:
+            took[r.label.rsplit(" s", 1)[0]] = format_args({**r.tuned["args"], **r.tuned["run"]}) or "(nothing new)"
+        else:
+            none.add(r.cfg.method)
+    lines = [f"tuned arguments from {path}:"]
+    lines += [f"  {m}: {a}" for m, a in took.items()]
+    if none:
+        lines.append(f"  no tuned entry for their setting: {', '.join(sorted(none))} (their defaults)")
+    return "\n".join(lines)
+
+
 def _states(runs: list[Any]) -> list[str]:
     from fedskew.sweep import run_state
 
@@ -171,12 +197,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedskew.sweep import expand, load_spec
 
     spec = load_spec(args.spec)
+    if args.tuned:
+        spec = spec.model_copy(update={"tuned": args.tuned})
     jobs = args.jobs or spec.jobs or 1
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     runs = expand(spec, out=args.out, db=args.db)
     db = runs[0].cfg.db if runs else None
     print(f"sweep {spec.name}: {len(runs)} runs, {jobs} at a time; database {db}", file=sys.stderr)
+    if spec.tuned:
+        print(tuned_note(runs, spec.tuned), file=sys.stderr)
     if args.dry_run:
         print("\n".join(_states(runs)))
         return 0
@@ -206,7 +236,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     device = args.device or ("cuda" if torch.cuda.is_available() and args.scale != "smoke" else None)
     rows = args.rows.split(",") if args.rows else None
-    plan = make_plan(paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows)
+    plan = make_plan(
+        paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows, tuned=args.tuned
+    )
     print(f"{paper.paper}: {paper.title}", file=sys.stderr)
     print(f"scale {args.scale}: {paper.scales[args.scale].note.strip()}", file=sys.stderr)
     shown = [s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings]
@@ -221,6 +253,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 2
     runs = planned_runs(plan)
     print(f"{len(runs)} runs, {args.jobs} at a time, into {plan.out}/", file=sys.stderr)
+    if plan.tuned:
+        print(tuned_note(runs, plan.tuned), file=sys.stderr)
     if args.dry_run:
         print("\n".join(_states(runs)))
         return 0

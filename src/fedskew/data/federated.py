@@ -12,7 +12,7 @@ client's training file in client order, then every client's test file in client 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -46,6 +46,10 @@ class ClientData:
     # source index of every row of x_train / x_test (module docstring); None only for hand-built data
     train_index: np.ndarray | None = None
     test_index: np.ndarray | None = None
+    # the client's validation split, carved from its training data (``validation`` > 0; see :func:`carve_validation`)
+    x_val: Tensor | None = None
+    y_val: Tensor | None = None
+    val_index: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -392,6 +396,80 @@ def build_given_federated(cfg: RunConfig, src: ClientDatasets) -> FederatedData:
     return _assemble(src.name, src.num_classes, pool, train_parts, test_parts, gtest, torch.device(cfg.device))
 
 
+def carve_validation(data: FederatedData, share: float, seed: int) -> FederatedData:
+    """Every client's training split split again into training and a **validation split** of ``share`` of its
+    samples (as :func:`train_test_split_clients` splits a client: random, not stratified, at least one sample on each
+    side; seeded by ``seed`` alone, stream ``SPLIT/3``). The validation samples leave the training split, so
+    ``train_hists`` (and with them every sample-share weight and label histogram the server sees) count only what the
+    clients train on. The clients' test splits and the global test set are untouched: see :func:`validation_as_test`
+    for a federation evaluated on the validation splits instead."""
+    if not 0 < share < 1:
+        raise ConfigError(f"validation must be a share in (0, 1), got {share!r}")
+    positions = [np.arange(len(c.y_train), dtype=np.int64) for c in data.clients]
+    try:
+        keep, val = train_test_split_clients(positions, 1.0 - share, numpy_rng(seed, Purpose.SPLIT, 3))
+    except PartitionError as exc:
+        raise PartitionError(f"validation={share}: a client's training split is too small to carve: {exc}") from None
+    clients = []
+    for c, tr, va in zip(data.clients, keep, val, strict=True):
+        tr_t, va_t = torch.from_numpy(tr).to(c.y_train.device), torch.from_numpy(va).to(c.y_train.device)
+        index = c.train_index
+        clients.append(
+            replace(
+                c,
+                x_train=c.x_train[tr_t],
+                y_train=c.y_train[tr_t],
+                train_index=None if index is None else index[tr],
+                x_val=c.x_train[va_t],
+                y_val=c.y_train[va_t],
+                val_index=None if index is None else index[va],
+            )
+        )
+    hists = np.stack([np.bincount(c.y_train.cpu().numpy(), minlength=data.num_classes) for c in clients])
+    return replace(data, clients=clients, train_hists=hists.astype(data.train_hists.dtype))
+
+
+def validation_as_test(data: FederatedData) -> FederatedData:
+    """The federation evaluated on its validation splits (``evaluate_on: validation``, what ``fedskew tune`` runs):
+    every client's test split is its validation split and the global test set is the union of the validation splits
+    in client order (under domain skew each sample keeps its client's domain). No test sample is left in the
+    returned federation (tests/test_no_leakage.py checks it by source index), so a search that reads only this
+    federation cannot select on test data."""
+    if any(c.x_val is None or c.y_val is None for c in data.clients):
+        raise ConfigError("evaluate_on 'validation' needs validation splits: set validation to a share in (0, 1)")
+    clients = [
+        replace(c, x_test=c.x_val, y_test=c.y_val, test_index=c.val_index)  # type: ignore[arg-type]
+        for c in data.clients
+    ]
+    dev = data.local_owner.device
+    owner = torch.cat([torch.full((len(c.y_test),), c.cid, dtype=torch.long) for c in clients]).to(dev)
+    x, y = torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients])
+    indices = [c.test_index for c in clients]
+    test_domain = None
+    if data.client_domain is not None and data.test_domain is not None:
+        test_domain = torch.from_numpy(np.asarray(data.client_domain)).long().to(owner.device)[owner]
+    hists = np.stack([np.bincount(c.y_test.cpu().numpy(), minlength=data.num_classes) for c in clients])
+    return replace(
+        data,
+        clients=clients,
+        x_test=x,
+        y_test=y,
+        test_hists=hists.astype(data.test_hists.dtype),
+        local_x=x,
+        local_y=y,
+        local_owner=owner,
+        test_domain=test_domain,
+        test_index=None if any(i is None for i in indices) else np.concatenate(indices),  # type: ignore[arg-type]
+    )
+
+
+def with_validation(data: FederatedData, cfg: RunConfig) -> FederatedData:
+    """The run's federation with its validation splits (``cfg.validation``) and evaluation set (``cfg.evaluate_on``)."""
+    if cfg.validation:
+        data = carve_validation(data, cfg.validation, cfg.seed)
+    return validation_as_test(data) if cfg.evaluate_on == "validation" else data
+
+
 def reader_options(cfg: RunConfig) -> dict[str, object]:
     """The options of the dataset's reader set in the configuration (``resize`` for image folders)."""
     return {"resize": cfg.resize} if cfg.resize is not None else {}
@@ -399,7 +477,14 @@ def reader_options(cfg: RunConfig) -> dict[str, object]:
 
 def build_federated(cfg: RunConfig, dataset: ImageDataset | ClientDatasets | None = None) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``. Per-client
-    data (``ClientDatasets``, e.g. PFLlib's dataset folder) is used as given (:func:`build_given_federated`)."""
+    data (``ClientDatasets``, e.g. PFLlib's dataset folder) is used as given (:func:`build_given_federated`). Then the
+    clients' validation splits are carved and, under ``evaluate_on: validation``, put in place of every test set
+    (:func:`with_validation`)."""
+    return with_validation(_build_split(cfg, dataset), cfg)
+
+
+def _build_split(cfg: RunConfig, dataset: ImageDataset | ClientDatasets | None) -> FederatedData:
+    """The federation with every client's train and test split and the global test set (no validation yet)."""
     if cfg.partition == "domain":
         return build_domain_federated(cfg)
     ds = dataset

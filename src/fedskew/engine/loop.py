@@ -218,7 +218,7 @@ class RoundPlan:
 
 
 def train_settings(cfg: RunConfig) -> TrainSettings:
-    """The local optimizer's settings of a run (every client's, wherever it trains)."""
+    """The local optimizer's settings of a run and its number of rounds (every client's, wherever it trains)."""
     return TrainSettings(
         epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
@@ -226,6 +226,7 @@ def train_settings(cfg: RunConfig) -> TrainSettings:
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
         drop_last=cfg.drop_last,
+        rounds=cfg.rounds,
     )
 
 
@@ -241,10 +242,13 @@ def train_client(
     client_state: dict[str, Any],
     x: torch.Tensor,
     y: torch.Tensor,
+    x_val: torch.Tensor | None = None,
+    y_val: torch.Tensor | None = None,
 ) -> ClientUpdate:
     """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
-    ``client_state`` is the client's persistent state and advances in place."""
+    ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
+    split, if the run has one (hooks may score it; it is never trained on)."""
     ctx = LocalContext(
         cid=cid,
         round=rnd,
@@ -253,6 +257,8 @@ def train_client(
         client_state=client_state,
         broadcast=broadcast,
         settings=settings,
+        x_val=x_val,
+        y_val=y_val,
     )
     gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
     return local_train(method.client, ctx, x, y, gen, method.uploads)
@@ -490,7 +496,7 @@ class Simulation:
         client = self.data.clients[cid]
         state = self.client_states[cid]
         args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
-        return train_client(*args, client.x_train, client.y_train)
+        return train_client(*args, client.x_train, client.y_train, client.x_val, client.y_val)
 
     def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the

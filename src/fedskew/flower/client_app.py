@@ -130,7 +130,8 @@ def train(msg: Message, context: Context) -> Message:
     broadcast = from_record(msg.content["broadcast"], dev)  # type: ignore[arg-type]
     rnd = int(conf["round"])  # type: ignore[arg-type]
     args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)
-    update = train_client(*args, client.data.x_train, client.data.y_train)
+    data = client.data
+    update = train_client(*args, data.x_train, data.y_train, data.x_val, data.y_val)
     kept = keep_trained(sh.method, frozenset(names), state, update)
     save_state(context.state, state, kept if kept is not None else trained)
     content = RecordDict(

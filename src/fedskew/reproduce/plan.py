@@ -39,6 +39,7 @@ class Plan:
     missing_rows: list[tuple[Row, str]]  # (row, why it does not run)
     missing_settings: list[tuple[str, str]]  # (setting id, why it does not run)
     out: Path
+    tuned: str | None = None  # a tuned.yaml of `fedskew tune`: rows take their tuned arguments (explicit ones win)
 
     @property
     def db(self) -> Path:
@@ -55,6 +56,7 @@ class Plan:
             out=str(self.out / "runs"),
             db=str(self.db),
             metrics=list(self.paper.metric.keys),
+            tuned=self.tuned,
         )
 
     def setting_reason(self, sid: str) -> str | None:
@@ -124,6 +126,7 @@ def make_plan(
     device: str | None = None,
     seeds: list[int] | None = None,
     rows: list[str] | None = None,
+    tuned: str | None = None,
 ) -> Plan:
     """The runs of ``paper``'s tables at ``scale`` that can run here; everything else listed with the reason.
     ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``)."""
@@ -176,5 +179,5 @@ def make_plan(
         if not reps and not any(m == pid for m, _ in missing):
             only = ", ".join(paper.settings[pid].scales)
             missing.append((pid, f"not part of scale {scale} (runs at: {only})"))
-    root = Path(out) if out else Path("runs") / "reproduce" / f"{paper.paper}-{scale}"
-    return Plan(paper, scale, base, list(seeds or sc.seeds), planned, chosen, missing_rows, missing, root)
+    root = Path(out) if out else Path("runs") / "reproduce" / f"{paper.paper}-{scale}{'-tuned' if tuned else ''}"
+    return Plan(paper, scale, base, list(seeds or sc.seeds), planned, chosen, missing_rows, missing, root, tuned)

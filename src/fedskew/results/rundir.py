@@ -37,7 +37,7 @@ LOCK = ".lock"
 CHECKPOINT = "checkpoint.pt"
 ROUND_FILES = ("metrics.jsonl", "client_metrics.jsonl", "skew.jsonl")  # one JSON line per round, with "round"
 OWN_FILES = (STATUS, "config.yaml", "clients.json", *ROUND_FILES, CHECKPOINT, "summary.json", "skew.png", LOCK)
-UNFINISHED = ("running", "interrupted", "failed")
+UNFINISHED = ("running", "interrupted", "failed", "stopped")
 
 
 class RunDirError(OSError):

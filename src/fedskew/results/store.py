@@ -80,6 +80,17 @@ CREATE TABLE IF NOT EXISTS client_metrics (
     n_test INTEGER NOT NULL,
     PRIMARY KEY (run_id, round, cid, view)
 );
+CREATE TABLE IF NOT EXISTS trials (
+    study TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    method TEXT NOT NULL,
+    state TEXT NOT NULL,
+    value REAL,
+    params TEXT NOT NULL,
+    run_dirs TEXT NOT NULL,
+    record TEXT NOT NULL,
+    PRIMARY KEY (study, number)
+);
 """
 
 
@@ -272,6 +283,33 @@ class ResultsDB:
                 self.conn.executemany("INSERT INTO client_metrics VALUES (?,?,?,?,?,?,?)", per_client)
 
         self._retry(insert)
+
+    def add_trial(self, row: dict[str, Any]) -> None:
+        """A ``fedskew tune`` trial (``fedskew.tuning.study.trial_row``): replaces the row of the same study and
+        trial number (a trial is recorded when it ends)."""
+
+        def insert() -> None:
+            with self.conn:
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO trials VALUES (?,?,?,?,?,?,?,?)",
+                    (
+                        row["study"],
+                        row["number"],
+                        row["method"],
+                        row["state"],
+                        _num(row.get("value")),
+                        json.dumps(row.get("params", {}), sort_keys=True),
+                        json.dumps(row.get("run_dirs", [])),
+                        json.dumps(row, sort_keys=True, default=str),
+                    ),
+                )
+
+        self._retry(insert)
+
+    def trials(self, study: str | None = None) -> list[dict[str, Any]]:
+        """The recorded tuning trials (of one study), in study and trial order, as their full records."""
+        sql = "SELECT record FROM trials" + (" WHERE study = ?" if study else "") + " ORDER BY study, number"
+        return [json.loads(r[0]) for r in self.conn.execute(sql, (study,) if study else ())]
 
     def has_run(self, run_id: str) -> bool:
         return self.conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is not None

@@ -6,8 +6,9 @@ plug-ins install), and work on the stacked uploads ``u_k = w_k − W``:
 
 * :class:`AflWeights` (a weighting with state): agnostic FL's mixture weights ``λ`` on the simplex, moved by
   projected gradient ascent on the clients' losses;
-* :class:`QfflCombine`: q-FedAvg's step ``W + Σ p_k F_k^q u_k / Σ p_k h_k`` with ``h_k = q F_k^{q−1} L ‖u_k‖² +
-  F_k^q`` (the Lipschitz-based step size of the paper, ``L = 1/lr``);
+* :class:`QfflCombine`: q-FedAvg's step ``W + Σ p_k F_k^q u_k / Σ p_k h_k`` with ``h_k = q F_k^{q−1} L_k ‖u_k‖² +
+  F_k^q`` (the Lipschitz-based step size of the paper; ``L_k = (1 − β)²/(lr · τ_k²)`` for ``τ_k`` local steps at
+  momentum ``β``, which is the reference's ``L = 1/lr`` for one plain SGD step);
 * :class:`FedFVCombine` (a stateful combine): FedFV's projection of conflicting updates in order of increasing loss,
   then of the combined update against the recent history of client updates, rescaled to the plain mean's norm.
 
@@ -31,7 +32,9 @@ from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.weights import normalize
 
 LOSS_BEFORE = "loss_before"  # the metric the clients report (fedskew.client.loss_before.LOSS_BEFORE)
-LEARNING_RATE = "lr"
+LEARNING_RATE = "lr"  # fedskew.client.loss_before.LEARNING_RATE
+MOMENTUM = "momentum"  # fedskew.client.loss_before.MOMENTUM
+STEPS = "steps"  # local optimizer steps, reported by every client (fedskew.client.local.local_train)
 
 
 def reported(rin: RoundInput, metric: str, who: str) -> Tensor:
@@ -124,18 +127,21 @@ class AflWeights:
     projected onto the simplex (fair_flearn: weights from ``λ^t``, then ``λ^{t+1}``). ``floor`` raises entries
     ``<= floor`` after the projection (MarsFL, 1e-3; 0 disables). ``restart=True`` is MarsFL's variant: ``λ``
     restarts from ``1/K`` over the round's participants every round and the stepped, projected ``λ`` weights the
-    same round (no memory). With ``step = 0`` the weights are uniform either way.
+    same round (no memory). With ``step = 0`` the weights are uniform either way. ``loss``: the metric the ascent
+    reads, ``loss_before`` (the received model on the training data, fair_flearn) or ``loss_after`` (the trained model
+    on the client's validation split, FedHEAL's framework with its test split replaced by a validation split).
     """
 
     step: float = 0.01
     floor: float = 1e-3
     restart: bool = False
+    loss: str = LOSS_BEFORE
 
     def init(self, ctx: ServerContext) -> State:
         return {"lam": torch.full((ctx.num_clients,), 1.0 / ctx.num_clients, dtype=torch.float64)}
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
-        losses = reported(rin, LOSS_BEFORE, "AFL")
+        losses = reported(rin, self.loss, "AFL")
         k = rin.num_participants
         if self.restart:
             lam = floor_simplex(
@@ -166,15 +172,34 @@ def qffl_coefficients(losses: Tensor, sq_norms: Tensor, weights: Tensor, q: floa
     return p * fq / (p * h).sum()
 
 
+def qffl_lipschitz(lr: Tensor, steps: Tensor, momentum: Tensor) -> Tensor:
+    """``[K]`` q-FFL's Lipschitz estimates ``L_k = (1 − β_k)² / (lr_k · τ_k²)`` for clients that ran ``τ_k`` local
+    steps (at least 1 counted) of SGD at learning rate ``lr_k`` and momentum ``β_k``.
+
+    fair_flearn (``qffedavg.py``) trains one epoch of plain SGD and takes ``L = 1/lr``, its penalty
+    ``q F^{q−1} ‖Δw_k‖²`` reading ``Δw_k = L (W − w_k)``, which is the client's gradient for one step. After ``τ``
+    steps at momentum ``β`` the update is about ``τ/(1 − β)`` steps' worth, ``u_k ≈ −lr τ g/(1 − β)``, and the same
+    penalty grows by ``τ²/(1 − β)²``. This ``L_k`` computes the penalty from the per-step gradient estimate
+    ``ĝ_k = (1 − β) u_k/(lr τ)`` instead: ``L_k ‖u_k‖² = lr ‖ĝ_k‖²``, i.e. the reference's
+    ``h_k = q F^{q−1} ‖ĝ_k‖² + F^q/lr`` divided by ``1/lr``, while the numerator keeps the whole update ``u_k``.
+    With ``τ = 1`` and ``β = 0`` it is exactly ``1/lr``."""
+    tau = steps.to(torch.float64).clamp(min=1.0)
+    beta = momentum.to(torch.float64)
+    return (1.0 - beta).square() / (lr.to(torch.float64) * tau.square())
+
+
 @dataclass(frozen=True)
 class QfflCombine:
     """q-FFL's server step (Li, Sanjabi, Beirami, Smith, ICLR 2020; q-FedAvg, Algorithm 2), see
-    :func:`qffl_coefficients`. ``lipschitz=None``: each client's ``1/lr`` (reference); the same coefficients apply to
-    every floating tensor, ``‖u_k‖²`` is over the trainable ones. Refuses element masks (``check_composition``); the
-    reference averages the participants uniformly (``default_weights``)."""
+    :func:`qffl_coefficients`. ``lipschitz``: ``"auto"`` (default) each client's :func:`qffl_lipschitz` from its
+    reported ``lr``, ``steps`` and ``momentum`` (sound for several local steps with momentum, issue 22); ``"lr"``
+    each client's ``1/lr`` (fair_flearn's and MarsFL's value, sound for one plain SGD step); a number: that constant
+    for every client. The same coefficients apply to every floating tensor, ``‖u_k‖²`` is over the trainable ones.
+    Refuses element masks (``check_composition``); the reference averages the participants uniformly
+    (``default_weights``)."""
 
     q: float = 1.0
-    lipschitz: float | None = None
+    lipschitz: str | float = "auto"
     default_weights: ClassVar[str] = "uniform"  # the reference's average, unless -m weights=... says otherwise
 
     def check_composition(self, method: str, client: str, roles: frozenset[str]) -> None:
@@ -182,14 +207,23 @@ class QfflCombine:
         if "masking" in roles:
             raise ConfigError(f"method {method!r}: {type(self).__name__} takes whole client updates, not element masks")
 
+    def lipschitz_estimates(self, rin: RoundInput) -> Tensor:
+        """``[K]`` float64: the ``L_k`` of this round's participants (class docstring)."""
+        if self.lipschitz == "auto":
+            return qffl_lipschitz(
+                reported(rin, LEARNING_RATE, "qffl"), reported(rin, STEPS, "qffl"), reported(rin, MOMENTUM, "qffl")
+            )
+        if self.lipschitz == "lr":
+            return 1.0 / reported(rin, LEARNING_RATE, "qffl")
+        if isinstance(self.lipschitz, str):
+            raise ConfigError(f"qffl: lipschitz must be 'auto', 'lr' or a positive number, not {self.lipschitz!r}")
+        return torch.full((rin.num_participants,), float(self.lipschitz), dtype=torch.float64)
+
     def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
         if masks is not None:
             raise ValueError("q-FFL's step does not take element masks")
         losses = reported(rin, LOSS_BEFORE, "qffl")
-        if self.lipschitz is None:
-            lipschitz = 1.0 / reported(rin, LEARNING_RATE, "qffl")
-        else:
-            lipschitz = torch.full_like(losses, float(self.lipschitz))
+        lipschitz = self.lipschitz_estimates(rin)
         sq = update_sq_norms(rin, _trainable_float(rin))
         coef = qffl_coefficients(losses, sq, weights, self.q, lipschitz)
         floats = [n for n, t in rin.params.items() if t.is_floating_point()]

@@ -1,0 +1,57 @@
+"""The figure of a search (``OUT/figures/search-<method>.png``, its numbers in a JSON beside it): each trial's
+value in trial order with the best so far, pruned trials at their last reported value, and the value against each
+searched hyper-parameter (log axes for log ranges)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from fedskew.results.plots import _write
+
+
+def plot_search(result: Any, folder: Path) -> Path | None:
+    """Write the figure of one method's search (a :class:`fedskew.tuning.study.MethodResult`); None without trials."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.trials if r["state"] in ("complete", "pruned")]
+    if not rows:
+        return None
+    params = list(result.space)
+    ncols = 1 + len(params)
+    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.4), squeeze=False)
+    sign = 1.0 if result.direction == "maximize" else -1.0
+    done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
+    pruned = [r for r in rows if r["state"] == "pruned" and r["last_value"] is not None]
+    ax = axes[0][0]
+    ax.plot([r["number"] for r in done], [r["value"] for r in done], "o", color="tab:blue", label="complete")
+    ax.plot([r["number"] for r in pruned], [r["last_value"] for r in pruned], "x", color="0.5", label="pruned (last)")
+    best, line = None, []
+    for r in sorted(done, key=lambda r: r["number"]):
+        best = r["value"] if best is None or sign * r["value"] > sign * best else best
+        line.append((r["number"], best))
+    if line:
+        ax.step([n for n, _ in line], [v for _, v in line], where="post", color="tab:red", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(f"validation {result.metric}")
+    ax.legend(fontsize=8)
+    for i, name in enumerate(params, start=1):
+        ax = axes[0][i]
+        xs = [r["params"].get(name) for r in done]
+        ax.plot(xs, [r["value"] for r in done], "o", color="tab:blue")
+        xp = [r["params"].get(name) for r in pruned]
+        ax.plot(xp, [r["last_value"] for r in pruned], "x", color="0.5")
+        if result.space[name].startswith(("log:", "intlog:")):
+            ax.set_xscale("log")
+        ax.set_xlabel(f"{name} ({result.space[name]})")
+        ax.tick_params(labelsize=8)
+    title = f"{result.study}: {len(done)} complete, {len(pruned)} pruned"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    slug = re.sub(r"[^A-Za-z0-9.+_-]+", "-", result.study.split(":", 1)[-1]).strip("-")
+    data = {"study": result.study, "metric": result.metric, "space": result.space, "trials": rows}
+    return _write(fig, folder / f"search-{slug}.png", data, "search").path

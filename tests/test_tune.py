@@ -1,0 +1,294 @@
+"""fedskew tune: search spaces, tuned.yaml, the search on validation data (never a test sample), pruning, resuming
+after a kill, and sweeps that apply the tuned arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from fedskew.config import ConfigError, make_config
+from fedskew.registry import CLIENTS, SERVER_PLUGINS
+from fedskew.tuning.space import Choice, Float, Int, method_space, parse_dist
+from fedskew.tuning.tuned import TunedEntry, apply_tuned, canonical_method, load_tuned, setting_of, write_tuned
+
+optuna = pytest.importorskip("optuna", reason="fedskew tune needs the optional extra fedskew[tune] (optuna)")
+
+from fedskew.tuning import study as tune_study  # noqa: E402
+
+TINY = {"rounds": 3, "clients": 4, "eval_every": 1, "checkpoint_every": 1}
+
+
+# ---- search spaces -------------------------------------------------------------------------------------------
+def test_override_strings():
+    assert parse_dist("0.1..0.9") == Float(0.1, 0.9)
+    assert parse_dist("log:1e-4..1") == Float(1e-4, 1.0, log=True)
+    assert parse_dist("int:1..10") == Int(1, 10)
+    assert parse_dist("intlog:1..256") == Int(1, 256, log=True)
+    assert parse_dist("[0.01, 0.1, 1]") == Choice((0.01, 0.1, 1))
+    assert parse_dist("none") is None and parse_dist("fixed") is None
+    for bad, why in [
+        ("0.9..0.1", "low < high"),
+        ("log:0..1", "log range needs low > 0"),
+        ("abc", "expected LOW..HIGH"),
+        ("cube:1..2", "unknown kind"),
+        ("int:1.5..3", "bounds must be numbers"),
+        ("[1, 1]", "distinct"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            parse_dist(bad)
+
+
+def test_method_space_qualifies_shared_keys_and_takes_overrides():
+    space = method_space("moon+heal")
+    assert set(space) == {"mu", "moon.tau", "heal.tau", "beta"}  # tau is both MOON's and HEAL's
+    space = method_space("fedprox+disco", {"lr": parse_dist("log:0.001..0.1"), "b": None, "mu": parse_dist("[0.1, 1]")})
+    assert space == {"mu": Choice((0.1, 1)), "a": Float(0.1, 1.0), "lr": Float(0.001, 0.1, log=True)}
+    assert method_space("fedavg") == {}  # nothing to tune: FedAvg runs once, the reference
+    with pytest.raises(ConfigError, match="ambiguous"):
+        method_space("moon+heal", {"tau": parse_dist("0.1..0.5")})
+
+
+def test_every_declared_range_is_valid_for_its_part():
+    """Each part's tunable keys are its hyper-parameters, and both ends of every range validate in its settings model
+    (a range outside a field's bounds would make trials fail)."""
+    parts = list(CLIENTS.values()) + list(SERVER_PLUGINS.values())
+    assert sum(bool(p.tunable) for p in parts) >= 12
+    for part in parts:
+        for key, dist in part.tunable.items():
+            assert key in part.params.model_fields, (part.name, key)
+            ends = dist.values if isinstance(dist, Choice) else (dist.low, dist.high)
+            for v in ends:
+                part.params(**{key: v})  # raises if outside the field's bounds
+
+
+def test_the_papers_baselines_declare_their_hyper_parameters():
+    for method, keys in {
+        "fedprox": {"mu"},
+        "moon": {"mu", "tau"},
+        "feddyn": {"alpha"},
+        "feddc": {"alpha"},
+        "fedavg+fedavgm": {"server_momentum"},
+        "fedavg+disco": {"a", "b"},
+        "fedavg+heal": {"tau", "beta"},
+        "fedsa": {"lam", "C", "S"},
+        "fedcac": {"tau", "beta"},
+        "ditto": {"lam"},
+    }.items():
+        assert keys <= set(method_space(method)), method
+
+
+# ---- tuned.yaml --------------------------------------------------------------------------------------------------
+def _entry(method="fedprox", args=None, run=None, **setting):
+    cfg = make_config(None, {"method": method, **TINY, "db": None}).model_dump()
+    return TunedEntry(method, {**setting_of(cfg, exclude=tuple(run or {})), **setting}, args or {}, run or {})
+
+
+def test_tuned_file_round_trip_merge_and_match(tmp_path):
+    path = tmp_path / "tuned.yaml"
+    write_tuned(path, [_entry(args={"mu": 0.3}), _entry("fedavg")])
+    write_tuned(path, [_entry(args={"mu": 0.05})])  # the same method and setting: replaced, the other kept
+    entries = load_tuned(path)
+    assert [(e.method, e.args) for e in entries] == [("fedavg", {}), ("fedprox", {"mu": 0.05})]
+    values = {"method": "fedprox", **TINY, "db": None}
+    out, took = apply_tuned(values, entries)
+    assert out["method_args"] == {"mu": 0.05} and took["args"] == {"mu": 0.05}
+    out, took = apply_tuned({**values, "method_args": {"mu": 0.7}}, entries)  # explicit arguments win
+    assert out["method_args"] == {"mu": 0.7} and took["args"] == {}
+    out, took = apply_tuned({**values, "alpha": 0.5}, entries)  # another setting: untouched
+    assert took is None and out == {**values, "alpha": 0.5}
+    out, took = apply_tuned({**values, "rounds": 50}, entries)  # rounds are not part of a setting
+    assert took is not None
+
+
+def test_tuned_run_level_settings_replace_the_base(tmp_path):
+    path = tmp_path / "tuned.yaml"
+    write_tuned(path, [_entry(args={"mu": 0.1}, run={"lr": 0.02})])
+    out, took = apply_tuned({"method": "fedprox", **TINY, "lr": 0.3, "db": None}, load_tuned(path))
+    assert out["lr"] == 0.02 and took["run"] == {"lr": 0.02}
+
+
+def test_tuned_file_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tuned: [{method: fedprox, run: {rounds: 3}}]")
+    with pytest.raises(ConfigError, match="run-level keys"):
+        load_tuned(bad)
+    bad.write_text("tuned: [{method: nosuch}]")
+    with pytest.raises(ConfigError, match="entry 0.*unknown part 'nosuch'"):
+        load_tuned(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_tuned(tmp_path / "missing.yaml")
+    assert canonical_method("fedpake") == "fedavg+fedsa" and canonical_method("fedrep") == "fedrep"
+
+
+# ---- the search --------------------------------------------------------------------------------------------------
+def _spec(tmp_path, methods, trials=2, **extra):
+    base = {**TINY, **extra.pop("base", {})}
+    return tune_study.load_tune_spec(
+        None, {"methods": methods, "base": base, "trials": trials, "out": str(tmp_path / "tune"), **extra}
+    )
+
+
+def test_tune_fedprox_qffl_afl_writes_tuned_yaml_trials_and_figures(tmp_path):
+    spec = _spec(tmp_path, ["fedprox", "qffl", "fedavg+afl"])
+    results = tune_study.tune(spec)
+    assert [r.best.method for r in results] == ["fedprox", "fedavg+qffl", "fedavg+afl"]
+    entries = load_tuned(spec.tuned_path)
+    assert {e.method for e in entries} == {"fedprox", "fedavg+qffl", "fedavg+afl"}
+    prox = next(e for e in entries if e.method == "fedprox")
+    assert set(prox.args) == {"mu"} and 1e-3 <= prox.args["mu"] <= 1.0
+    assert prox.extra["metric"] == "global_acc" and prox.extra["trials"]["complete"] == 2
+    with sqlite3.connect(spec.db_path) as conn:
+        rows = conn.execute("SELECT study, number, state, value FROM trials ORDER BY study, number").fetchall()
+    assert len(rows) == 6 and all(state == "complete" and 0 <= value <= 1 for _, _, state, value in rows)
+    assert all(r.figure is not None and r.figure.is_file() and r.figure.with_suffix(".json").is_file() for r in results)
+    # the same command again: the budget is spent, nothing runs, the same best arguments
+    again = tune_study.tune(spec)
+    assert [r.counts["complete"] for r in again] == [2, 2, 2]
+    assert load_tuned(spec.tuned_path)[0].args == entries[0].args
+
+
+def test_a_sweep_runs_the_tuned_arguments(tmp_path):
+    from fedskew.sweep import SweepSpec, expand, run_sweep
+
+    spec = _spec(tmp_path, ["fedprox"])
+    tune_study.tune(spec)
+    mu = load_tuned(spec.tuned_path)[0].args["mu"]
+    out, tuned = str(tmp_path / "sw"), str(spec.tuned_path)
+    sweep = SweepSpec(name="s", base=TINY, methods=["fedprox", "fedavg"], seeds=[1], out=out, tuned=tuned)
+    runs = expand(sweep)
+    prox = next(r for r in runs if r.cfg.method == "fedprox")
+    assert prox.cfg.method_args == {"mu": mu} and prox.tuned["args"] == {"mu": mu}
+    assert next(r for r in runs if r.cfg.method == "fedavg").tuned is None  # no entry: its defaults
+    outcome = run_sweep(runs)
+    assert [r.status for r in outcome.results] == ["finished", "finished"]
+    saved = yaml.safe_load((Path(prox.cfg.out) / "config.yaml").read_text())
+    assert saved["method_args"] == {"mu": mu} and saved["evaluate_on"] == "test" and saved["validation"] == 0.0
+
+
+def test_no_test_sample_is_read_while_tuning(tmp_path, monkeypatch):
+    """Every federation a trial runs on is recorded; none holds a sample of the test sets (local or global) of the
+    federation the final runs use, by source index."""
+    import fedskew.data.federated as fed
+    import fedskew.runner as runner
+
+    seen = []
+
+    def recording(cfg, dataset=None):
+        data = fed.build_federated(cfg, dataset)
+        seen.append((cfg, data))
+        return data
+
+    monkeypatch.setattr(runner, "build_federated", recording)
+    spec = _spec(tmp_path, ["fedprox", "fedavg+afl"], trials=2, seeds=[0, 1])
+    tune_study.tune(spec)
+    assert len(seen) == (2 + 2) * 2  # (2 trials of each method) x 2 seeds
+    for cfg, data in seen:
+        assert cfg.evaluate_on == "validation" and cfg.validation == 0.2
+        final = fed.build_federated(cfg.model_copy(update={"validation": 0.0, "evaluate_on": "test"}))
+        tests = np.concatenate([final.test_index, *(c.test_index for c in final.clients)])
+        read = np.concatenate(
+            [data.test_index, *(c.train_index for c in data.clients), *(c.test_index for c in data.clients)]
+        )
+        assert len(read) and not np.isin(read, tests).any()
+
+
+def test_pruned_run_stops_keeps_its_rounds_and_resumes(tmp_path):
+    cfg = make_config(None, {**TINY, "rounds": 5, "validation": 0.2, "evaluate_on": "validation", "db": None})
+    cfg = cfg.model_copy(update={"out": str(tmp_path / "run")})
+    seen = []
+
+    def report(rnd, value):
+        seen.append(rnd)
+        if rnd == 2:
+            raise tune_study.Pruned
+
+    with pytest.raises(tune_study.Pruned):
+        tune_study.run_trial_run(cfg, report, "global_acc")
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "stopped" and status["completed_rounds"] == 2 and seen == [1, 2]
+    seen.clear()  # resumed after round 2: its first rounds are reported again (replayed), then the new ones
+    summary = tune_study.run_trial_run(cfg, lambda r, v: seen.append(r), "global_acc")
+    assert seen == [1, 2, 3, 4, 5] and summary["rounds"] == 5
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
+    seen.clear()  # done: nothing runs, the whole curve is replayed
+    assert tune_study.run_trial_run(cfg, lambda r, v: seen.append(r), "global_acc")["rounds"] == 5
+    assert seen == [1, 2, 3, 4, 5]
+
+
+def test_pruning_stops_trials_that_trail(tmp_path):
+    """With lr as a search dimension spanning useless values, the median rule stops some trials early."""
+    spec = _spec(
+        tmp_path,
+        ["fedavg"],
+        trials=8,
+        base={"rounds": 6},
+        space={"lr": "[0.05, 0.0001]"},
+        warmup_rounds=1,
+    )
+    (result,) = tune_study.tune(spec)
+    assert result.counts["pruned"] >= 1 and result.counts["complete"] + result.counts["pruned"] == 8
+    assert result.best.run == {"lr": 0.05}
+
+
+def test_bad_tune_settings_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="none of the methods"):
+        _spec(tmp_path, ["fedprox"], space={"nosuch": "0.1..1"})
+    with pytest.raises(ConfigError, match="set by the search itself"):
+        _spec(tmp_path, ["fedprox"], base={"seed": 3})
+    with pytest.raises(ConfigError, match="unknown part"):
+        _spec(tmp_path, ["fedprox+nosuch"])
+    spec = _spec(tmp_path, ["fedprox"])
+    tune_study.tune(spec)
+    other = _spec(tmp_path, ["fedprox"], space={"mu": "0.1..0.5"})  # same study name, another space
+    with pytest.raises(ConfigError, match="another base, search space or objective"):
+        tune_study.tune(other)
+
+
+def test_tune_resumes_after_a_kill(tmp_path):
+    """`fedskew tune` killed (SIGKILL) while a trial runs: the same command retries that trial with the same
+    arguments, its run resumes from its checkpoint, and the search ends with its full budget."""
+    out = tmp_path / "tune"
+    cmd = [
+        sys.executable, "-m", "fedskew.cli", "tune", "--methods", "fedprox", "--trials", "2", "--rounds", "40",
+        "--clients", "4", "--checkpoint-every", "1", "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 240
+    killed_dir = None
+    while time.time() < deadline and killed_dir is None:
+        for status in out.glob("trials/*/*/status.json"):
+            st = json.loads(status.read_text())
+            if st.get("status") == "running" and (st.get("checkpoint_round") or 0) >= 3:
+                killed_dir = status.parent
+        time.sleep(0.2)
+    assert killed_dir is not None, proc.stderr.read().decode() if proc.poll() is not None else "no trial checkpointed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = json.loads((killed_dir / "status.json").read_text())["checkpoint_round"]
+    assert done_before < 40
+
+    from fedskew.cli import main
+
+    assert main(cmd[3:]) == 0
+    st = optuna.load_study(study_name="tune:fedprox", storage=f"sqlite:///{(out / 'optuna.db').resolve()}")
+    states = [t.state.name for t in st.trials]
+    assert states.count("COMPLETE") == 2 and states.count("FAIL") == 1  # the killed trial, retried once
+    retry = next(t for t in st.trials if t.system_attrs.get("retry_history"))
+    killed = st.trials[retry.system_attrs["failed_trial"]]
+    assert retry.params == killed.params and retry.state.name == "COMPLETE"
+    assert retry.user_attrs["run_dirs"] == [str(killed_dir)]
+    records = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(1, 41))  # resumed: every round once
+    assert load_tuned(out / "tuned.yaml")[0].method == "fedprox"
