@@ -292,3 +292,17 @@ def test_tune_resumes_after_a_kill(tmp_path):
     records = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == list(range(1, 41))  # resumed: every round once
     assert load_tuned(out / "tuned.yaml")[0].method == "fedprox"
+
+
+def test_two_processes_tune_one_study(tmp_path):
+    """--jobs 2: two processes share the study through its storage; the budget is met (at most one trial over, when
+    both started one together) and every trial is recorded once."""
+    spec = _spec(tmp_path, ["fedprox"], trials=3, jobs=2)
+    (result,) = tune_study.tune(spec)
+    done = result.counts["complete"] + result.counts["pruned"]
+    assert 3 <= done <= 4 and result.counts["fail"] == 0 and result.best is not None
+    with sqlite3.connect(spec.db_path) as conn:
+        numbers = [n for (n,) in conn.execute("SELECT number FROM trials ORDER BY number")]
+    assert numbers == list(range(done))
+    pids = {t.user_attrs["pid"] for t in optuna.load_study(study_name="tune:fedprox", storage=spec.storage_url).trials}
+    assert len(pids) == 2 and os.getpid() not in pids

@@ -100,8 +100,8 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         MoonParams,
         lambda p: Moon(mu=p.mu, tau=p.tau, projection=p.projection),
         model_options=lambda p: {"projection": p.projection} if p.projection else {},
-        # MOON paper: mu in {0.1, 1, 5, 10}, tau in {0.1, 0.5, 1}; FedDisco's code/scripts: mu 0.01 / 0.1
-        tunable={"mu": LogFloat(1e-2, 10.0), "tau": Float(0.1, 1.0)},
+        # official MOON README: mu in {0.001, 0.01, 0.1, 1, 5, 10}; tau in {0.1, 0.5, 1}; FedDisco: mu 0.01 / 0.1
+        tunable={"mu": LogFloat(1e-3, 10.0), "tau": Float(0.1, 1.0)},
     ),
     "scaffold": ClientPart(
         "scaffold",

@@ -55,7 +55,8 @@ def is_run_dir(path: Path) -> bool:
     return all((path / n).is_file() for n in ("config.yaml", "metrics.jsonl", "summary.json"))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine."""
     if pid <= 0:
         return False
     try:
@@ -161,7 +162,7 @@ class RunDirectory:
                 except (OSError, ValueError):
                     holder = {}
                 pid, host = holder.get("pid"), holder.get("host")
-                if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
+                if host == me["host"] and isinstance(pid, int) and not pid_alive(pid):
                     self.notes.append(
                         f"{self.path}: the run that held it (pid {pid}) is gone (killed?); taking over its lock"
                     )
@@ -259,5 +260,5 @@ def stale_runs(root: Path) -> Iterator[Path]:
         except (OSError, ValueError):
             holder = {}
         pid = holder.get("pid")
-        if not holder or (holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)):
+        if not holder or (holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid)):
             yield rd.path

@@ -216,6 +216,7 @@ def run_trial_run(
     from fedskew.runner import StopRun, run_experiment
     from fedskew.sweep import PlannedRun, run_state
 
+    _wait_for_other_writer(Path(cfg.out))
     state, detail = run_state(PlannedRun(Path(cfg.out).name, cfg, ""))
     if state == "blocked":
         raise ConfigError(detail)
@@ -237,6 +238,25 @@ def run_trial_run(
 
     outcome = run_experiment(cfg, overwrite=state == "restart", on_round=on_round, on_note=on_note)
     return outcome.summary
+
+
+def _wait_for_other_writer(run_dir: Path, poll: float = 0.5) -> None:
+    """Two processes of one search may draw the same arguments at once (TPE on a small space): the second waits
+    for the first's run of them to end (its lock released, or its process gone), then reads or resumes it."""
+    from fedskew.results.rundir import LOCK, pid_alive
+
+    lock = run_dir / LOCK
+    while lock.exists():
+        try:
+            holder = json.loads(lock.read_text())
+        except (OSError, ValueError):
+            holder = {}
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and (not isinstance(pid, int) or not pid_alive(pid)):
+            return  # a dead writer's lock: the run directory takes it over
+        if holder.get("host") not in (None, socket.gethostname()):
+            return  # another machine's run: its lock is reported as it is
+        time.sleep(poll)
 
 
 def _replay(run_dir: Path, report: Callable[[int, float], None], metric: str, *, every: bool) -> None:
@@ -351,9 +371,10 @@ def _retry() -> Any:
         return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
 
 
-def open_study(spec: TuneSpec, entry: MethodEntry, *, create: bool = True) -> tuple[Any, dict[str, Dist], str]:
+def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[Any, dict[str, Dist], str]:
     """(study, space, metric) of ``entry``; the study is created in the storage or loaded (refused when it was run
-    with other settings)."""
+    with other settings). ``worker``: which of the ``--jobs`` processes asks (each samples from its own seed, so
+    that processes starting together do not draw the same arguments)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -362,7 +383,7 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, create: bool = True) -> tu
         space.pop(k, None)
     metric, direction = objective_metric(spec, _trial_values(spec, entry, {}))
     fp = _fingerprint(spec, entry, space, metric)
-    seed = int(hashlib.sha1(f"{study_name(spec, entry)}:{spec.seed_list()[0]}".encode()).hexdigest()[:8], 16)
+    seed = int(hashlib.sha1(f"{study_name(spec, entry)}:{spec.seed_list()[0]}".encode()).hexdigest()[:8], 16) + worker
     warmup = spec.warmup_rounds
     if warmup is None:
         warmup = max(1, int(make_config(_trial_values(spec, entry, {})).rounds) // 4)
@@ -411,13 +432,15 @@ def recover_dead_trials(study: Any) -> list[int]:
     checkpoints). Other machines' running trials are left to the heartbeat. Returns the recovered trial numbers."""
     from optuna.trial import TrialState
 
+    from fedskew.results.rundir import pid_alive
+
     host, recovered = socket.gethostname(), []
     trials = study.get_trials(deepcopy=False)
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
     for t in trials:
         pid = t.user_attrs.get("pid")
         if t.state == TrialState.RUNNING:
-            if t.user_attrs.get("host") != host or not isinstance(pid, int) or _alive(pid):
+            if t.user_attrs.get("host") != host or not isinstance(pid, int) or pid_alive(pid):
                 continue
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         elif not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried):
@@ -427,23 +450,15 @@ def recover_dead_trials(study: Any) -> list[int]:
     return recovered
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _budget(spec: TuneSpec, space: dict[str, Dist]) -> int:
     return spec.trials if space else 1  # nothing to search: one run of the defaults, the reference
 
 
-def optimize(spec: TuneSpec, entry: MethodEntry, on_trial: Callable[[Any, Any], None] | None = None) -> None:
+def optimize(
+    spec: TuneSpec, entry: MethodEntry, on_trial: Callable[[Any, Any], None] | None = None, worker: int = 0
+) -> None:
     """Run this process's share of ``entry``'s trials until the study has its budget (or the timeout passes)."""
-    study, space, metric = open_study(spec, entry)
+    study, space, metric = open_study(spec, entry, worker=worker)
     budget = _budget(spec, space)
     left = budget - counted(study)
     if left <= 0:
@@ -466,13 +481,13 @@ def optimize(spec: TuneSpec, entry: MethodEntry, on_trial: Callable[[Any, Any], 
     )
 
 
-def _worker(spec_json: str, index: int) -> None:
+def _worker(spec_json: str, index: int, worker: int) -> None:
     """A ``--jobs`` process: tunes one method's study beside the others."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; a killed trial is retried on the next run
     spec = TuneSpec.model_validate_json(spec_json)
-    optimize(spec, spec.method_entries()[index])
+    optimize(spec, spec.method_entries()[index], worker=worker)
 
 
 # ---- recording ---------------------------------------------------------------------------------------------------
@@ -558,7 +573,7 @@ def _parallel(spec: TuneSpec, index: int) -> None:
     from fedskew.sweep import _mp_context
 
     with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=_mp_context()) as pool:
-        futures = [pool.submit(_worker, spec.model_dump_json(), index) for _ in range(spec.jobs)]
+        futures = [pool.submit(_worker, spec.model_dump_json(), index, w + 1) for w in range(spec.jobs)]
         for f in futures:
             f.result()
 
