@@ -44,6 +44,31 @@ NOT_IDENTITY = frozenset(
 )
 
 
+# the keys that define a *setting*: the data and the federation (figures group an experiment's curves by them; an
+# experiment's other keys, method, its arguments, lr, epochs, rounds, ..., tell the curves of one setting apart)
+SETTING_KEYS = (
+    "dataset",
+    "protocol",
+    "partition",
+    "alpha",
+    "classes_per_client",
+    "pat_scheme",
+    "min_size",
+    "samples_per_client",
+    "test_samples_per_client",
+    "domain_fraction",
+    "image_size",
+    "imbalance_ratio",
+    "clients",
+    "train_ratio",
+    "holdout",
+    "join_ratio",
+    "client_dropout",
+)
+# the local training and the model: with the setting, what tuned hyper-parameters are specific to (fedskew tune)
+TRAINING_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "drop_last", "model", "norm")
+
+
 class RunConfig(StrictSettings):
     """Every setting of one simulated federation. Defaults are the main job on the embedded digits data.
 

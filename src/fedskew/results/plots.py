@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from fedskew.config import SETTING_KEYS
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
@@ -90,27 +92,6 @@ def skew_figure(
 
 
 # ---- report figures: accuracy curves per setting, per-domain bars ------------------------------------------------
-# the keys that define a *setting* (the data and the federation); an experiment's other keys (method, its arguments,
-# lr, epochs, rounds, ...) tell the curves of one setting's figure apart
-SETTING_KEYS = (
-    "dataset",
-    "protocol",
-    "partition",
-    "alpha",
-    "classes_per_client",
-    "pat_scheme",
-    "min_size",
-    "samples_per_client",
-    "test_samples_per_client",
-    "domain_fraction",
-    "image_size",
-    "imbalance_ratio",
-    "clients",
-    "train_ratio",
-    "holdout",
-    "join_ratio",
-    "client_dropout",
-)
 # which setting keys a partition uses (the others are not shown in a figure's title)
 _PARTITION_KEYS = {
     "dir": ("alpha", "min_size"),

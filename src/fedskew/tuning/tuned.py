@@ -14,7 +14,7 @@ The file is a list of entries::
       ...                             # the search: study, space, trials, budget (for the record)
 
 A run takes an entry when its method is the entry's and every key of the entry's ``setting`` has the run's value
-(:data:`SETTING_KEYS`: the data, the federation and the local training, not the number of rounds: a search on
+(:data:`TUNED_SETTING_KEYS`: the data, the federation and the local training, not the number of rounds: a search on
 fewer rounds is the usual budget); the most specific match wins. Arguments the run gives explicitly (a sweep's
 ``methods: [{name: fedprox, args: {mu: 0.1}}]``, a paper's row) win over the tuned ones; the tuned run-level
 settings replace the base's (the setting matched on everything else).
@@ -29,35 +29,13 @@ from typing import Any
 
 import yaml
 
+from fedskew.config import SETTING_KEYS, TRAINING_KEYS
 from fedskew.schema import ConfigError
 from fedskew.tuning.space import RUN_LEVEL
 
-# what "the same setting" means for tuned arguments: everything that shapes the data, the federation and the
-# local training; rounds, seeds, evaluation cadence and where output goes do not
-SETTING_KEYS = (
-    "dataset",
-    "protocol",
-    "partition",
-    "alpha",
-    "classes_per_client",
-    "pat_scheme",
-    "min_size",
-    "samples_per_client",
-    "test_samples_per_client",
-    "domain_fraction",
-    "image_size",
-    "imbalance_ratio",
-    "clients",
-    "train_ratio",
-    "join_ratio",
-    "local_epochs",
-    "batch_size",
-    "lr",
-    "momentum",
-    "weight_decay",
-    "model",
-    "norm",
-)
+# what "the same setting" means for tuned arguments: the data, the federation, the local training and the model;
+# rounds, seeds, evaluation cadence and where output goes do not
+TUNED_SETTING_KEYS = (*SETTING_KEYS, *TRAINING_KEYS)
 
 
 @dataclass(frozen=True)
@@ -100,7 +78,7 @@ def canonical_method(name: str) -> str:
 
 def setting_of(cfg: Mapping[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The setting a configuration (a validated ``RunConfig.model_dump()``) tunes or runs in."""
-    return {k: cfg[k] for k in SETTING_KEYS if k in cfg and k not in exclude}
+    return {k: cfg[k] for k in TUNED_SETTING_KEYS if k in cfg and k not in exclude}
 
 
 def load_tuned(path: str | Path) -> list[TunedEntry]:
