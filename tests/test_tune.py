@@ -239,6 +239,10 @@ def test_pruning_stops_trials_that_trail(tmp_path):
     (result,) = tune_study.tune(spec)
     assert result.counts["pruned"] >= 1 and result.counts["complete"] + result.counts["pruned"] == 8
     assert result.best.run == {"lr": 0.05}
+    pruned = [r for r in result.trials if r["state"] == "pruned"]
+    assert all(r["value"] is None and r["last_step"] < 6 and r["last_value"] is not None for r in pruned)
+    figure = json.loads(result.figure.with_suffix(".json").read_text())
+    assert sum(r["state"] == "pruned" for r in figure["trials"]) == len(pruned)
 
 
 def test_bad_tune_settings_are_refused(tmp_path):

@@ -137,8 +137,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             return
         row = trial_row(spec, entry, study, trial)
         params = format_args(row["params"])
-        value = f"{row['value']:.4f}" if row["value"] is not None else "-"
-        if row["state"] == "pruned":
+        value = f"{row['value']:.4f}" if row["value"] is not None else row["state"]
+        if row["state"] == "pruned" and row["last_value"] is not None:
             value = f"pruned at step {row['last_step']} ({row['last_value']:.4f})"
         line = f"  {study.study_name} #{row['number']} {params or '(defaults)'}: {value}"
         console.print(escape(line), highlight=False)

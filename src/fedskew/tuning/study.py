@@ -492,21 +492,22 @@ def _worker(spec_json: str, index: int, worker: int) -> None:
 
 # ---- recording ---------------------------------------------------------------------------------------------------
 def trial_row(spec: TuneSpec, entry: MethodEntry, study: Any, trial: Any) -> dict[str, Any]:
-    value = trial.value if trial.value is not None and math.isfinite(trial.value) else None
-    if value is None and trial.intermediate_values:
-        last = max(trial.intermediate_values)
-        value_last = trial.intermediate_values[last]
-    else:
-        last, value_last = None, None
+    """One trial as the ``trials`` table and the search figure record it: its objective value when it completed
+    (``None`` otherwise), and the last reported round of its validation curve (where a pruned trial stopped)."""
+    from optuna.trial import TrialState
+
+    complete = trial.state == TrialState.COMPLETE and trial.value is not None and math.isfinite(trial.value)
+    inter = trial.intermediate_values
+    last = max(inter) if inter else None
     return {
         "study": study.study_name,
         "number": trial.number,
         "method": canonical_method(entry.name),
         "state": trial.state.name.lower(),
-        "value": value,
+        "value": float(trial.value) if complete else None,
         "params": dict(trial.params),
         "last_step": last,
-        "last_value": value_last,
+        "last_value": None if last is None else float(inter[last]),
         "run_dirs": trial.user_attrs.get("run_dirs", []),
         "note": trial.user_attrs.get("diverged", ""),
         "started": trial.datetime_start.isoformat(timespec="seconds") if trial.datetime_start else None,
