@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.results.plots import _write
+from fedskew.tuning.space import Float, Int, parse_dist
 
 
 def plot_search(result: Any, folder: Path) -> Path | None:
@@ -17,6 +18,7 @@ def plot_search(result: Any, folder: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullFormatter
 
     rows = [r for r in result.trials if r["state"] in ("complete", "pruned")]
     if not rows:
@@ -37,6 +39,7 @@ def plot_search(result: Any, folder: Path) -> Path | None:
     if line:
         ax.step([n for n, _ in line], [v for _, v in line], where="post", color="tab:red", label="best so far")
     ax.set_xlabel("trial")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"validation {result.metric}")
     ax.legend(fontsize=8)
     for i, name in enumerate(params, start=1):
@@ -45,8 +48,13 @@ def plot_search(result: Any, folder: Path) -> Path | None:
         ax.plot(xs, [r["value"] for r in done], "o", color="tab:blue")
         xp = [r["params"].get(name) for r in pruned]
         ax.plot(xp, [r["last_value"] for r in pruned], "x", color="0.5")
-        if result.space[name].startswith(("log:", "intlog:")):
-            ax.set_xscale("log")
+        dist = parse_dist(result.space[name])
+        if isinstance(dist, Float | Int):  # the whole searched range, so where the trials fell shows
+            pad = 0.0 if dist.log else 0.03 * (dist.high - dist.low)
+            if dist.log:
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlim(dist.low - pad, dist.high + pad)
         ax.set_xlabel(f"{name} ({result.space[name]})")
         ax.tick_params(labelsize=8)
     title = f"{result.study}: {len(done)} complete, {len(pruned)} pruned"
