@@ -115,3 +115,28 @@ def test_recomputed_last_n_is_used_for_the_bars(tmp_path, capsys):
     figs = _figures(tmp_path, capsys, db, "--last-n", "1")
     bars = next(v for k, v in figs.items() if k.startswith("domains"))
     assert bars["last_n"] == 1 and bars["groups"][0]["domains"]["a"] == pytest.approx([60.0, None])
+
+
+def test_paired_differences_are_drawn_with_their_interval_bars(tmp_path, capsys):
+    """Issue 23: a figure of each row's paired difference against its reference, with its 95% interval."""
+    db = tmp_path / "r.db"
+    for seed, b in enumerate((0.60, 0.66, 0.55, 0.70)):
+        _add(db, [b], seed=seed)
+        _add(db, [b + (0.020, 0.021, 0.019, 0.020)[seed]], seed=seed, method="fedprox")
+        _add(db, [b + (0.01, -0.01, 0.01, -0.01)[seed]], seed=seed, method="scaffold")
+    figs = _figures(tmp_path, capsys, db)
+    assert sorted(k.split(":")[0] for k in figs) == ["curves", "paired"]
+    data = next(v for k, v in figs.items() if k.startswith("paired"))
+    (panel,) = data["panels"]
+    rows = {r["label"]: r for r in panel["rows"]}
+    assert set(rows) == {"fedprox", "scaffold"} and {r["reference"] for r in rows.values()} == {"fedavg"}
+    p, s = rows["fedprox"], rows["scaffold"]
+    assert p["mean"] == pytest.approx(2.0) and p["hi"] - p["mean"] == pytest.approx(0.1299, abs=1e-4)
+    assert p["significant"] and p["method"] == "paired t" and p["n"] == 4 and p["seeds"] == [0, 1, 2, 3]
+    assert s["mean"] == pytest.approx(0.0, abs=1e-9) and s["hi"] == pytest.approx(1.8374, abs=1e-4)
+    assert not s["significant"]
+    # --against moves the reference
+    out = tmp_path / "fig2"
+    assert main(["report", "--db", str(db), "--plot", str(out), "--against", "scaffold"]) == 0
+    (paired,) = out.glob("paired-*.json")
+    assert {r["reference"] for r in json.loads(paired.read_text())["panels"][0]["rows"]} == {"scaffold"}

@@ -306,3 +306,139 @@ def test_run_folder_names_hold_non_default_method_args(tmp_path):
     tag = a.removeprefix("T-moon_").removesuffix("-digits-dir-s0")
     assert len(tag) <= 40 and a != b  # bounded, and a hash keeps cut names apart
     assert re.fullmatch(r"[A-Za-z0-9._-]+", a)
+
+
+# ---- 7. paired comparisons against a reference row (issue 23) ----------------------------------------------------
+_BASE = [0.60, 0.66, 0.55, 0.70]  # FedAvg per seed: the seeds themselves vary by up to 15 points
+
+
+def _cells(table, label):
+    (row,) = [r for r in _rows(table) if r.startswith(f"| {label} |")]
+    return [c.strip() for c in row.strip().strip("|").split(" | ")]
+
+
+def _paired_db(tmp_path):
+    db = tmp_path / "r.db"
+    for seed, b in enumerate(_BASE):
+        _add(db, [b], seed=seed)
+        _add(db, [b + (0.020, 0.021, 0.019, 0.020)[seed]], seed=seed, method="fedprox")  # +2 points on every seed
+        _add(db, [b + (0.01, -0.01, 0.01, -0.01)[seed]], seed=seed, method="scaffold")  # noise around 0
+    return db
+
+
+def test_a_row_better_on_every_seed_is_marked_and_noise_is_not(tmp_path, capsys):
+    db = _paired_db(tmp_path)
+    table = _report(capsys, db)
+    header = next(ln for ln in table.splitlines() if ln.startswith("| method"))
+    assert header == (
+        "| method | seeds | paired vs | global_acc best | global_acc best Δ | global_acc last-1 | global_acc last-1 Δ "
+        "| diverged |"
+    )
+    ref = _cells(table, "fedavg")
+    assert ref[2] == "(reference)" and ref[4] == "(reference)" and ref[6] == "(reference)"
+    # fedprox - fedavg per seed: 2.0, 2.1, 1.9, 2.0 -> mean 2.0, sd 0.08165, t_{0.975,3} 3.1824: half-width 0.1299
+    better = _cells(table, "fedprox")
+    assert better[2] == "fedavg" and better[4] == "+2.00 [+1.87, +2.13]*" and better[6] == better[4]
+    # scaffold - fedavg: +1, -1, +1, -1 -> mean 0, sd 1.1547, half-width 1.8374: not marked
+    noise = _cells(table, "scaffold")
+    assert noise[4] == "+0.00 [-1.84, +1.84]"
+    # under each column: the detectable difference from the pooled paired std (sqrt((3 * 0.0067 + 3 * 1.3333) / 6))
+    foot = next(ln for ln in table.splitlines() if ln.startswith("| detectable Δ"))
+    sd = np.sqrt((0.08165**2 + 1.1547**2) / 2)
+    from fedskew.results.stats import detectable_difference
+
+    assert f"{detectable_difference(sd, 4):.2f} (n=4, sd {sd:.2f})" in foot
+    assert "paired t (fewer than 10 common seeds)" in table and "* marks an interval that excludes 0" in table
+    # the unpaired view could not tell fedprox from fedavg: the std over seeds (5.8) dwarfs the 2-point gain
+    assert better[3] == "64.75 ± 5.77" and ref[3] == "62.75 ± 5.72"
+
+
+def test_paired_numbers_in_csv_and_latex(tmp_path, capsys):
+    db = _paired_db(tmp_path)
+    rows = {r["method"]: r for r in csv.DictReader(io.StringIO(_report(capsys, db, "--format", "csv")))}
+    p, n, f = rows["fedprox"], rows["scaffold"], rows["fedavg"]
+    assert float(p["global_acc best delta"]) == pytest.approx(2.0)
+    assert float(p["global_acc best delta lo"]) == pytest.approx(2.0 - 0.1299, abs=1e-4)
+    assert float(p["global_acc best delta hi"]) == pytest.approx(2.0 + 0.1299, abs=1e-4)
+    assert (p["global_acc best delta method"], p["global_acc best delta n"]) == ("paired t", "4")
+    assert p["global_acc best delta significant"] == "true" and n["global_acc best delta significant"] == "false"
+    assert float(p["global_acc best delta sd"]) == pytest.approx(0.08165, abs=1e-4)
+    assert p["reference"] == "fedavg" and f["reference"] == "(reference)"
+    assert f["global_acc best delta method"] == "reference" and f["global_acc best delta"] == ""
+    capsys.readouterr()
+    assert main(["report", "--db", str(db), "--format", "csv"]) == 0
+    assert "note: detectable Δ (paired t, α=0.05, power 0.8): global_acc best Δ: " in capsys.readouterr().err
+    latex = _report(capsys, db, "--format", "latex")
+    assert "\\textbf{+2.00 [+1.87, +2.13]}" in latex and "\\textbf{+0.00" not in latex
+    assert "detectable $\\Delta$" in latex and "global\\_acc best $\\Delta$" in latex
+
+
+def test_unpaired_runs_are_reported_as_unpaired(tmp_path, capsys):
+    db = tmp_path / "r.db"
+    _add(db, [0.6], seed=0)
+    _add(db, [0.7], seed=1)
+    _add(db, [0.9], seed=2, method="fedprox")  # other seeds: other partitions and initial models
+    _add(db, [0.8], seed=3, method="fedprox")
+    table = _report(capsys, db)
+    cells = _cells(table, "fedprox")
+    assert cells[4] == "unpaired (no common seed)" and cells[6] == cells[4]
+    assert "unpaired, not compared (no seed in common with their reference): fedprox" in table
+    assert "detectable Δ" not in table  # nothing was compared
+    (row,) = [r for r in csv.DictReader(io.StringIO(_report(capsys, db, "--format", "csv"))) if r["method"] != "fedavg"]
+    assert row["global_acc best delta method"] == "unpaired" and row["global_acc best delta"] == ""
+
+
+def test_partly_shared_seeds_and_a_diverged_seed(tmp_path, capsys):
+    db = tmp_path / "r.db"
+    for seed, b in enumerate(_BASE):
+        _add(db, [b], seed=seed)
+    _add(db, [0.63], seed=0, method="fedprox")
+    _add(db, [0.69], seed=1, method="fedprox")
+    _add(db, [0.50], seed=2, method="fedprox", diverged_round=1)  # left out of the comparison, named
+    _add(db, [0.99], seed=9, method="fedprox")  # no partner: not used
+    _add(db, [0.58], seed=2, method="scaffold")  # one common seed: a difference without an interval
+    table = _report(capsys, db)
+    assert _cells(table, "fedprox")[4] == "+3.00 [+3.00, +3.00]* (n=2)"  # +3 on seeds 0 and 1
+    assert _cells(table, "scaffold")[4] == "+3.00 (1 seed, no interval)"
+    assert "left out of paired comparisons (a diverged run, theirs or their reference's): fedprox seed 2" in table
+
+
+def test_plug_in_rows_against_their_host_and_against(tmp_path, capsys):
+    db = tmp_path / "r.db"
+    for seed, b in enumerate(_BASE[:3]):
+        _add(db, [b], seed=seed)
+        _add(db, [b + 0.05], seed=seed, method="fedprox")
+        _add(db, [b + 0.05 + 0.01 * (seed + 1)], seed=seed, method="fedprox+heal")
+        _add(db, [b + 0.01], seed=seed, alpha=0.5)  # another setting: its own reference, never compared across
+    table = _report(capsys, db)
+    assert _cells(table, "fedprox+heal")[3] == "fedprox"  # the host (column 2 is alpha)
+    assert _cells(table, "fedprox+heal")[5].startswith("+2.00 [")  # 1, 2, 3 points over fedprox
+    # two fedavg rows (alpha 0.1 and 0.5): the reference is named with the setting that tells them apart
+    prox = _cells(table, "fedprox")
+    assert prox[3] == "fedavg [alpha=0.1]" and prox[5] == "+5.00 [+5.00, +5.00]*"
+    fedavg_rows = [r for r in _rows(table) if r.startswith("| fedavg |")]
+    assert len(fedavg_rows) == 2 and all("(reference)" in r for r in fedavg_rows)
+    out = _report(capsys, db, "--against", "fedprox")
+    assert _cells(out, "fedprox")[3] == "(reference)"
+    assert _cells(out, "fedprox+heal")[5].startswith("+2.00 [")
+    assert "-5.00 [-5.00, -5.00]*" in next(r for r in _rows(out) if r.startswith("| fedavg | 0.1"))
+    assert "no reference row in their setting" in out  # alpha 0.5 has no fedprox row
+    capsys.readouterr()
+    assert main(["report", "--db", str(db), "--against", "fedyogi"]) == 2
+    assert "--against 'fedyogi' names no row" in capsys.readouterr().err
+
+
+def test_seeds_needed_per_row(tmp_path, capsys):
+    from fedskew.results.stats import seeds_needed
+
+    db = _paired_db(tmp_path)
+    table = _report(capsys, db, "--seeds-needed", "0.5")
+    header = next(ln for ln in table.splitlines() if ln.startswith("| method"))
+    assert "| global_acc best seeds for Δ=0.5 |" in header
+    assert _cells(table, "fedprox")[5] == str(seeds_needed(0.08165, 0.5)) == "3"  # tiny paired std
+    assert _cells(table, "scaffold")[5] == str(seeds_needed(1.1547, 0.5)) == "44"
+    assert _cells(table, "fedavg")[5] == "(reference)"
+    assert "seeds for Δ=0.5: the smallest number of seeds" in table
+    capsys.readouterr()
+    assert main(["report", "--db", str(db), "--seeds-needed", "0"]) == 2
+    assert "--seeds-needed must be a positive" in capsys.readouterr().err

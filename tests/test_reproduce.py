@@ -153,3 +153,67 @@ def test_cpu_scale_runs_on_the_embedded_digits_with_three_seeds(name, monkeypatc
     plan = make_plan(load_paper(name), "cpu")
     assert plan.settings and {s.case["dataset"] for s in plan.settings} == {"digits"}
     assert plan.seeds == [0, 1, 2] and plan.base["rounds"] == 50
+
+
+def test_references_follow_the_pairs_the_hosts_and_against():
+    from fedskew.reproduce.table import references
+
+    heal = load_paper("fedheal")
+    (t,) = [t for t in heal.tables if t.id == "table2"]
+    refs = references(heal.table_rows(t), t.pairs)
+    assert refs["fedavg"] == "fedavg"  # the reference itself
+    assert refs["fedprox_heal"] == "fedprox" and refs["fedprox_afl"] == "fedprox" and refs["moon_qffl"] == "moon"
+    assert refs["fedprox"] == "fedavg" and refs["ditto"] == "fedavg"
+    disco = load_paper("feddisco")
+    t = disco.tables[0]
+    refs = references(disco.table_rows(t), t.pairs)
+    assert refs["fedavg_uniform"] == "fedavg" and refs["moon_disco"] == "moon" and refs["fedavg_disco"] == "fedavg"
+    assert set(references(disco.table_rows(t), t.pairs, "FedProx").values()) == {"fedprox"}
+
+
+def test_smoke_table_carries_paired_intervals(tmp_path, capsys):
+    """Issue 23: with two seeds every cell of ours has its paired difference against the row's reference, with a
+    95% paired t interval, in table.md and table.json, and each column its detectable difference."""
+    import re
+
+    import numpy as np
+    from scipy import stats as sps
+
+    from fedskew.results.stats import detectable_difference
+
+    out = tmp_path / "feddisco"
+    argv = ["reproduce", "feddisco", "--scale", "smoke", "--rows", "fedavg,fedavg+disco", "--seeds", "0,1"]
+    assert main([*argv, "--out", str(out), "--quiet", "--against", "nope"]) == 2  # names no row
+    assert "--against 'nope' names no row" in capsys.readouterr().err
+    assert main([*argv, "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads((out / "table.json").read_text())
+    table = data["tables"][0]
+    rows = {r["id"]: r for r in table["rows"]}
+    assert rows["fedavg"]["reference"] == "fedavg" and rows["fedavg_disco"]["reference"] == "fedavg"
+    assert set(rows) == {"fedavg", "fedavg_disco", "fedavg_uniform"}  # --rows fedavg: every row of method fedavg
+    assert rows["fedavg_uniform"]["reference"] == "fedavg"
+    detectable = table["detectable"]
+    for j in range(len(table["columns"])):
+        ref, plus = rows["fedavg"]["cells"][j], rows["fedavg_disco"]["cells"][j]
+        assert ref["role"] == "reference" and ref["delta"] is None
+        d = plus["delta"]
+        assert plus["role"] == "compared" and d["method"] == "paired t" and d["n"] == 2 and d["seeds"] == [0, 1]
+        diffs = np.array([plus["values"][s] - ref["values"][s] for s in ("0", "1")])  # by hand, seed by seed
+        half = sps.t.ppf(0.975, 1) * diffs.std(ddof=1) / np.sqrt(2)
+        assert d["mean"] == pytest.approx(diffs.mean()) and d["sd"] == pytest.approx(diffs.std(ddof=1))
+        assert d["lo"] == pytest.approx(diffs.mean() - half) and d["hi"] == pytest.approx(diffs.mean() + half)
+        assert d["significant"] == (d["lo"] > 0 or d["hi"] < 0)
+        assert f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]" in text
+        # the column's detectable difference: from the pooled paired std of its two comparisons, at 2 seeds
+        sd = np.sqrt((d["sd"] ** 2 + rows["fedavg_uniform"]["cells"][j]["delta"]["sd"] ** 2) / 2)
+        assert detectable[j]["n"] == 2 and detectable[j]["sd"] == pytest.approx(sd)
+        assert detectable[j]["difference"] == pytest.approx(detectable_difference(sd, 2))
+        assert f"{detectable[j]['difference']:.2f} (n=2, sd {sd:.2f})" in text
+    md = (out / "table.md").read_text()
+    assert md.strip() in text  # what was printed is what was written
+    assert "| method | vs | digits (8x8) NIID-1 (paper: FMNIST NIID-1) | paper | Δ |" in md
+    assert "| FedAvg | (reference) |" in md and "| FedAvg+Disco | FedAvg |" in md
+    assert "| detectable Δ (α=0.05, power 0.8) |" in md and "paired t below 10 common seeds" in md
+    assert re.search(r"change over the host: FedAvg\+Disco [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]\*? ", md)
+    assert len(list((out / "figures").glob("paired-*.png"))) == 2  # one per setting, with the interval bars

@@ -173,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="table of experiments (whole config but the seed), mean ± std over distinct seeds",
         description="One row per experiment (the whole resolved configuration except the seed); the settings that "
-        "differ between rows are columns, the shared ones are listed once. Each seed counts once (its latest run).",
+        "differ between rows are columns, the shared ones are listed once. Each seed counts once (its latest run). "
+        "Every row is compared paired (seed by seed) with its reference row of the same setting: the mean "
+        "difference with its 95%% interval (paired t; bootstrap from 10 common seeds), * when it excludes 0, and "
+        "the smallest difference the seeds could detect under each column.",
     )
     rep.add_argument("--db", default="runs/fedskew.db", help="SQLite results database (default runs/fedskew.db)")
     rep.add_argument(
@@ -195,8 +198,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="DIR",
         default=None,
-        help="also write figures to DIR: accuracy vs round per setting (mean ± std over seeds, one curve per row) "
-        "and, for domain skew, per-domain accuracy bars with AVG/STD; each PNG with a JSON of its numbers",
+        help="also write figures to DIR: accuracy vs round per setting (mean ± std over seeds, one curve per row), "
+        "the paired difference of each row against its reference with its 95%% interval, and, for domain skew, "
+        "per-domain accuracy bars with AVG/STD; each PNG with a JSON of its numbers",
+    )
+    rep.add_argument(
+        "--against",
+        metavar="ROW",
+        default=None,
+        help="the reference row of the paired differences: a row's method as shown in the table (e.g. "
+        "'fedavg (weights=uniform)') or a method (e.g. fedprox); default: FedAvg with its default arguments, and "
+        "the host for a host+plug-in row (fedprox+heal against fedprox), within each setting",
+    )
+    rep.add_argument(
+        "--seeds-needed",
+        type=float,
+        default=None,
+        metavar="D",
+        help="add, per row, how many seeds a paired t-test (two-sided, alpha 0.05, power 0.8; exact, noncentral t) "
+        "would need to resolve a difference of D points against its reference, from the paired std of its runs",
     )
     for module in _command_modules():
         module.add_parsers(sub)
@@ -454,8 +474,12 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _footer(v: tuple[float, float, int] | None) -> str:
+    return "-" if v is None else f"{v[0]:.2f} (n={v[2]}, pooled paired sd {v[1]:.2f})"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedskew.results.report import report_from_db
+    from fedskew.results.report import ReportError, report_from_db
     from fedskew.results.store import ResultsDB
 
     if not Path(args.db).is_file():
@@ -464,18 +488,32 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.last_n is not None and args.last_n < 1:
         print(f"error: --last-n must be a positive number of rounds, got {args.last_n}", file=sys.stderr)
         return 2
+    if args.seeds_needed is not None and not args.seeds_needed > 0:
+        print(
+            f"error: --seeds-needed must be a positive difference in points, got {args.seeds_needed}", file=sys.stderr
+        )
+        return 2
     metrics = [m.strip() for item in (args.metric or ["global_acc"]) for m in item.split(",") if m.strip()]
     with ResultsDB(args.db) as db:
-        rep = report_from_db(db, metrics, last_n=args.last_n)
-        if args.plot:
-            from fedskew.results.plots import report_figures
+        try:
+            rep = report_from_db(db, metrics, last_n=args.last_n, against=args.against, seeds_needed=args.seeds_needed)
+            if args.plot:
+                from fedskew.results.plots import report_figures
 
-            figures = report_figures(db, args.plot, metrics, last_n=args.last_n)
+                figures = report_figures(db, args.plot, metrics, last_n=args.last_n, against=args.against)
+        except ReportError as exc:  # --against naming no row
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(rep.render(args.format))
     if args.format == "csv" and rep.rows:  # the CSV holds the table only; what it shares goes to stderr
         print(f"settings common to every row: {'; '.join(rep.common) or '-'}", file=sys.stderr)
         for note in rep.notes:
             print(f"note: {note}", file=sys.stderr)
+        if rep.footer is not None:  # the table's last line: each column's detectable difference
+            shown = [
+                f"{c}: {_footer(v)}" for c, v, k in zip(rep.columns, rep.footer, rep.kinds, strict=True) if k == "delta"
+            ]
+            print(f"note: {rep.footer[0]}: {'; '.join(shown)}", file=sys.stderr)
     if args.plot:  # on stderr: stdout stays the table (`--format csv > t.csv`)
         print(f"{len(figures)} figure(s) in {args.plot}/ (each with a .json of its numbers):", file=sys.stderr)
         for fig in figures:

@@ -60,6 +60,13 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help="tuned.yaml of `fedskew tune`: rows take their method's tuned arguments (default out: ...-tuned)",
     )
+    rp.add_argument(
+        "--against",
+        metavar="ROW",
+        default=None,
+        help="the reference row of the paired differences in the tables (a row id, label or method; default: FedAvg, "
+        "and a host+plug-in row against its host)",
+    )
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
     rp.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -226,8 +233,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     from fedskew.config import ConfigError
     from fedskew.reproduce import load_paper, make_plan, planned_runs, run_reproduction
+    from fedskew.reproduce.table import check_against
 
     paper = load_paper(args.paper)
+    check_against(paper, args.against)
     try:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
@@ -239,6 +248,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     plan = make_plan(
         paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows, tuned=args.tuned
     )
+    plan.against = args.against
     print(f"{paper.paper}: {paper.title}", file=sys.stderr)
     print(f"scale {args.scale}: {paper.scales[args.scale].note.strip()}", file=sys.stderr)
     shown = [s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings]

@@ -7,9 +7,12 @@ database into the paper's tables (:mod:`.table`). Everything goes to one folder:
     OUT/sweep.yaml     the sweep it ran (``fedskew sweep OUT/sweep.yaml`` re-runs it)
     OUT/runs/...       one run directory per (method, setting, seed)
     OUT/fedskew.db     the results database (``fedskew report --db OUT/fedskew.db``)
-    OUT/table.md       the tables, the orderings, the compute against the paper's, the notes
-    OUT/table.json     the same numbers, machine-readable
-    OUT/figures/       accuracy curves per setting (mean ± std over seeds), per-domain bars for domain skew
+    OUT/table.md       the tables (with each row's paired difference against its reference row, its 95% interval
+                       and each column's detectable difference), the orderings, the compute against the paper's,
+                       the notes
+    OUT/table.json     the same numbers, machine-readable (per cell the per-seed values and the paired comparison)
+    OUT/figures/       accuracy curves per setting (mean ± std over seeds), paired differences with their interval
+                       bars, per-domain bars for domain skew
 """
 
 from __future__ import annotations

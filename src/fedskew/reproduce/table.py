@@ -1,5 +1,7 @@
 """A paper's table from the runs of a reproduction: our mean ± std over seeds beside the paper's number in every cell,
-which orderings of methods agree, and the compute used against the paper's."""
+the paired difference of every row against its reference row (the same seeds, so the same partitions, initial models
+and client samples: :mod:`fedskew.results.stats`) with its 95% interval and, under each column, the smallest
+difference its seeds could detect; which orderings of methods agree, and the compute used against the paper's."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from fedskew.reproduce.papers import Row, Table, parse_value
+from fedskew.reproduce.papers import Paper, Row, Table, parse_value
 from fedskew.reproduce.plan import Plan
+from fedskew.results import stats as st
+from fedskew.schema import ConfigError
 
 
 @dataclass
@@ -29,6 +33,9 @@ class Cell:
     seeds: int = 0
     paper: tuple[float, float | None] | None = None
     note: str = ""  # why there is no number of ours
+    role: str = ""  # "reference" (the row is the reference), "compared" (``delta`` holds it), "" (no comparison)
+    delta: dict[str, Any] | None = None  # the paired difference against the reference row (Comparison.as_dict())
+    values: dict[int, float] = field(default_factory=dict)  # seed -> ours in % (NaN: a diverged run)
 
 
 @dataclass
@@ -39,6 +46,44 @@ class BuiltTable:
     cells: dict[tuple[str, int], Cell]
     not_run: list[tuple[str, str]] = field(default_factory=list)  # (paper column label, why)
     orderings: list[str] = field(default_factory=list)
+    references: dict[str, str | None] = field(default_factory=dict)  # row id -> its reference row id
+    detectable: list[dict[str, Any] | None] = field(default_factory=list)  # per column: difference, sd, n
+
+
+def _matches(row: Row, name: str) -> bool:
+    return name.strip().lower() in (row.id.lower(), row.label.lower(), row.method.lower())
+
+
+def check_against(paper: Paper, against: str | None) -> None:
+    """Raise :class:`ConfigError` unless ``against`` (a row id, label or method) names a row of ``paper``."""
+    if against and not any(_matches(r, against) for r in paper.rows):
+        raise ConfigError(
+            f"--against {against!r} names no row of {paper.paper}; rows: {', '.join(r.id for r in paper.rows)}"
+        )
+
+
+def references(rows: list[Row], pairs: list[tuple[str, str]], against: str | None = None) -> dict[str, str | None]:
+    """Row id -> the id of the row it is compared with (its own id for a reference row; None: no reference).
+    ``against`` (a row id, label or method): that row for every row. Else a row of the table's ``pairs``
+    (host, host+plug-in) against its host; another ``host+plugin`` row against the host's row (the one whose
+    arguments the composition shares); any other row against FedAvg with its default arguments."""
+    ids = {r.id for r in rows}
+    if against:
+        ref = next((r.id for r in rows if _matches(r, against)), None)
+        return {r.id: ref for r in rows}
+    fedavg = next((r.id for r in rows if r.method == "fedavg" and not r.args), None)
+    host_of = {plus: base for base, plus in pairs if base in ids}
+    out: dict[str, str | None] = {}
+    for r in rows:
+        ref = host_of.get(r.id)
+        if ref is None and "+" in r.method:
+            host = r.method.rsplit("+", 1)[0]
+            cands = [x for x in rows if x.method == host]
+            shared = [x for x in cands if all(r.args.get(k) == v for k, v in x.args.items())]
+            ref = (shared or cands or [None])[0]  # type: ignore[assignment]
+            ref = ref.id if isinstance(ref, Row) else None
+        out[r.id] = ref or fedavg
+    return out
 
 
 def _pm(values: list[float]) -> tuple[float, float | None]:
@@ -102,6 +147,12 @@ def build_tables(
                     vals = [
                         v for v in (_value(x["summary"], keys, paper.metric.statistic) for x in got) if v is not None
                     ]
+                    for x in got:  # seed -> value, for the paired differences; a diverged run is left out of them
+                        v = _value(x["summary"], keys, paper.metric.statistic)
+                        if x["summary"].get("diverged"):
+                            cell.values[int(x["seed"])] = float("nan")
+                        elif v is not None:
+                            cell.values[int(x["seed"])] = 100.0 * v
                     if vals:
                         cell.ours, cell.seeds = _pm(vals), len(vals)
                         gone = [str(x["seed"]) for x in got if x["summary"].get("diverged")]
@@ -116,9 +167,58 @@ def build_tables(
                         cell.note = "not run"
                 cells[(r.id, j)] = cell
         built = BuiltTable(t, columns, rows, cells, not_run)
+        built.references = references(rows, t.pairs, plan.against)
+        _pair(built)
         built.orderings = orderings(built)
         out.append(built)
     return out
+
+
+def _pair(bt: BuiltTable) -> None:
+    """Every cell of ours against the same column's cell of its row's reference (paired by seed), and each
+    column's detectable difference from the pooled paired std of its comparisons."""
+    bt.detectable = []
+    for j in range(len(bt.columns)):
+        cmps = []
+        for r in bt.rows:
+            cell, ref = bt.cells[(r.id, j)], bt.references.get(r.id)
+            if ref is None or not cell.values:
+                continue
+            if ref == r.id:
+                cell.role = "reference"
+                continue
+            base = bt.cells.get((ref, j))
+            if base is None or not base.values:
+                continue
+            c = st.compare(base.values, cell.values)
+            cell.role, cell.delta = "compared", c.as_dict()
+            cmps.append(c)
+        with_sd = [c for c in cmps if c.sd is not None]
+        if not with_sd:
+            bt.detectable.append(None)
+            continue
+        dof = sum(c.n - 1 for c in with_sd)
+        sd = float(np.sqrt(sum((c.n - 1) * c.sd**2 for c in with_sd) / dof))  # type: ignore[operator]
+        n = min(c.n for c in with_sd)
+        bt.detectable.append({"difference": st.detectable_difference(sd, n), "sd": sd, "n": n})
+
+
+def delta_text(cell: Cell) -> str:
+    """The paired-difference cell: ``+0.52 [+0.10, +0.94]*`` (``*``: the interval excludes 0), ``(reference)``,
+    ``unpaired``, ``+0.52 (1 seed, no interval)``, or ``-``."""
+    if cell.role == "reference":
+        return "(reference)"
+    d = cell.delta
+    if d is None:
+        return "-"
+    if d["method"] == st.UNPAIRED:
+        return "unpaired (no common seed)"
+    if d["mean"] is None:
+        return "no finite pair"
+    if d["lo"] is None:
+        return f"{d['mean']:+.2f} (1 seed, no interval)"
+    text = f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]" + ("*" if d["significant"] else "")
+    return text + (f" (n={d['n']})" if d["n"] < cell.seeds else "")
 
 
 def orderings(bt: BuiltTable) -> list[str]:
@@ -150,10 +250,16 @@ def orderings(bt: BuiltTable) -> list[str]:
                 continue
             a, b = bt.cells[(base, j)], bt.cells[(plus, j)]
             if a.ours and b.ours and a.paper and b.paper:
-                gains.append((by_id[plus].label, b.ours[0] - a.ours[0], b.paper[0] - a.paper[0]))
+                d = b.delta if bt.references.get(plus) == base else None
+                ci = (
+                    f" [{d['lo']:+.2f}, {d['hi']:+.2f}]" + ("*" if d["significant"] else "")
+                    if d and d["lo"] is not None
+                    else ""
+                )
+                gains.append((by_id[plus].label, b.ours[0] - a.ours[0], ci, b.paper[0] - a.paper[0]))
         if gains:
-            same = sum(1 for _, o, p in gains if (o > 0) == (p > 0) and o != 0)
-            shown = "; ".join(f"{lab} {o:+.2f} (paper {p:+.2f})" for lab, o, p in gains)
+            same = sum(1 for _, o, _, p in gains if (o > 0) == (p > 0) and o != 0)
+            shown = "; ".join(f"{lab} {o:+.2f}{ci} (paper {p:+.2f})" for lab, o, ci, p in gains)
             lines.append(f"{col.label}: change over the host: {shown}; same direction in {same} of {len(gains)}")
     return lines
 
@@ -176,6 +282,15 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
         "published. A column marked (paper: X) runs the paper's protocol on an offline dataset and is set beside "
         "the paper's number for X, a different dataset: compare orderings, not values.",
         "",
+        "Δ: our paired difference against the row's reference (column vs: "
+        + (f"the row {plan.against!r}" if plan.against else "FedAvg; a host+plug-in row against its host")
+        + "), in points: the mean over the seeds both ran (n, when fewer than the row's seeds; diverged runs left "
+        f"out) with its {st.LEVEL:.0%} interval, paired t below {st.BOOTSTRAP_FROM} common seeds, percentile "
+        f"bootstrap ({st.RESAMPLES} resamples, seed 0) from {st.BOOTSTRAP_FROM}; * marks an interval that excludes 0. "
+        f"Last line, detectable Δ: the smallest true difference a two-sided paired t-test (α={st.ALPHA:g}) detects "
+        f"with power {st.POWER:g} (exact, noncentral t) from the column's pooled paired std (sd) and its smallest "
+        "number of common seeds (n).",
+        "",
     ]
     for bt in tables:
         src = bt.table.source
@@ -186,16 +301,25 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
             "",
         ]
         if bt.columns:
-            head = ["method"] + [x for c in bt.columns for x in (c.label, "paper")]
+            by_id = {r.id: r for r in bt.rows}
+            head = ["method", "vs"] + [x for c in bt.columns for x in (c.label, "paper", "Δ")]
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for r in bt.rows:
+                ref = bt.references.get(r.id)
+                vs = "(reference)" if ref == r.id else by_id[ref].label if ref in by_id else "-"
                 cells = []
                 for j in range(len(bt.columns)):
                     c = bt.cells[(r.id, j)]
                     ours = (show(c.ours) + (f" ({c.note})" if c.note else "")) if c.ours else c.note
-                    cells += [ours, show(c.paper)]
-                lines.append("| " + " | ".join([r.label, *cells]).replace("\n", " ") + " |")
+                    cells += [ours, show(c.paper), delta_text(c)]
+                lines.append("| " + " | ".join([r.label, vs, *cells]).replace("\n", " ") + " |")
+            if any(d is not None for d in bt.detectable):
+                foot = [f"detectable Δ (α={st.ALPHA:g}, power {st.POWER:g})", ""]
+                for d in bt.detectable:
+                    shown = "-" if d is None else f"{d['difference']:.2f} (n={d['n']}, sd {d['sd']:.2f})"
+                    foot += ["", "", shown]
+                lines.append("| " + " | ".join(foot) + " |")
             lines.append("")
         if bt.not_run:
             lines.append("Paper columns not run here:")
@@ -299,10 +423,12 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
                         "label": r.label,
                         "method": r.method,
                         "args": r.args,
-                        "cells": [bt.cells[(r.id, j)].__dict__ for j in range(len(bt.columns))],
+                        "reference": bt.references.get(r.id),
+                        "cells": [_cell_json(bt.cells[(r.id, j)]) for j in range(len(bt.columns))],
                     }
                     for r in bt.rows
                 ],
+                "detectable": bt.detectable,
                 "not_run": bt.not_run,
                 "orderings": bt.orderings,
             }
@@ -312,3 +438,9 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
         "missing_settings": [{"id": s, "why": why} for s, why in plan.missing_settings],
         "compute": compute,
     }
+
+
+def _cell_json(cell: Cell) -> dict[str, Any]:
+    out = dict(cell.__dict__)
+    out["values"] = {str(k): (None if v != v else v) for k, v in cell.values.items()}  # NaN (diverged) as null
+    return out

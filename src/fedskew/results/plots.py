@@ -1,5 +1,6 @@
 """Figures (matplotlib, Agg backend: works headless): parameter skew of a run (``fedskew skew``), and the accuracy
-curves and per-domain bars of ``fedskew report --plot`` (each PNG with a JSON of the plotted numbers next to it)."""
+curves, paired differences against the reference row and per-domain bars of ``fedskew report --plot`` (each PNG
+with a JSON of the plotted numbers next to it)."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ class Series:
 class FigureInfo:
     """A written figure: the PNG, the JSON of everything drawn in it (next to the PNG), and that data."""
 
-    kind: str  # "curves" | "domains"
+    kind: str  # "curves" | "paired" | "domains"
     path: Path
     data_path: Path
     data: dict[str, Any] = field(default_factory=dict)
@@ -277,28 +278,41 @@ def accuracy_figures(
     metrics: list[str] | tuple[str, ...] = ("global_acc",),
     *,
     last_n: int | None = None,
+    against: str | None = None,
 ) -> list[FigureInfo]:
     """The figures of ``fedskew report --plot``: per setting (:data:`SETTING_KEYS`) one PNG of accuracy vs round,
     one panel per metric, one curve per experiment (the report's rows) with a band of ± one std over its seeds;
-    and for domain-skew settings one bar chart of per-domain accuracy (mean of the last N evaluated rounds, mean ±
-    std over seeds) with every experiment's AVG and STD in its legend entry. ``runs`` are database rows
-    (:meth:`ResultsDB.runs`), ``records`` each run's round records. Every PNG has a JSON next to it holding the
-    plotted numbers."""
+    where some row has a paired interval against its reference (the report's, ``against`` as there), one PNG of
+    those differences (last-N mean) with their 95% interval bars; and for domain-skew settings one bar chart of
+    per-domain accuracy (mean of the last N evaluated rounds, mean ± std over seeds) with every experiment's AVG
+    and STD in its legend entry. ``runs`` are database rows (:meth:`ResultsDB.runs`), ``records`` each run's round
+    records. Every PNG has a JSON next to it holding the plotted numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
 
-    from fedskew.results.report import group_experiments
+    from fedskew.results.report import choose_references, group_experiments
 
     out = Path(out_dir)
     settings: dict[str, list[Any]] = {}
     for e in group_experiments(runs, ignore=("last_n",) if last_n else ()):
         settings.setdefault(json.dumps(_setting(e.identity), sort_keys=True, default=str), []).append(e)
+    every = [e for exps in settings.values() for e in exps]
+    every_labels = [lab for exps in settings.values() for lab in experiment_labels(exps)]
+    refs = choose_references(every, every_labels, against) if every else []
     figures: list[FigureInfo] = []
+    first = 0
     for key, exps in settings.items():
         setting = json.loads(key)
         labels = experiment_labels(exps)
         title = _setting_title(setting)
+        mine = [None if j is None else j - first for j in refs[first : first + len(exps)]]  # one setting's block
+        first += len(exps)
+        diffs = _difference_figure(exps, labels, mine, records, metrics, last_n, title)
+        if diffs is not None:
+            fig, data = diffs
+            data.update(setting=setting, title=title)
+            figures.append(_write(fig, out / f"paired-{_slug(setting)}.png", data, "paired"))
         panels = []
         for metric in metrics:
             series = [_series(lab, e.latest, records, metric) for lab, e in zip(labels, exps, strict=True)]
@@ -318,6 +332,66 @@ def accuracy_figures(
             data.update(setting=setting, title=title)
             figures.append(_write(fig, out / f"domains-{_slug(setting)}.png", data, "domains"))
     return figures
+
+
+def _difference_figure(
+    exps: list[Any],
+    labels: list[str],
+    refs: list[int | None],
+    records: dict[str, list[dict[str, Any]]],
+    metrics: list[str] | tuple[str, ...],
+    last_n: int | None,
+    title: str,
+) -> tuple[Any, dict[str, Any]] | None:
+    """One panel per metric: per row compared with its reference, the mean paired difference of the last-N mean
+    accuracy (points) with its 95% interval as a bar (filled marker: the interval excludes 0), and a line at 0.
+    None when no row has an interval (fewer than two common seeds everywhere)."""
+    import matplotlib.pyplot as plt
+
+    from fedskew.results.report import paired_cells, stat_from_records, stat_from_summary
+
+    def stat(r: dict[str, Any], metric: str) -> Any:
+        if last_n:
+            return stat_from_records(records.get(r["run_id"], []), metric, last_n)
+        return stat_from_summary(r["summary"], metric)
+
+    panels = []
+    for metric in metrics:
+        cells = paired_cells(exps, refs, metric, "last", stat)
+        rows = [
+            {"label": labels[i], "reference": labels[refs[i]], **c.cmp.as_dict()}  # type: ignore[index]
+            for i, c in enumerate(cells)
+            if c.cmp is not None and c.cmp.lo is not None
+        ]
+        if rows:
+            panels.append({"metric": metric, "rows": rows})
+    if not panels:
+        return None
+    height = max(2.8, 0.45 * max(len(p["rows"]) for p in panels) + 1.8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.2 * len(panels), height), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        rows = panel["rows"]
+        y = np.arange(len(rows))[::-1]
+        for yi, r in zip(y, rows, strict=True):
+            color = "tab:red" if r["significant"] else "0.35"
+            ax.errorbar(
+                r["mean"],
+                yi,
+                xerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]],
+                fmt="o",
+                color=color,
+                mfc=color if r["significant"] else "white",
+                capsize=3,
+            )
+        ax.axvline(0.0, color="0.2", lw=0.8, ls="--")
+        ax.set_yticks(y, [f"{r['label']}\nvs {r['reference']} (n={r['n']}, {r['method']})" for r in rows], fontsize=7)
+        n = f"last {last_n}" if last_n else "last-N"
+        ax.set_xlabel(f"paired difference (points), {n} mean\n{metric_label(panel['metric'])}", fontsize=8)
+        ax.set_title(panel["metric"], fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"{title}\npaired difference vs reference, 95% interval (filled: excludes 0)", fontsize=9)
+    fig.tight_layout()
+    return fig, {"panels": panels, "statistic": "last_n_mean", "last_n": last_n}
 
 
 def _domain_bars(
@@ -380,10 +454,13 @@ def _domain_bars(
     return fig, {"domains": domains, "groups": groups, "last_n": last_n}
 
 
-def report_figures(db: Any, out_dir: str | Path, metrics: list[str], *, last_n: int | None = None) -> list[FigureInfo]:
+def report_figures(
+    db: Any, out_dir: str | Path, metrics: list[str], *, last_n: int | None = None, against: str | None = None
+) -> list[FigureInfo]:
     """:func:`accuracy_figures` over every run of a :class:`fedskew.results.store.ResultsDB` (round records from its
     ``rounds`` table)."""
     from fedskew.results.report import round_records
 
     runs = db.runs()
-    return accuracy_figures(runs, round_records(db.conn, [r["run_id"] for r in runs]), out_dir, metrics, last_n=last_n)
+    records = round_records(db.conn, [r["run_id"] for r in runs])
+    return accuracy_figures(runs, records, out_dir, metrics, last_n=last_n, against=against)
