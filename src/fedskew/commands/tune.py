@@ -163,7 +163,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
             escape(args_text or ("(defaults)" if best else "no complete trial")),
             f"{r.counts['complete']}/{r.counts['pruned']}/{r.counts['fail']}",
         )
-    Console().print(table)
+    out = Console()
+    if not out.is_terminal:  # a log file: no wrapping at 80 columns
+        out = Console(width=200)
+    out.print(table)
     print(f"tuned: {spec.tuned_path}   trials: {spec.db_path} (table trials)   figures: {spec.root / 'figures'}/")
     missing = [r.entry.display() for r in results if r.best is None]
     if missing:
