@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also write figures to DIR: accuracy vs round per setting (mean ± std over seeds, one curve per row), "
         "the paired difference of each row against its reference with its 95%% interval, and, for domain skew, "
-        "per-domain accuracy bars with AVG/STD; each PNG with a JSON of its numbers",
+        "a per-domain table (methods x domains, AVG, STD); each PNG with a JSON of its numbers",
     )
     rep.add_argument(
         "--against",

@@ -12,7 +12,7 @@ database into the paper's tables (:mod:`.table`). Everything goes to one folder:
                        the notes
     OUT/table.json     the same numbers, machine-readable (per cell the per-seed values and the paired comparison)
     OUT/figures/       accuracy curves per setting (mean ± std over seeds), paired differences with their interval
-                       bars, per-domain bars for domain skew
+                       bars, a per-domain table (methods x domains, AVG, STD) for domain skew
 """
 
 from __future__ import annotations

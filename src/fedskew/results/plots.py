@@ -1,98 +1,47 @@
 """Figures (matplotlib, Agg backend: works headless): parameter skew of a run (``fedskew skew``), and the accuracy
-curves, paired differences against the reference row and per-domain bars of ``fedskew report --plot`` (each PNG
-with a JSON of the plotted numbers next to it)."""
+curves, paired differences against the reference row and per-domain table of ``fedskew report --plot`` (each PNG
+with a JSON of the plotted numbers next to it).
+
+Every figure fits a page: at most :data:`PAGE_WIDTH` inches wide (saved at :data:`DPI`), its height growing with the
+rows it shows, and no text smaller than :data:`FONT` pt at that size. A series with fewer than :data:`FEW_POINTS`
+points has a marker at each, so a run evaluated once still shows; a figure is written only when it has something
+to draw."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedskew.config import SETTING_KEYS
+from fedskew.results import plotting
+from fedskew.results.domain_figure import domain_table_figure
+from fedskew.results.plotting import (
+    DPI,
+    FONT,
+    MANY_ROWS,
+    MARKERS,
+    PAGE_WIDTH,
+    TITLE_FONT,
+    FigureInfo,
+    axes_style,
+    few_points_style,
+    host_groups,
+    host_of,
+    line_count,
+    text_width,
+    wrap,
+)
+from fedskew.results.skew_plot import read_jsonl, skew_figure
+
+__all__ = ["DPI", "PAGE_WIDTH", "FigureInfo", "accuracy_figures", "read_jsonl", "report_figures", "skew_figure"]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (is this a fedskew run directory written with skew_probes > 0?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def skew_figure(
-    run_dir: Path, out: Path, layers: list[str] | None = None, rnd: int | None = None, per_layer: int = 2
-) -> dict[str, Any]:
-    """Client values vs FedAvg mean vs the method's aggregate at probed positions (the FedSA paper's Figure 2),
-    and the share of high-dispersion positions over rounds per layer. Returns a small text summary."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    probes = read_jsonl(run_dir / "skew.jsonl")
-    if not probes:
-        raise ValueError(f"{run_dir / 'skew.jsonl'} holds no probe")
-    by_round = {p["round"]: p for p in probes}
-    if rnd is None:
-        rnd = max(by_round)
-    if rnd not in by_round:
-        raise ValueError(f"round {rnd} was not probed; probed rounds: {sorted(by_round)}")
-    probe = by_round[rnd]
-    names = layers or list(probe["layers"])[:4]
-    unknown = [n for n in names if n not in probe["layers"]]
-    if unknown:
-        raise ValueError(f"unknown layer(s) {unknown}; available: {list(probe['layers'])}")
-
-    ncols = per_layer
-    fig, axes = plt.subplots(len(names) + 1, ncols, figsize=(4.2 * ncols, 2.6 * (len(names) + 1)), squeeze=False)
-    summary: dict[str, Any] = {"round": rnd, "layers": {}}
-    for row, name in enumerate(names):
-        layer = probe["layers"][name]
-        order = np.argsort(layer["cv"])[::-1][:per_layer]  # the most dispersed probed positions
-        summary["layers"][name] = {"high_frac": layer["high_frac"], "M": layer["M"]}
-        for col, j in enumerate(order):
-            ax = axes[row][col]
-            vals = np.asarray(layer["clients"][j])
-            ax.hist(vals, bins=min(20, max(5, len(vals))), color="0.75", edgecolor="0.4")
-            ax.axvline(layer["mean"][j], color="tab:blue", ls="--", label="mean (uniform FedAvg)")
-            ax.axvline(layer["weighted_mean"][j], color="tab:green", ls=":", label="sample-weighted mean")
-            ax.axvline(layer["aggregate"][j], color="tab:red", lw=2, label="this method's aggregate")
-            high = "high" if layer["high"][j] else "low"
-            ax.set_title(f"{name}[{layer['positions'][j]}] cv={layer['cv'][j]:.3g} ({high})", fontsize=8)
-            ax.tick_params(labelsize=7)
-        for col in range(len(order), ncols):
-            axes[row][col].axis("off")
-    axes[0][0].legend(fontsize=6)
-    rounds = [p["round"] for p in probes]
-    ax = axes[-1][0]
-    for name in probes[-1]["layers"]:
-        ax.plot(rounds, [p["layers"][name]["high_frac"] for p in probes], label=name)
-    ax.set_yscale("symlog", linthresh=1e-5)
-    ax.set_xlabel("round")
-    ax.set_ylabel("H/M (high-dispersion share)")
-    ax.legend(fontsize=5)
-    ax = axes[-1][1] if ncols > 1 else None
-    if ax is not None:
-        for name in probes[-1]["layers"]:
-            ax.plot(rounds, [p["layers"][name]["skew_mean_abs"] for p in probes], label=name)
-        ax.set_xlabel("round")
-        ax.set_ylabel("mean |skewness| of client values")
-        for col in range(2, ncols):
-            axes[-1][col].axis("off")
-    fig.suptitle(f"parameter skew, {run_dir.name}, round {rnd}", fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    summary["high_frac_by_round"] = {
-        name: [p["layers"][name]["high_frac"] for p in probes] for name in probes[-1]["layers"]
-    }
-    summary["rounds"] = rounds
-    return summary
-
-
-# ---- report figures: accuracy curves per setting, per-domain bars ------------------------------------------------
+# ---- report figures: accuracy curves, paired differences, per-domain table ------------------------------------
 # which setting keys a partition uses (the others are not shown in a figure's title)
 _PARTITION_KEYS = {
     "dir": ("alpha", "min_size"),
@@ -122,7 +71,8 @@ def metric_label(metric: str) -> str:
 @dataclass
 class Series:
     """One curve: an experiment's metric per round, mean and std (population, ddof=0) over its seeds, in %.
-    ``std`` is None at a round only one seed reached; ``n`` is how many seeds each round has."""
+    ``std`` is None at a round only one seed reached; ``n`` is how many seeds each round has (a value that is not
+    finite, as a diverged run's, is left out)."""
 
     label: str
     rounds: list[int]
@@ -130,16 +80,6 @@ class Series:
     std: list[float | None]
     n: list[int]
     seeds: list[int]
-
-
-@dataclass
-class FigureInfo:
-    """A written figure: the PNG, the JSON of everything drawn in it (next to the PNG), and that data."""
-
-    kind: str  # "curves" | "paired" | "domains"
-    path: Path
-    data_path: Path
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 def _setting(ident: dict[str, Any]) -> dict[str, Any]:
@@ -195,8 +135,9 @@ def _series(label: str, runs: list[dict[str, Any]], records: dict[str, list[dict
     per_round: dict[int, list[float]] = {}
     for r in runs:
         for rec in records.get(r["run_id"], []):
-            if rec.get("evaluated", True) and isinstance(rec.get(metric), int | float):
-                per_round.setdefault(int(rec["round"]), []).append(100.0 * float(rec[metric]))
+            value = rec.get(metric)
+            if rec.get("evaluated", True) and isinstance(value, int | float) and math.isfinite(value):
+                per_round.setdefault(int(rec["round"]), []).append(100.0 * float(value))
     rounds = sorted(per_round)
     vals = [np.asarray(per_round[t]) for t in rounds]
     return Series(
@@ -209,66 +150,188 @@ def _series(label: str, runs: list[dict[str, Any]], records: dict[str, list[dict
     )
 
 
-def _write(fig: Any, path: Path, data: dict[str, Any], kind: str) -> FigureInfo:
-    import matplotlib.pyplot as plt
+def _draw_series(ax: Any, s: Series, label: str, color: Any, marker: str, linestyle: str = "-", dx: float = 0.0) -> Any:
+    """One curve with its ± std band (an error bar where it has a single point), a marker at each point when it
+    has few (:data:`FEW_POINTS`); ``dx`` shifts it along x (see :func:`_dodge`)."""
+    xs = [r + dx for r in s.rounds]
+    (line,) = ax.plot(
+        xs,
+        s.mean,
+        color=color,
+        linestyle=linestyle,
+        lw=1.4,
+        label=label,
+        zorder=3,
+        **few_points_style(len(s.rounds), marker),
+    )
+    if any(d is not None for d in s.std):
+        if len(s.rounds) > 1:
+            lo = [m - (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
+            hi = [m + (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0, zorder=2)
+        else:
+            ax.errorbar(xs, s.mean, yerr=[s.std[0] or 0.0], fmt="none", ecolor=color, capsize=3, zorder=2)
+    return line
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    data_path = path.with_suffix(".json")
-    data_path.write_text(json.dumps(data, indent=1, sort_keys=True))
-    return FigureInfo(kind, path, data_path, data)
 
-
-def _style(i: int, n: int) -> dict[str, Any]:
-    """Colour and line style of series ``i`` of ``n``: 10 colours, then the same colours dashed, dotted, ..."""
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10").colors
-    return {"color": colors[i % 10], "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
-
-
-def _legend_columns(n: int) -> int:
-    return 1 if n <= 16 else 2 if n <= 40 else 3
+def _dodge(series: list[Series], k: int, n: int) -> float:
+    """How far the ``k``-th of ``n`` coloured series of a panel is shifted along x so that markers at the same
+    round do not hide each other: only when every series there has at most 3 points (a run evaluated once or
+    twice), by at most a quarter of the gap between evaluated rounds; the JSON keeps the true rounds."""
+    if n < 2 or any(len(s.rounds) > 3 for s in series):
+        return 0.0
+    xs = sorted({r for s in series for r in s.rounds})
+    gap = min((b - a for a, b in zip(xs, xs[1:], strict=False)), default=1)
+    return (k - (n - 1) / 2) * min(0.5 / n, 0.1) * gap
 
 
 def _curves(panels: list[tuple[str, list[Series]]], title: str) -> Any:
-    """One panel per metric, one line per experiment with a ± std band, one legend beside the panels."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    """The figure of :func:`_curves_figure`."""
+    return _curves_figure(panels, title)[0]
 
+
+def _curves_figure(
+    panels: list[tuple[str, list[Series]]],
+    title: str,
+    empty: list[str] | tuple[str, ...] = (),
+    missing: dict[str, list[str]] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Accuracy vs round, one line per experiment with a ± std band. Up to :data:`MANY_ROWS` rows: one panel per
+    metric, every row in it, one legend below. More: small multiples, one panel per host and its plug-ins (and per
+    metric) with those rows in colour and every other row in grey behind them, a legend beside each group; the
+    y axes of one metric are shared. ``empty``: metrics no row has a value of (named in the title); ``missing``:
+    per metric, the rows without a value (counted in the panel's title). Returns the figure and what its JSON adds
+    to the plotted series: the layout and the groups."""
+    import matplotlib.pyplot as plt
+
+    missing = missing or {}
     labels = list(dict.fromkeys(s.label for _, ss in panels for s in ss))
-    ncol = _legend_columns(len(labels))
-    width = 5.6 * len(panels) + 2.8 * ncol
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, max(4.2, 0.2 * len(labels) / ncol + 1.5)), squeeze=False)
-    handles: dict[str, Any] = {}
-    for ax, (metric, series) in zip(axes[0], panels, strict=True):
-        for s in series:
-            style = _style(labels.index(s.label), len(labels))
-            seeds = f"{len(s.seeds)} seed{'s' if len(s.seeds) != 1 else ''}"
-            (line,) = ax.plot(s.rounds, s.mean, lw=1.5, label=f"{s.label} ({seeds})", **style)
-            handles.setdefault(s.label, line)
-            if any(d is not None for d in s.std):
-                lo = [m - (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
-                hi = [m + (d or 0.0) for m, d in zip(s.mean, s.std, strict=True)]
-                ax.fill_between(s.rounds, lo, hi, color=style["color"], alpha=0.15, lw=0)
-        ax.set_xlabel("communication round")
-        ax.set_ylabel(f"accuracy (%)\n{metric_label(metric)}", fontsize=8)
-        ax.set_title(metric, fontsize=9)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{title}: mean ± std over seeds (band)", fontsize=10)
-    fig.legend(
-        list(handles.values()),
-        [h.get_label() for h in handles.values()],
-        loc="center left",
-        bbox_to_anchor=(1.0 - 2.8 * ncol / width, 0.5),
-        fontsize=7,
-        ncol=ncol,
-        frameon=False,
+    seeds = sorted({len(s.seeds) for _, ss in panels for s in ss})
+    nseeds = {s.label: len(s.seeds) for _, ss in panels for s in ss}
+
+    def named(label: str) -> str:
+        n = nseeds[label]
+        return label if len(seeds) == 1 else f"{label} ({n} seed{'s' if n != 1 else ''})"
+
+    over = f"mean ± std over {seeds[0]} seeds (band)" if len(seeds) == 1 else "mean ± std over its seeds (band)"
+    if seeds == [1]:
+        over = "one seed"
+    head = f"{title}: accuracy (%) vs communication round, {over}"
+    many = len(labels) > MANY_ROWS
+    if many:
+        head += "; per panel a host and its plug-ins in colour, every other row in grey"
+    head += "\n" + "; ".join(f"{m}: {metric_label(m)}" for m, _ in panels)
+    if empty:
+        head += f"\nno evaluated value of {', '.join(empty)} in any run (not drawn)"
+    head = wrap(head, PAGE_WIDTH - 0.2, TITLE_FONT)
+    head_h = 0.17 * line_count(head) + 0.2
+
+    def panel_title(metric: str, members: list[str] | None = None) -> str:
+        gone = [lab for lab in missing.get(metric, []) if members is None or lab in members]
+        return f"no value: {len(gone)} row{'s' if len(gone) != 1 else ''}" if gone else ""
+
+    colors = plt.get_cmap("tab10").colors
+    m = len(panels)
+    if not many:
+        names = [named(lab) for lab in labels]
+        entry_w = max(text_width(n) for n in names) + 0.6
+        if entry_w > PAGE_WIDTH - 0.2:
+            names = [wrap(n, PAGE_WIDTH - 0.9) for n in names]
+            entry_w = PAGE_WIDTH - 0.2
+        leg_cols = max(1, min(len(names), int((PAGE_WIDTH - 0.2) // entry_w)))
+        leg_rows = math.ceil(len(names) / leg_cols)
+        ncols = 1 if m == 1 else 2
+        nrows = math.ceil(m / ncols)
+        leg_h = 0.17 * leg_rows * max(line_count(n) for n in names) + 0.2
+        fig = plt.figure(figsize=(PAGE_WIDTH, head_h + 2.8 * nrows + leg_h), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False)
+        handles: dict[str, Any] = {}
+        for ax, (metric, series) in zip(axes.flat, panels, strict=False):
+            for k, s in enumerate(series):
+                i = labels.index(s.label)
+                dx = _dodge(series, k, len(series))
+                line = _draw_series(ax, s, named(s.label), colors[i % 10], MARKERS[i % len(MARKERS)], dx=dx)
+                handles.setdefault(s.label, line)
+            note = panel_title(metric)
+            ax.set_title(metric + (f" ({note})" if note else ""), fontsize=TITLE_FONT)
+            ax.set_ylabel("accuracy (%)", fontsize=FONT)
+            ax.set_xlabel("communication round", fontsize=FONT)
+            axes_style(ax, [r for s in series for r in s.rounds])
+        for ax in list(axes.flat)[m:]:
+            ax.axis("off")
+        fig.legend(
+            [handles[lab] for lab in labels],
+            names,
+            loc="outside lower center",
+            ncol=leg_cols,
+            fontsize=FONT,
+            frameon=False,
+        )
+        fig.suptitle(head, fontsize=TITLE_FONT)
+        return fig, {"layout": "one panel per metric", "groups": [["rows", labels]]}
+
+    groups = [(name, [labels[i] for i in idx]) for name, idx in host_groups(labels)]
+    per_row = 2 if m == 1 else 1
+    leg_w = 1.75 if m == 1 else 2.0
+    ax_w = (PAGE_WIDTH - per_row * leg_w) / (per_row * m)
+    palette = ("black", *colors[:9])
+
+    def entry(label: str, host: str) -> str:
+        text = label[len(host) :] if label.startswith(host + "+") else label
+        return wrap(named(label) if text == label else named(label)[len(host) :], leg_w - 0.55)
+
+    entries = [[entry(lab, host_of(lab)) for lab in members] for _, members in groups]
+    nrows = math.ceil(len(groups) / per_row)
+    row_h = [
+        max(1.75, 0.16 * max(sum(line_count(t) for t in e) + 1 for e in entries[r * per_row : (r + 1) * per_row])
+            + 0.45)
+        for r in range(nrows)
+    ]
+    fig = plt.figure(figsize=(PAGE_WIDTH, head_h + sum(row_h) + 0.3), layout="constrained")
+    grid = fig.add_gridspec(
+        nrows, per_row * (m + 1), width_ratios=([ax_w] * m + [leg_w]) * per_row, height_ratios=row_h
     )
-    fig.tight_layout(rect=(0, 0, 1.0 - 2.8 * ncol / width, 1))
-    return fig
+    shared: list[Any] = [None] * m
+    for g, ((name, members), texts) in enumerate(zip(groups, entries, strict=True)):
+        r, slot = divmod(g, per_row)
+        handles = {}
+        for j, (metric, series) in enumerate(panels):
+            ax = fig.add_subplot(grid[r, slot * (m + 1) + j], sharex=shared[0], sharey=shared[j])
+            shared[j] = shared[j] or ax
+            for s in series:
+                if s.label not in members:
+                    ax.plot(
+                        s.rounds, s.mean, color="0.78", lw=0.8, zorder=1, **few_points_style(len(s.rounds), "o", 2)
+                    )
+            for s in series:
+                if s.label in members:
+                    k = members.index(s.label)
+                    dx = _dodge(series, k, len(members))
+                    line = _draw_series(ax, s, s.label, palette[k % 10], MARKERS[k % len(MARKERS)], dx=dx)
+                    handles.setdefault(s.label, line)
+            note = panel_title(metric, members)
+            text = name if m == 1 else f"{name}: {metric}"
+            ax.set_title(text + (f" ({note})" if note else ""), fontsize=FONT, loc="left")
+            if slot == 0 and j == 0:
+                ax.set_ylabel("accuracy (%)", fontsize=FONT)
+            if g + per_row >= len(groups):
+                ax.set_xlabel("communication round", fontsize=FONT)
+            axes_style(ax, [x for s in series for x in s.rounds])
+        lax = fig.add_subplot(grid[r, slot * (m + 1) + m])
+        lax.axis("off")
+        shown = [lab for lab in members if lab in handles]
+        lax.legend(
+            [handles[lab] for lab in shown],
+            [texts[members.index(lab)] for lab in shown],
+            loc="center left",
+            title=name,
+            fontsize=FONT,
+            title_fontsize=FONT,
+            frameon=False,
+            borderaxespad=0.0,
+        )
+    fig.suptitle(head, fontsize=TITLE_FONT)
+    return fig, {"layout": "one panel per host and its plug-ins", "groups": [[n, ms] for n, ms in groups]}
 
 
 def accuracy_figures(
@@ -280,13 +343,14 @@ def accuracy_figures(
     last_n: int | None = None,
     against: str | None = None,
 ) -> list[FigureInfo]:
-    """The figures of ``fedskew report --plot``: per setting (:data:`SETTING_KEYS`) one PNG of accuracy vs round,
-    one panel per metric, one curve per experiment (the report's rows) with a band of ± one std over its seeds;
-    where some row has a paired interval against its reference (the report's, ``against`` as there), one PNG of
-    those differences (last-N mean) with their 95% interval bars; and for domain-skew settings one bar chart of
-    per-domain accuracy (mean of the last N evaluated rounds, mean ± std over seeds) with every experiment's AVG
-    and STD in its legend entry. ``runs`` are database rows (:meth:`ResultsDB.runs`), ``records`` each run's round
-    records. Every PNG has a JSON next to it holding the plotted numbers."""
+    """The figures of ``fedskew report --plot``: per setting (:data:`SETTING_KEYS`) one PNG of accuracy vs round
+    (one curve per experiment, the report's rows, with a band of ± one std over its seeds; a panel per metric, or
+    small multiples per host and its plug-ins when there are many rows; not written when no row has a value of any
+    metric); where some row has a paired interval against its reference (the report's, ``against`` as there), one
+    PNG of those differences (last-N mean) with their 95% interval bars; and for domain-skew settings a table of
+    per-domain accuracy (rows × domains, AVG and STD, mean of the last N evaluated rounds, mean ± std over seeds,
+    shaded within each column). ``runs`` are database rows (:meth:`ResultsDB.runs`), ``records`` each run's round
+    records. Every PNG fits a page (:data:`PAGE_WIDTH`) and has a JSON next to it holding the plotted numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -312,25 +376,32 @@ def accuracy_figures(
         if diffs is not None:
             fig, data = diffs
             data.update(setting=setting, title=title)
-            figures.append(_write(fig, out / f"paired-{_slug(setting)}.png", data, "paired"))
-        panels = []
+            figures.append(plotting.write_figure(fig, out / f"paired-{_slug(setting)}.png", data, "paired", DPI))
+        panels, empty, missing = [], [], {}
         for metric in metrics:
             series = [_series(lab, e.latest, records, metric) for lab, e in zip(labels, exps, strict=True)]
             if any(s.rounds for s in series):
                 panels.append((metric, [s for s in series if s.rounds]))
-        if panels:
-            fig = _curves(panels, title)
+                if not all(s.rounds for s in series):
+                    missing[metric] = [s.label for s in series if not s.rounds]
+            else:
+                empty.append(metric)
+        if panels:  # nothing to draw: no figure (the table shows the empty columns)
+            fig, info = _curves_figure(panels, title, empty, missing)
             data = {
                 "setting": setting,
                 "title": title,
                 "panels": [{"metric": m, "series": [s.__dict__ for s in ss]} for m, ss in panels],
+                "empty_metrics": empty,
+                "missing": missing,
+                **info,
             }
-            figures.append(_write(fig, out / f"curves-{_slug(setting)}.png", data, "curves"))
-        bars = _domain_bars(exps, labels, records, last_n, title)
+            figures.append(plotting.write_figure(fig, out / f"curves-{_slug(setting)}.png", data, "curves", DPI))
+        bars = domain_table_figure(exps, labels, records, last_n, title)
         if bars is not None:
             fig, data = bars
             data.update(setting=setting, title=title)
-            figures.append(_write(fig, out / f"domains-{_slug(setting)}.png", data, "domains"))
+            figures.append(plotting.write_figure(fig, out / f"domains-{_slug(setting)}.png", data, "domains", DPI))
     return figures
 
 
@@ -343,9 +414,10 @@ def _difference_figure(
     last_n: int | None,
     title: str,
 ) -> tuple[Any, dict[str, Any]] | None:
-    """One panel per metric: per row compared with its reference, the mean paired difference of the last-N mean
-    accuracy (points) with its 95% interval as a bar (filled marker: the interval excludes 0), and a line at 0.
-    None when no row has an interval (fewer than two common seeds everywhere)."""
+    """One panel per metric (up to three side by side, sharing the rows): per row compared with its reference, the
+    mean paired difference of the last-N mean accuracy (points) with its 95% interval as a bar (filled marker: the
+    interval excludes 0), and a line at 0. Rows are grouped by host (a host, then its plug-ins), top to bottom as
+    in the JSON. None when no row has an interval (fewer than two common seeds everywhere)."""
     import matplotlib.pyplot as plt
 
     from fedskew.results.report import paired_cells, stat_from_records, stat_from_summary
@@ -367,91 +439,78 @@ def _difference_figure(
             panels.append({"metric": metric, "rows": rows})
     if not panels:
         return None
-    height = max(2.8, 0.45 * max(len(p["rows"]) for p in panels) + 1.8)
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.2 * len(panels), height), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
-        rows = panel["rows"]
-        y = np.arange(len(rows))[::-1]
-        for yi, r in zip(y, rows, strict=True):
+    shown = list(dict.fromkeys(r["label"] for p in panels for r in p["rows"]))
+    groups = host_groups(shown, most=None)
+    order = [shown[i] for _, idx in groups for i in idx]
+    for p in panels:
+        p["rows"].sort(key=lambda r: order.index(r["label"]))
+    first = {}
+    for p in panels:
+        for r in p["rows"]:
+            first.setdefault(r["label"], r)
+    kinds = {(r["n"], r["method"]) for p in panels for r in p["rows"]}
+    common = next(iter(kinds)) if len(kinds) == 1 else None
+    texts = [
+        wrap(f"{lab} vs {first[lab]['reference']}" + ("" if common else f" (n={first[lab]['n']})"), 3.2)
+        for lab in order
+    ]
+    row_h = max(0.22, 0.15 * max(line_count(t) for t in texts) + 0.08)
+    m = len(panels)
+    ncols = min(m, 3)
+    nrows = math.ceil(m / ncols)
+    n = f"last {last_n}" if last_n else "last-N"
+    head = f"{title}\npaired difference vs reference (points), {n} mean, 95% interval; filled: excludes 0"
+    if common:
+        head += f"; n={common[0]} seeds, {common[1]}, every row"
+    head = wrap(head, PAGE_WIDTH - 0.2, TITLE_FONT)
+    label_h = 0.17 * max(line_count(wrap(metric_label(p["metric"]), PAGE_WIDTH / ncols - 0.4)) for p in panels) + 0.5
+    height = 0.17 * line_count(head) + 0.2 + nrows * (len(order) * row_h + 0.3 + label_h)
+    fig = plt.figure(figsize=(PAGE_WIDTH, height), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    ys = {lab: len(order) - 1 - k for k, lab in enumerate(order)}
+    bounds = np.cumsum([len(idx) for _, idx in groups])[:-1]
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        have = {r["label"] for r in panel["rows"]}
+        for r in panel["rows"]:
             color = "tab:red" if r["significant"] else "0.35"
             ax.errorbar(
                 r["mean"],
-                yi,
+                ys[r["label"]],
                 xerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]],
                 fmt="o",
                 color=color,
                 mfc=color if r["significant"] else "white",
+                ms=5,
                 capsize=3,
             )
+        for lab in order:
+            if lab not in have:
+                ax.text(
+                    0.5,
+                    ys[lab],
+                    "no interval",
+                    transform=ax.get_yaxis_transform(),
+                    ha="center",
+                    va="center",
+                    fontsize=FONT,
+                    color="0.45",
+                )
+        for b in bounds:
+            ax.axhline(len(order) - 0.5 - b, color="0.6", lw=0.6)
         ax.axvline(0.0, color="0.2", lw=0.8, ls="--")
-        ax.set_yticks(y, [f"{r['label']}\nvs {r['reference']} (n={r['n']}, {r['method']})" for r in rows], fontsize=7)
-        n = f"last {last_n}" if last_n else "last-N"
-        ax.set_xlabel(f"paired difference (points), {n} mean\n{metric_label(panel['metric'])}", fontsize=8)
-        ax.set_title(panel["metric"], fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"{title}\npaired difference vs reference, 95% interval (filled: excludes 0)", fontsize=9)
-    fig.tight_layout()
-    return fig, {"panels": panels, "statistic": "last_n_mean", "last_n": last_n}
-
-
-def _domain_bars(
-    exps: list[Any], labels: list[str], records: dict[str, list[dict[str, Any]]], last_n: int | None, title: str
-) -> tuple[Any, dict[str, Any]] | None:
-    """Per experiment (x axis) one bar per domain, mean ± std over seeds of the last-N mean accuracy, with the
-    experiment's AVG and STD across domains written above its bars."""
-    import matplotlib.pyplot as plt
-
-    from fedskew.results.report import stat_from_records, stat_from_summary
-
-    domains = list(
-        dict.fromkeys(
-            k.split("/", 1)[1] for e in exps for r in e.latest for k in r["summary"] if k.startswith("domain_acc/")
+        ax.set_yticks(list(ys.values()), texts, fontsize=FONT)
+        ax.set_ylim(-0.6, len(order) - 0.4)
+        ax.set_xlabel(
+            wrap(f"paired difference (points)\n{metric_label(panel['metric'])}", PAGE_WIDTH / ncols - 0.4),
+            fontsize=FONT,
         )
-    )
-    if not domains:
-        return None
-
-    def pm(runs: list[dict[str, Any]], metric: str) -> tuple[float | None, float | None]:
-        stats = [
-            stat_from_records(records.get(r["run_id"], []), metric, last_n)
-            if last_n
-            else stat_from_summary(r["summary"], metric)
-            for r in runs
-        ]
-        vals = np.array([100.0 * s.last for s in stats if s is not None])
-        if not len(vals):
-            return None, None
-        return float(vals.mean()), (float(vals.std()) if len(vals) > 1 else None)
-
-    def show(p: tuple[float | None, float | None]) -> str:
-        return "-" if p[0] is None else f"{p[0]:.1f}" + (f"±{p[1]:.1f}" if p[1] is not None else "")
-
-    groups = []
-    for lab, e in zip(labels, exps, strict=True):
-        per = {d: pm(e.latest, f"domain_acc/{d}") for d in domains}
-        avg, std = pm(e.latest, "domain_acc_avg"), pm(e.latest, "domain_acc_std")
-        groups.append({"label": lab, "seeds": [r["seed"] for r in e.latest], "domains": per, "AVG": avg, "STD": std})
-    width = min(30.0, max(6.4, 1.5 + 0.28 * len(groups) * (len(domains) + 1)))
-    fig, ax = plt.subplots(figsize=(width, 5.2))
-    bar = 0.8 / len(domains)
-    x = np.arange(len(groups))
-    colors = plt.get_cmap("tab10").colors
-    for k, d in enumerate(domains):
-        means = [g["domains"][d][0] if g["domains"][d][0] is not None else np.nan for g in groups]
-        errs = [g["domains"][d][1] or 0.0 for g in groups]
-        ax.bar(x + (k - (len(domains) - 1) / 2) * bar, means, bar, yerr=errs, capsize=2, color=colors[k % 10], label=d)
-    for i, g in enumerate(groups):
-        ax.text(i, 101, f"AVG {show(g['AVG'])}\nSTD {show(g['STD'])}", ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(x, [g["label"] for g in groups], rotation=35 if len(groups) > 3 else 0, ha="right", fontsize=7)
-    n = f"last {last_n}" if last_n else "last-N"
-    ax.set_ylabel(f"accuracy (%), mean of the {n} rounds")
-    ax.set_ylim(0, 112)
-    ax.set_yticks(range(0, 101, 20))
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, title="domain (its test split)", title_fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
-    ax.set_title(f"{title}: per-domain accuracy (bars: mean ± std over seeds; AVG ↑, STD ↓ across domains)", fontsize=9)
-    fig.tight_layout()
-    return fig, {"domains": domains, "groups": groups, "last_n": last_n}
+        ax.set_title(panel["metric"], fontsize=TITLE_FONT)
+        ax.tick_params(labelsize=FONT)
+        ax.grid(axis="x", alpha=0.3)
+    for ax in list(axes.flat)[m:]:
+        ax.axis("off")
+    fig.suptitle(head, fontsize=TITLE_FONT)
+    return fig, {"panels": panels, "statistic": "last_n_mean", "last_n": last_n}
 
 
 def report_figures(
@@ -464,3 +523,4 @@ def report_figures(
     runs = db.runs()
     records = round_records(db.conn, [r["run_id"] for r in runs])
     return accuracy_figures(runs, records, out_dir, metrics, last_n=last_n, against=against)
+

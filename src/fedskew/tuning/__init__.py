@@ -4,7 +4,12 @@
   (:attr:`fedskew.registry.ClientPart.tunable`), override strings (``--space mu=log:1e-4..1``), and a method's space;
 * :mod:`~fedskew.tuning.tuned`: ``tuned.yaml`` (best arguments per method and setting), read and applied by
   ``fedskew sweep --tuned`` and ``fedskew reproduce --tuned``;
-* :mod:`~fedskew.tuning.study`: the search itself, with Optuna (the optional extra ``fedskew[tune]``).
+* :mod:`~fedskew.tuning.spec`: a search's settings (spec file and flags), validated before anything runs;
+* :mod:`~fedskew.tuning.trials`: one trial: its runs on the validation splits, the pruning curve, the objective;
+* :mod:`~fedskew.tuning.study`: the studies, one per method, with Optuna (the optional extra ``fedskew[tune]``):
+  storage, resumption, parallel processes, the trials table, ``tuned.yaml`` and the figures
+  (:mod:`~fedskew.tuning.plots`).
 
-Only the last imports Optuna, so a sweep that applies a ``tuned.yaml`` needs nothing beyond fedskew.
+Only the study and trial modules import Optuna (inside their functions), so a sweep that applies a ``tuned.yaml``
+needs nothing beyond fedskew.
 """

@@ -4,11 +4,12 @@ searched hyper-parameter (log axes for log ranges)."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
 
-from fedskew.results.plots import _write
+from fedskew.results.plotting import DPI, FONT, PAGE_WIDTH, TITLE_FONT, write_figure
 from fedskew.tuning.space import Float, Int, parse_dist
 
 
@@ -24,8 +25,13 @@ def plot_search(result: Any, folder: Path) -> Path | None:
     if not rows:
         return None
     params = list(result.space)
-    ncols = 1 + len(params)
-    fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.4), squeeze=False)
+    panels = 1 + len(params)
+    ncols = min(3, panels)  # a page's width: at most 3 panels a row
+    nrows = math.ceil(panels / ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(PAGE_WIDTH, 2.5 * nrows + 0.4), squeeze=False)
+    axes = [[a for row in grid for a in row]]
+    for extra in axes[0][panels:]:
+        extra.set_visible(False)
     sign = 1.0 if result.direction == "maximize" else -1.0
     done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
     pruned = [r for r in rows if r["state"] == "pruned" and r["last_value"] is not None]
@@ -41,7 +47,7 @@ def plot_search(result: Any, folder: Path) -> Path | None:
     ax.set_xlabel("trial")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"validation {result.metric}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=FONT)
     for i, name in enumerate(params, start=1):
         ax = axes[0][i]
         xs = [r["params"].get(name) for r in done]
@@ -56,10 +62,10 @@ def plot_search(result: Any, folder: Path) -> Path | None:
                 ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlim(dist.low - pad, dist.high + pad)
         ax.set_xlabel(f"{name} ({result.space[name]})")
-        ax.tick_params(labelsize=8)
+        ax.tick_params(labelsize=FONT)
     title = f"{result.study}: {len(done)} complete, {len(pruned)} pruned"
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=TITLE_FONT)
     fig.tight_layout()
     slug = re.sub(r"[^A-Za-z0-9.+_-]+", "-", result.study.split(":", 1)[-1]).strip("-")
     data = {"study": result.study, "metric": result.metric, "space": result.space, "trials": rows}
-    return _write(fig, folder / f"search-{slug}.png", data, "search").path
+    return write_figure(fig, folder / f"search-{slug}.png", data, "search", DPI).path

@@ -25,304 +25,29 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
-
-from fedskew.config import ConfigError, load_yaml, make_config
-from fedskew.schema import StrictSettings, describe_errors
+from fedskew.config import make_config
+from fedskew.schema import ConfigError
 from fedskew.sweep import MethodEntry
-from fedskew.tuning.space import RUN_LEVEL, Dist, as_dist, method_space, suggest, unknown_overrides
+from fedskew.tuning.space import RUN_LEVEL, Dist, method_space
+from fedskew.tuning.spec import TuneSpec, dump_tune_spec, load_tune_spec, objective_metric, trial_values
+from fedskew.tuning.trials import Pruned, make_objective, run_trial_run
 from fedskew.tuning.tuned import TunedEntry, canonical_method, setting_of, write_tuned
 
-# keys a tune spec's base may not set: the search sets them per trial
-_TUNE_OWNED = ("method", "seed", "out", "db", "validation", "evaluate_on")
-
-
-class TuneSpec(StrictSettings):
-    """A search: ``base`` settings, the ``methods`` to tune, the budget and the objective."""
-
-    name: str | None = Field(None, description="the search's name (default: the spec file's name, or 'tune')")
-    base: dict[str, Any] = Field(default_factory=dict, description="settings every trial shares (a config file)")
-    methods: list[str | MethodEntry] = Field(min_length=1, description="methods to tune (args: fixed, not searched)")
-    space: dict[str, Any] = Field(
-        default_factory=dict, description="KEY: SPEC overrides of the declared ranges (lr=log:0.001..0.1, mu=none)"
-    )
-    trials: int = Field(20, ge=1, description="trials per method (a method with nothing to tune runs once)")
-    seeds: list[int] | int = Field(default_factory=lambda: [0], description="seeds each trial runs (value: mean)")
-    validation: float = Field(0.2, gt=0, lt=1, description="share of every client's training split held out")
-    metric: str = Field("auto", description="the objective (auto: the protocol's headline; domain skew: AVG)")
-    statistic: Literal["last_n_mean", "best", "final"] = Field("last_n_mean", description="of the metric's curve")
-    prune: bool = Field(True, description="stop trials whose validation curve trails the median (after warm-up)")
-    warmup_rounds: int | None = Field(None, ge=0, description="rounds before pruning may act (default: rounds/4)")
-    storage: str | None = Field(None, description="Optuna storage URL (default sqlite:///OUT/optuna.db)")
-    out: str | None = Field(None, description="output folder (default runs/tune-<name>)")
-    db: str | None = Field(None, description="results database for the trials table (default OUT/fedskew.db)")
-    tuned: str | None = Field(None, description="the tuned.yaml to write or update (default OUT/tuned.yaml)")
-    jobs: int = Field(1, ge=1, description="trials at a time, each in its own process")
-    timeout: float | None = Field(None, gt=0, description="stop starting trials of a method after this many seconds")
-
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, v: list[int] | int) -> list[int] | int:
-        if isinstance(v, int) and v < 1:
-            raise ValueError(f"a seed count must be >= 1, got {v}")
-        if isinstance(v, list) and (not v or any(s < 0 for s in v) or len(set(v)) != len(v)):
-            raise ValueError(f"seeds must be distinct non-negative integers, got {v}")
-        return v
-
-    @field_validator("base")
-    @classmethod
-    def _base(cls, v: dict[str, Any]) -> dict[str, Any]:
-        v = {str(k).replace("-", "_"): x for k, x in v.items()}
-        owned = [k for k in _TUNE_OWNED if k in v]
-        if owned:
-            raise ValueError(f"{owned} are set by the search itself (methods:, seeds:, out:, db:, validation:)")
-        return v
-
-    def seed_list(self) -> list[int]:
-        return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
-
-    def method_entries(self) -> list[MethodEntry]:
-        return [MethodEntry(name=m) if isinstance(m, str) else m for m in self.methods]
-
-    @property
-    def root(self) -> Path:
-        return Path(self.out or f"runs/tune-{self.name or 'tune'}")
-
-    @property
-    def storage_url(self) -> str:
-        return self.storage or f"sqlite:///{(self.root / 'optuna.db').resolve()}"
-
-    @property
-    def db_path(self) -> str:
-        return str(self.db or self.root / "fedskew.db")
-
-    @property
-    def tuned_path(self) -> Path:
-        return Path(self.tuned) if self.tuned else self.root / "tuned.yaml"
-
-    def overrides(self) -> dict[str, Dist | None]:
-        return {str(k): as_dist(v) for k, v in self.space.items()}
-
-
-def load_tune_spec(path: str | Path | None, updates: dict[str, Any] | None = None) -> TuneSpec:
-    """A tune spec from a YAML file (or none) with ``updates`` (the command line's flags) on top, validated; every
-    method, the base configuration and the space overrides are checked before anything runs."""
-    values = load_yaml(path) if path else {}
-    for k, v in (updates or {}).items():
-        if v is None:
-            continue
-        if k in ("base", "space"):
-            values[k] = {**values.get(k, {}), **v}
-        else:
-            values[k] = v
-    where = f"tune spec {path}" if path else "tune settings"
-    try:
-        spec = TuneSpec(**values)
-    except ValidationError as exc:
-        raise ConfigError(f"{where}:\n  " + "\n  ".join(describe_errors(exc))) from None
-    if spec.name is None:
-        spec = spec.model_copy(update={"name": Path(path).stem if path else "tune"})
-    check_spec(spec)
-    return spec
-
-
-def check_spec(spec: TuneSpec) -> None:
-    """Every method with its fixed arguments, under the base, is a valid run; the space overrides name keys of some
-    method (or run-level settings); the metric is known to the objective."""
-    overrides = spec.overrides()
-    for entry in spec.method_entries():
-        _trial_values(spec, entry, {})  # validates the base with this method
-        method_space(entry.name, overrides)
-    unknown = unknown_overrides([e.name for e in spec.method_entries()], overrides)
-    if unknown:
-        raise ConfigError(
-            f"search space: {unknown} belong to none of the methods {[e.name for e in spec.method_entries()]} "
-            f"and are not run-level settings ({', '.join(RUN_LEVEL)})"
-        )
-
-
-def _trial_values(spec: TuneSpec, entry: MethodEntry, params: dict[str, Any], seed: int | None = None) -> dict:
-    """The configuration of one trial run (validated): base + the trial's arguments, on the validation splits."""
-    run = {k: v for k, v in params.items() if k in RUN_LEVEL}
-    margs = {**entry.args, **{k: v for k, v in params.items() if k not in RUN_LEVEL}}
-    values = {
-        **spec.base,
-        **run,
-        "method": entry.name,
-        "method_args": {**spec.base.get("method_args", {}), **margs},
-        "validation": spec.validation,
-        "evaluate_on": "validation",
-        "db": None,
-        "seed": spec.seed_list()[0] if seed is None else seed,
-    }
-    try:
-        make_config(values)
-    except ConfigError as exc:
-        raise ConfigError(f"method {entry.display()}: {exc}") from None
-    return values
-
-
-def objective_metric(spec: TuneSpec, cfg_values: dict[str, Any]) -> tuple[str, str]:
-    """(metric, direction): ``auto`` is the protocol's headline metric (PFLlib: the clients' sample-weighted accuracy;
-    FedCAC: the personalized models' mean accuracy; fedskew: the global model's accuracy) or, under domain skew, the
-    AVG over domains; ``*_std`` and ``*_loss`` metrics are minimized."""
-    metric = spec.metric
-    if metric == "auto":
-        cfg = make_config(cfg_values)
-        if cfg.partition == "domain":
-            metric = "domain_acc_avg"
-        elif cfg.protocol == "pfllib":
-            metric = "global_local_acc"
-        elif cfg.protocol == "fedcac":
-            from fedskew.methods import resolve_method
-
-            metric = "personal_acc_mean" if resolve_method(cfg.method, cfg.method_args).personalized else (
-                "global_local_acc_mean"
-            )
-        else:
-            metric = "global_acc"
-    direction = "minimize" if metric.endswith(("_std", "_loss")) else "maximize"
-    return metric, direction
-
-
-# ---- one trial ---------------------------------------------------------------------------------------------------
-class Pruned(Exception):
-    """The trial's validation curve trails: stop its run (fedskew.runner.StopRun subclasses are raised from here)."""
-
-
-def _run_dir(spec: TuneSpec, entry: MethodEntry, cfg: Any) -> Path:
-    from fedskew.sweep import run_name
-
-    slug = canonical_method(entry.name).replace("+", "_")
-    if entry.args:
-        slug += "-" + hashlib.sha1(json.dumps(entry.args, sort_keys=True).encode()).hexdigest()[:6]
-    return spec.root / "trials" / slug / run_name(cfg, [])
-
-
-def run_trial_run(
-    cfg: Any, report: Callable[[int, float], None], metric: str, on_note: Callable[[str], None] | None = None
-) -> dict[str, Any]:
-    """One run of a trial in its own run directory: skipped when it already finished (its summary is read), resumed
-    from its checkpoint when it was cut off, else (re)started. ``report(round, value)`` gets the metric of every
-    evaluated round and may raise :class:`Pruned`. Returns the run's summary."""
-    from fedskew.runner import StopRun, run_experiment
-    from fedskew.sweep import PlannedRun, run_state
-
-    _wait_for_other_writer(Path(cfg.out))
-    state, detail = run_state(PlannedRun(Path(cfg.out).name, cfg, ""))
-    if state == "blocked":
-        raise ConfigError(detail)
-    if state in ("done", "resume"):  # the pruner sees the whole curve, whichever process ran its rounds
-        _replay(Path(cfg.out), report, metric, every=state == "done")
-    if state == "done":
-        return json.loads((Path(cfg.out) / "summary.json").read_text())
-
-    class _Stop(StopRun, Pruned):
-        pass
-
-    def on_round(result: Any) -> None:
-        rec = result.record
-        if metric in rec and rec.get("evaluated", True):
-            try:
-                report(int(rec["round"]), float(rec[metric]))
-            except Pruned as exc:
-                raise _Stop(f"pruned at round {rec['round']}") from exc
-
-    outcome = run_experiment(cfg, overwrite=state == "restart", on_round=on_round, on_note=on_note)
-    return outcome.summary
-
-
-def _wait_for_other_writer(run_dir: Path, poll: float = 0.5) -> None:
-    """Two processes of one search may draw the same arguments at once (TPE on a small space): the second waits
-    for the first's run of them to end (its lock released, or its process gone), then reads or resumes it."""
-    from fedskew.results.rundir import LOCK, pid_alive
-
-    lock = run_dir / LOCK
-    while lock.exists():
-        try:
-            holder = json.loads(lock.read_text())
-        except (OSError, ValueError):
-            holder = {}
-        pid = holder.get("pid")
-        if holder.get("host") == socket.gethostname() and (not isinstance(pid, int) or not pid_alive(pid)):
-            return  # a dead writer's lock: the run directory takes it over
-        if holder.get("host") not in (None, socket.gethostname()):
-            return  # another machine's run: its lock is reported as it is
-        time.sleep(poll)
-
-
-def _replay(run_dir: Path, report: Callable[[int, float], None], metric: str, *, every: bool) -> None:
-    """Report the rounds a run directory already holds (all of them, or those up to its checkpoint)."""
-    from fedskew.results.rundir import RunDirectory
-
-    rd = RunDirectory(run_dir)
-    upto = None if every else rd.status().get("checkpoint_round")
-    for rec in rd.read_lines("metrics.jsonl"):
-        if (upto is None or rec["round"] <= upto) and metric in rec and rec.get("evaluated", True):
-            report(int(rec["round"]), float(rec[metric]))
-
-
-def make_objective(spec: TuneSpec, entry: MethodEntry, space: dict[str, Dist], metric: str) -> Callable[[Any], float]:
-    """The Optuna objective of ``entry``: the trial's runs, one per tuning seed, and the mean of their statistic."""
-    import optuna
-
-    from fedskew.runner import RunInterrupted
-
-    seeds = spec.seed_list()
-
-    def objective(trial: Any) -> float:
-        trial.set_user_attr("host", socket.gethostname())
-        trial.set_user_attr("pid", os.getpid())
-        params = {k: suggest(trial, k, d) for k, d in space.items()}
-        values = _trial_values(spec, entry, params)
-        rounds = int(make_config(values).rounds)
-        scores, dirs = [], []
-        for i, seed in enumerate(seeds):
-            cfg = make_config({**values, "seed": seed})
-            cfg = cfg.model_copy(update={"out": str(_run_dir(spec, entry, cfg))})
-            dirs.append(str(cfg.out))
-            trial.set_user_attr("run_dirs", dirs)
-
-            def report(rnd: int, value: float, i: int = i) -> None:
-                trial.report(value, i * rounds + rnd)
-                if trial.should_prune():
-                    raise Pruned
-
-            try:
-                summary = run_trial_run(cfg, report, metric)
-            except Pruned:
-                raise optuna.TrialPruned(f"validation {metric} trails the median") from None
-            except (RunInterrupted, KeyboardInterrupt):
-                trial.set_user_attr("interrupted", True)  # retried by the next run of the search (not counted)
-                raise
-            if summary.get("diverged"):
-                trial.set_user_attr("diverged", f"seed {seed}, round {summary.get('diverged_round')}")
-                return float("nan")  # a failed trial: TPE learns nothing from it, the budget counts it
-            if metric not in summary:
-                raise ConfigError(
-                    f"metric {metric!r} is not in the summary of {cfg.out} (it has: "
-                    f"{', '.join(k for k in summary if isinstance(summary[k], dict))}); choose --metric"
-                )
-            scores.append(float(summary[metric][spec.statistic]))
-        trial.set_user_attr("scores", scores)
-        return float(sum(scores) / len(scores))
-
-    return objective
+__all__ = ["MethodResult", "Pruned", "TuneSpec", "load_tune_spec", "run_trial_run", "summarize", "trial_row", "tune"]
 
 
 # ---- a study per method ------------------------------------------------------------------------------------------
 def _fingerprint(spec: TuneSpec, entry: MethodEntry, space: dict[str, Dist], metric: str) -> str:
     """What a study's trials depend on: a study that was run with another base, space or objective is refused."""
     blob = {
-        "base": make_config(_trial_values(spec, entry, {})).identity(),
+        "base": make_config(trial_values(spec, entry, {})).identity(),
         "space": {k: d.describe() for k, d in sorted(space.items())},
         "metric": metric,
         "statistic": spec.statistic,
@@ -381,12 +106,12 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[
     space = method_space(entry.name, spec.overrides())
     for k in entry.args:  # fixed by the spec: not searched
         space.pop(k, None)
-    metric, direction = objective_metric(spec, _trial_values(spec, entry, {}))
+    metric, direction = objective_metric(spec, trial_values(spec, entry, {}))
     fp = _fingerprint(spec, entry, space, metric)
     seed = int(hashlib.sha1(f"{study_name(spec, entry)}:{spec.seed_list()[0]}".encode()).hexdigest()[:8], 16) + worker
     warmup = spec.warmup_rounds
     if warmup is None:
-        warmup = max(1, int(make_config(_trial_values(spec, entry, {})).rounds) // 4)
+        warmup = max(1, int(make_config(trial_values(spec, entry, {})).rounds) // 4)
     pruner: Any = optuna.pruners.NopPruner()
     if spec.prune:
         pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=warmup)
@@ -591,7 +316,7 @@ def summarize(spec: TuneSpec, entry: MethodEntry) -> MethodResult:
     if complete:
         sign = 1.0 if study.direction.name == "MAXIMIZE" else -1.0
         top = max(complete, key=lambda t: (sign * t.value, -t.number))
-        cfg = make_config(_trial_values(spec, entry, dict(top.params))).model_dump()
+        cfg = make_config(trial_values(spec, entry, dict(top.params))).model_dump()
         tuned_run = {k: v for k, v in top.params.items() if k in RUN_LEVEL}
         best = TunedEntry(
             canonical_method(entry.name),
@@ -623,11 +348,3 @@ def summarize(spec: TuneSpec, entry: MethodEntry) -> MethodResult:
         best,
         rows,
     )
-
-
-def dump_tune_spec(spec: TuneSpec) -> str:
-    import yaml
-
-    data = spec.model_dump(exclude_defaults=True)
-    data["methods"] = [m if isinstance(m, str) else m.model_dump(exclude_defaults=True) for m in spec.methods]
-    return yaml.safe_dump(data, sort_keys=False)
