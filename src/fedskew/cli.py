@@ -343,6 +343,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     table = Table(
         title=f"fedskew {method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
         f"{cfg.rounds} rounds, seed {cfg.seed})"
+        + ("; every view scored on the clients' validation splits" if cfg.evaluate_on == "validation" else "")
     )
     table.add_column("metric")
     table.add_column("final", justify="right")
