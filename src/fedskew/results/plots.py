@@ -20,6 +20,7 @@ import numpy as np
 from fedskew.config import SETTING_KEYS
 from fedskew.results import plotting
 from fedskew.results.domain_figure import domain_table_figure
+from fedskew.results.experiments import show_value
 from fedskew.results.plotting import (
     DPI,
     FONT,
@@ -88,21 +89,14 @@ def _setting(ident: dict[str, Any]) -> dict[str, Any]:
 
 def _setting_title(s: dict[str, Any]) -> str:
     part = s.get("partition")
-    params = ", ".join(f"{k}={_fmt(s.get(k))}" for k in _PARTITION_KEYS.get(str(part), ()) if s.get(k) is not None)
+    keys = [k for k in _PARTITION_KEYS.get(str(part), ()) if s.get(k) is not None]
+    params = ", ".join(f"{k}={show_value(s.get(k))}" for k in keys)
     text = f"{s.get('dataset')}, {part}" + (f" ({params})" if params else "") + f", {s.get('clients')} clients"
     if s.get("join_ratio") not in (None, 1.0):
         text += f", join {s['join_ratio']:g}"
     if s.get("protocol") not in (None, "fedskew"):
         text += f", protocol {s['protocol']}"
     return text
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, dict | list):
-        return json.dumps(v, sort_keys=True)
-    return str(v)
 
 
 def _slug(setting: dict[str, Any]) -> str:
@@ -125,8 +119,8 @@ def experiment_labels(experiments: list[Any]) -> list[str]:
         same = [o for o in idents if o.get("method") == e.identity.get("method")]
         args = e.identity.get("method_args") or {}
         shown = [k for k in args if len({json.dumps(o.get("method_args", {}).get(k), default=str) for o in same}) > 1]
-        text = e.name + (f" ({', '.join(f'{k}={_fmt(args[k])}' for k in sorted(shown))})" if shown else "")
-        text += "".join(f" {k}={_fmt(e.identity.get(k))}" for k in differ)
+        text = e.name + (f" ({', '.join(f'{k}={show_value(args[k])}' for k in sorted(shown))})" if shown else "")
+        text += "".join(f" {k}={show_value(e.identity.get(k))}" for k in differ)
         labels.append(text)
     return labels
 
