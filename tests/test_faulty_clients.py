@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fedskew.engine.loop as loop
+import fedskew.engine.rounds as rounds  # where a client's step calls local_train
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation, dropped_out, sample_clients
@@ -62,7 +63,7 @@ CORRUPTIONS = {
 
 def _corrupt_uploads(monkeypatch, corrupt, bad_clients):
     """Wrap the engine's local training: the uploads of ``bad_clients`` are corrupted after training."""
-    real = loop.local_train
+    real = rounds.local_train
 
     def faulty(algo, ctx, *args, **kwargs):
         update = real(algo, ctx, *args, **kwargs)
@@ -70,7 +71,7 @@ def _corrupt_uploads(monkeypatch, corrupt, bad_clients):
             return dataclasses.replace(update, params=corrupt(update.params))
         return update
 
-    monkeypatch.setattr(loop, "local_train", faulty)
+    monkeypatch.setattr(rounds, "local_train", faulty)
 
 
 def _without_clients(monkeypatch, excluded):
@@ -185,13 +186,13 @@ def test_fail_refuses_a_malformed_upload_naming_the_client(tmp_path, monkeypatch
 
 
 def test_fail_reports_a_malformed_upload_before_a_nonfinite_one(tmp_path, monkeypatch):
-    real = loop.local_train
+    real = rounds.local_train
 
     def faulty(algo, ctx, *args, **kwargs):
         u = real(algo, ctx, *args, **kwargs)
         return dataclasses.replace(u, params={0: _nan, 3: _wrong_dtype}.get(ctx.cid, dict)(u.params))
 
-    monkeypatch.setattr(loop, "local_train", faulty)
+    monkeypatch.setattr(rounds, "local_train", faulty)
     cfg = _cfg(tmp_path)
     with pytest.raises(UpdateError, match="client 3: tensor .* has dtype"):
         Simulation(cfg, build_federated(cfg)).round(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from fedskew.data.settings import DataSettings
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
@@ -276,6 +278,10 @@ class RunConfig(StrictSettings):
     def group_key(self) -> str:
         blob = json.dumps(self.identity(), sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def data_settings(self) -> DataSettings:
+        """What building the federation reads of this run (:func:`fedskew.data.federated.build_federated`)."""
+        return DataSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSettings)})
 
 
 def _reads_data_dir(dataset: str) -> bool:

@@ -9,7 +9,9 @@ imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor
 * :class:`RoundInput`: one round's valid uploads stacked along a leading client axis, as every server piece reads them;
 * :class:`Rejection`, :class:`UpdateError`: an upload the server refuses, and why;
 * the names of the extra tensors a client part uploads for a server part (:data:`MASK_PREFIX`, FedCAC's masks) and
-  the timing fields of a round's record (:data:`TIMING_KEYS`).
+  the timing fields of a round's record (:data:`TIMING_KEYS`);
+* :class:`ClientScores`: one evaluation view's per-client sums, as the engine computes them and the results store
+  records them (so ``fedskew.results`` never imports the engine).
 """
 
 from __future__ import annotations
@@ -26,6 +28,19 @@ TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_
 
 Params = dict[str, Tensor]
 State = Any
+
+
+@dataclass(frozen=True)
+class ClientScores:
+    """One evaluation view's per-client sums: correct predictions, summed loss and samples scored, each ``[N]``."""
+
+    correct: np.ndarray  # [N]
+    loss_sum: np.ndarray  # [N]
+    count: np.ndarray  # [N]
+
+    @property
+    def accuracy(self) -> np.ndarray:
+        return np.divide(self.correct, self.count, out=np.zeros(len(self.count)), where=self.count > 0)
 
 
 class UpdateError(ValueError):

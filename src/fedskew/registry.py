@@ -70,7 +70,7 @@ class ServerPlugin:
     params: type[BaseModel]
     roles: tuple[str, ...]  # subset of ROLES
     # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
-    # clients, see engine.loop.LOCAL_GROUPS) and "upload" (a client-side Upload)
+    # clients, see engine.model_init.LOCAL_GROUPS) and "upload" (a client-side Upload)
     build: Callable[[Any], dict[str, Any]]
     # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)

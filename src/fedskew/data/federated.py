@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.config import RunConfig
 from fedskew.data.partition import (
     PartitionError,
     client_class_proportions,
@@ -32,6 +31,7 @@ from fedskew.data.partition import (
     train_test_split_clients,
 )
 from fedskew.data.readers import ClientDatasets, ImageDataset, digits_domains, load_source
+from fedskew.data.settings import DataSettings, HasDataSettings, data_settings
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, numpy_rng
 
@@ -121,8 +121,8 @@ def split_holdout(labels: np.ndarray, share: float, rng: np.random.Generator) ->
     return np.sort(np.concatenate(rest)), np.sort(np.concatenate(hold))
 
 
-def partition_params(cfg: RunConfig) -> dict[str, object]:
-    """The partition's own parameters from the run configuration."""
+def partition_params(cfg: DataSettings) -> dict[str, object]:
+    """The partition's own parameters from the data settings."""
     return {
         "iid": {},
         "dir": {"alpha": cfg.alpha, "min_size": cfg.min_size},
@@ -171,7 +171,7 @@ def _assemble(
     )
 
 
-def build_domain_federated(cfg: RunConfig) -> FederatedData:
+def build_domain_federated(cfg: DataSettings) -> FederatedData:
     """FedHEAL-style domain skew: ``clients / D`` clients per domain, each holding a random ``domain_fraction`` of
     its domain's training set (disjoint within a domain); the global test set is every domain's test split."""
     domains = digits_domains(cfg.data_dir, size=cfg.image_size, seed=cfg.seed, download=cfg.download)
@@ -225,7 +225,7 @@ def build_domain_federated(cfg: RunConfig) -> FederatedData:
     )
 
 
-def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
+def build_pfllib(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
     """PFLlib's split (protocols.md section 1): the official train and test sets merged into one pool;
     ``pat`` is the blocked assignment, ``iid`` is ``pat`` with every class, ``dir`` retries until every client holds
     ``least_samples = int(min(batch/(1-train_ratio), N/clients/2))``; a per-client ``train_ratio`` split. PFLlib has
@@ -253,7 +253,7 @@ def build_pfllib(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     )
 
 
-def fedcac_proportions(cfg: RunConfig, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+def fedcac_proportions(cfg: DataSettings, num_classes: int, rng: np.random.Generator) -> np.ndarray:
     """FedCAC's client-wise class proportions, shape ``[clients, num_classes]``: ``dirfixed`` draws
     q_i ~ Dir(alpha * 1_C); ``pat`` gives each client ``classes_per_client`` distinct classes chosen uniformly at
     random (independently across clients), each with share 1/k."""
@@ -273,7 +273,7 @@ def fedcac_proportions(cfg: RunConfig, num_classes: int, rng: np.random.Generato
     raise PartitionError(f"protocol 'fedcac' supports partitions dirfixed and pat, not {cfg.partition!r}")
 
 
-def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[Pool, Pool]:
+def train_and_test_pools(cfg: DataSettings, ds: ImageDataset) -> tuple[Pool, Pool]:
     """The dataset's official train and test splits, or, without a test split, a stratified ``holdout`` of the
     training split as the test pool: ``(train pool, test pool)``, with source indices."""
     n = len(ds.y_train)
@@ -286,7 +286,7 @@ def train_and_test_pools(cfg: RunConfig, ds: ImageDataset) -> tuple[Pool, Pool]:
 
 
 def fixed_size_draws(
-    cfg: RunConfig, y_tr: np.ndarray, y_te: np.ndarray, n_train: int, n_test: int
+    cfg: DataSettings, y_tr: np.ndarray, y_te: np.ndarray, n_train: int, n_test: int
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Every client draws ``n_train`` samples from the train pool ``y_tr`` and ``n_test`` from the separate test pool
     ``y_te``, both with its class proportions q_i (:func:`fedcac_proportions`). Samples never repeat within a client
@@ -321,7 +321,7 @@ def fixed_size_draws(
     return train_parts, test_parts
 
 
-def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
+def build_fedcac(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
     """FedCAC's protocol (docs/protocols.md): every client draws exactly ``samples_per_client`` training samples
     from the official training split and ``test_samples_per_client`` local test samples from the official test
     split (a stratified ``holdout`` when the dataset has none), both with the same class proportions q_i
@@ -339,7 +339,7 @@ def build_fedcac(cfg: RunConfig, ds: ImageDataset) -> FederatedData:
     return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, te, torch.device(cfg.device))
 
 
-def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def dirfixed_local_split(cfg: DataSettings, y_pool: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``dirfixed`` under the default protocol: clients draw overlapping fixed-size samples (Fling), so splitting each
     client's draw into train and test would put one client's test samples into other clients' training splits.
     Instead the pool is first split, stratified, into a local-train pool (``train_ratio`` of every class) and a
@@ -349,7 +349,7 @@ def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.nd
     client (``floor(train_ratio * n)`` for training, at least 1 of each). Seeded by ``cfg.seed`` alone. Returns
     per-client indices into ``y_pool``; a pool too small for the draws raises :class:`PartitionError` naming both
     pools' sizes."""
-    n = cfg.samples_per_client  # >= 2 (RunConfig)
+    n = cfg.samples_per_client  # >= 2 (validated by RunConfig)
     n_train = min(max(int(np.floor(cfg.train_ratio * n + 1e-9)), 1), n - 1)
     tr_pool, te_pool = split_holdout(y_pool, 1.0 - cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 2))
     try:
@@ -364,7 +364,7 @@ def dirfixed_local_split(cfg: RunConfig, y_pool: np.ndarray) -> tuple[list[np.nd
     return [tr_pool[p] for p in train_parts], [te_pool[p] for p in test_parts]
 
 
-def build_given_federated(cfg: RunConfig, src: ClientDatasets) -> FederatedData:
+def build_given_federated(cfg: DataSettings, src: ClientDatasets) -> FederatedData:
     """The clients of per-client data files as they are (``--partition given``): client ``i`` trains on its training
     file and is tested on its test file (without test files, its data is split with ``train_ratio``, seeded as every
     partition). There is no separate global test set (as in PFLlib): the global test set is the union of the clients'
@@ -463,27 +463,33 @@ def validation_as_test(data: FederatedData) -> FederatedData:
     )
 
 
-def with_validation(data: FederatedData, cfg: RunConfig) -> FederatedData:
+def with_validation(data: FederatedData, cfg: DataSettings) -> FederatedData:
     """The run's federation with its validation splits (``cfg.validation``) and evaluation set (``cfg.evaluate_on``)."""
     if cfg.validation:
         data = carve_validation(data, cfg.validation, cfg.seed)
     return validation_as_test(data) if cfg.evaluate_on == "validation" else data
 
 
-def reader_options(cfg: RunConfig) -> dict[str, object]:
+def reader_options(cfg: DataSettings) -> dict[str, object]:
     """The options of the dataset's reader set in the configuration (``resize`` for image folders)."""
     return {"resize": cfg.resize} if cfg.resize is not None else {}
 
 
-def build_federated(cfg: RunConfig, dataset: ImageDataset | ClientDatasets | None = None) -> FederatedData:
+def build_federated(
+    cfg: DataSettings | HasDataSettings, dataset: ImageDataset | ClientDatasets | None = None
+) -> FederatedData:
     """Load, partition and split ``cfg.dataset`` with the run seed; place every tensor on ``cfg.device``. Per-client
     data (``ClientDatasets``, e.g. PFLlib's dataset folder) is used as given (:func:`build_given_federated`). Then the
     clients' validation splits are carved and, under ``evaluate_on: validation``, put in place of every test set
-    (:func:`with_validation`)."""
-    return with_validation(_build_split(cfg, dataset), cfg)
+    (:func:`with_validation`).
+
+    ``cfg``: the :class:`~fedskew.data.settings.DataSettings`, or a run configuration, which makes them
+    (:meth:`fedskew.config.RunConfig.data_settings`); every other function here takes the settings."""
+    settings = data_settings(cfg)
+    return with_validation(_build_split(settings, dataset), settings)
 
 
-def _build_split(cfg: RunConfig, dataset: ImageDataset | ClientDatasets | None) -> FederatedData:
+def _build_split(cfg: DataSettings, dataset: ImageDataset | ClientDatasets | None) -> FederatedData:
     """The federation with every client's train and test split and the global test set (no validation yet)."""
     if cfg.partition == "domain":
         return build_domain_federated(cfg)

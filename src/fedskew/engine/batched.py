@@ -51,8 +51,9 @@ from fedskew.client.loss_before import LossBefore
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.seeding import Purpose, torch_generator
 
-if TYPE_CHECKING:  # annotations only: engine.loop must not depend on this module
-    from fedskew.engine.loop import RoundResult, Simulation
+if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
+    from fedskew.engine.host import ClientHost, RoundHost
+    from fedskew.engine.rounds import RoundResult
     from fedskew.methods import Method
 
 HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
@@ -214,7 +215,7 @@ def _step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..
 
 
 def train_batched(
-    sim: Simulation,
+    sim: ClientHost,
     rnd: int,
     cids: Sequence[int],
     received: dict[int, Params],
@@ -275,7 +276,7 @@ class _Stack:
 
 
 def _train_group(
-    sim: Simulation, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
+    sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
 ) -> list[ClientUpdate]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
@@ -403,7 +404,7 @@ def _train_group(
     return updates
 
 
-def round_batched(sim: Simulation, rnd: int, max_clients: int | None = None) -> RoundResult:
+def round_batched(sim: RoundHost, rnd: int, max_clients: int | None = None) -> RoundResult:
     """``sim.round(rnd)`` with the reporting clients trained by :func:`train_batched`: the same sampling, drop-outs,
     received models (personal, local entries overlaid), upload checks, aggregation, evaluation and record."""
     plan = sim.open_round(rnd)

@@ -18,7 +18,6 @@ population std), and the worst-10% accuracy (``_acc_worst10``: the mean accuracy
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,19 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.protocol import ClientScores  # defined beside the exchange types: the results store reads it too
+
 if TYPE_CHECKING:
     from fedskew.data.federated import FederatedData
-
-
-@dataclass(frozen=True)
-class ClientScores:
-    correct: np.ndarray  # [N]
-    loss_sum: np.ndarray  # [N]
-    count: np.ndarray  # [N]
-
-    @property
-    def accuracy(self) -> np.ndarray:
-        return np.divide(self.correct, self.count, out=np.zeros(len(self.count)), where=self.count > 0)
 
 
 EVAL_ACTIVATION_BUDGET = 16 * 2**20  # bytes: the largest activation of an evaluation batch stays under this on CPU

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
-from fedskew.config import ConfigError, RunConfig
+from fedskew.client.local import snapshot
+from fedskew.config import RunConfig
 from fedskew.data.federated import FederatedData
+from fedskew.engine.backends import batched_trainer, worker_pool
 from fedskew.engine.evaluate import (
     ClientScores,
     accumulate,
@@ -39,47 +37,54 @@ from fedskew.engine.evaluate import (
     pooled,
     summarize,
 )
+from fedskew.engine.host import ClientPool, ClientTrainer, EvalSource
+from fedskew.engine.model_init import (
+    LOCAL_GROUPS,
+    UserModel,
+    init_model,
+    local_state_names,
+    resolve_model_name,
+    user_model_name,
+)
 from fedskew.engine.probe import skew_probe
+from fedskew.engine.rounds import (
+    Diverged,
+    RoundPlan,
+    RoundResult,
+    dropped_out,
+    keep_trained,
+    payload_bytes,
+    sample_clients,
+    train_client,
+    train_settings,
+    with_local,
+)
 from fedskew.methods import Method, resolve_method
-from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, Params, ServerContext
-from fedskew.seeding import Purpose, numpy_rng, torch_generator, torch_seed
 from fedskew.server.api import UploadStack, check_model
 
-if TYPE_CHECKING:
-    from fedskew.engine.workers import ClientWorkers
-
-EvalSource = str | tuple[str, int]  # an evaluation pass's samples (Simulation.eval_tensors)
-
-
-def payload_bytes(tensors: Params) -> int:
-    """Bytes on the wire: boolean tensors (masks) count 1 bit per element, others their dtype size."""
-    total = 0
-    for t in tensors.values():
-        total += math.ceil(t.numel() / 8) if t.dtype == torch.bool else t.numel() * t.element_size()
-    return total
-
-
-def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> list[int]:
-    """``max(1, round(join_ratio * N))`` distinct clients, drawn from a stream keyed by (seed, round)."""
-    m = max(1, int(round(join_ratio * num_clients)))
-    if m >= num_clients:
-        return list(range(num_clients))
-    rng = numpy_rng(seed, Purpose.SAMPLING, rnd)
-    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
-
-
-def dropped_out(seed: int, rnd: int, sampled: list[int], num_clients: int, p: float) -> list[int]:
-    """The sampled clients that fail to report in round ``rnd``, each with probability ``p``.
-
-    One uniform number per client of the federation is drawn from a stream keyed by (seed, round) of its own
-    (:attr:`Purpose.DROPOUT`); client ``c`` drops out when ``u[c] < p``. So sampling is the same with or without
-    dropout, whether a client drops out depends on nothing but (seed, round, client, p), and a larger ``p`` only
-    removes more clients."""
-    if p <= 0:
-        return []
-    u = numpy_rng(seed, Purpose.DROPOUT, rnd).random(num_clients)
-    return [c for c in sampled if u[c] < p]
+# the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
+__all__ = [
+    "LOCAL_GROUPS",
+    "Diverged",
+    "EvalSource",
+    "RoundPlan",
+    "RoundResult",
+    "Simulation",
+    "UserModel",
+    "dropped_out",
+    "global_views",
+    "init_model",
+    "keep_trained",
+    "local_state_names",
+    "payload_bytes",
+    "resolve_model_name",
+    "sample_clients",
+    "train_client",
+    "train_settings",
+    "user_model_name",
+    "with_local",
+]
 
 
 def _same_samples(data: FederatedData) -> bool:
@@ -88,202 +93,6 @@ def _same_samples(data: FederatedData) -> bool:
     if data.test_index is None or any(p is None for p in parts):
         return False
     return bool(np.array_equal(np.concatenate(parts), data.test_index))
-
-
-class Diverged(RuntimeError):
-    """Training diverged: a non-finite or exploding training loss, or a non-finite model. The run stops there."""
-
-    def __init__(self, rnd: int, reason: str) -> None:
-        super().__init__(f"training diverged in round {rnd}: {reason}")
-        self.round = rnd
-        self.reason = reason
-
-
-def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> str:
-    """The model ``auto`` stands for: ``cnn`` for images of at least 16 px, else ``mlp``; a method that keeps the
-    normalization layers on the clients (FedBN) gets ``lenet_bn``, the smallest zoo model with BatchNorm."""
-    if cfg.model != "auto":
-        return cfg.model
-    if method is not None and "norm" in method.local:
-        return "lenet_bn"
-    return "cnn" if data.image_size >= 16 else "mlp"
-
-
-UserModel = nn.Module | Callable[[], nn.Module]
-
-
-def user_model_name(model: UserModel) -> str:
-    """How a user's model is recorded in config.yaml: ``custom:<class or function name>``."""
-    name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", type(model).__name__)
-    return f"custom:{name}"
-
-
-def init_model(
-    cfg: RunConfig, data: FederatedData, method: Method | None = None, user_model: UserModel | None = None
-) -> nn.Module:
-    """Build the model with weights drawn from the run's init stream (global torch RNG left untouched).
-
-    ``user_model``: a module of the user's (copied, its weights are the initial model) or a function returning one
-    (called under the init stream, so the seed fixes its weights), split into body + head by
-    :func:`fedskew.models.custom.split_model` (checked on a batch of client 0's data)."""
-    if user_model is not None:
-        from fedskew.models.custom import prepare_user_model
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
-            example = data.clients[0].x_train[:2].cpu()
-            model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
-        return _placed(model, cfg)
-    if cfg.model.startswith("custom:"):
-        raise ConfigError(
-            f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
-        model = build_model(
-            resolve_model_name(cfg, data, method),
-            in_channels=data.in_channels,
-            image_size=data.image_size,
-            num_classes=data.num_classes,
-            norm=cfg.norm,
-            **(method.model_options if method is not None else {}),
-        )
-    return _placed(model, cfg)
-
-
-def _placed(model: nn.Module, cfg: RunConfig) -> nn.Module:
-    """The model on the run's device, its 4-D (convolution) weights channels-last when ``cfg.channels_last``: the
-    layout is kept through ``load_state_dict`` (a copy into the existing tensors), so every client trains in it."""
-    model = model.to(torch.device(cfg.device))
-    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-
-
-LOCAL_GROUPS = {
-    "buffers": "non-trainable entries (BatchNorm running statistics)",
-    "head": "the classifier head (FedPer, FedRep)",
-    "norm": "normalization layers: affine parameters and running statistics (FedBN)",
-    "all": "every entry: no collaboration (Local / Separate)",
-}
-
-
-def local_state_names(groups: frozenset[str], model: nn.Module, trainable: frozenset[str]) -> frozenset[str]:
-    """State-dict names behind the groups (:data:`LOCAL_GROUPS`) a method keeps on the clients."""
-    template = model.state_dict()
-    names: set[str] = set()
-    for group in groups:
-        if group == "buffers":
-            names |= {n for n in template if n not in trainable}
-        elif group == "head":
-            names |= head_keys(model)
-        elif group == "norm":
-            found = norm_keys(model)
-            if not found:
-                raise ConfigError(
-                    f"the model has no normalization layers, so keeping them local (FedBN) would be plain FedAvg; "
-                    f"use a model with BatchNorm (e.g. --model resnet8), got layers {sorted(template)[:4]}..."
-                )
-            names |= found
-        elif group == "all":
-            names |= set(template)
-        else:
-            raise ConfigError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
-    return frozenset(names)
-
-
-@dataclass
-class RoundResult:
-    record: dict[str, Any]  # one line of metrics.jsonl
-    client_scores: dict[str, ClientScores] = field(default_factory=dict)  # view -> per-client scores
-    probe: dict[str, Any] | None = None  # parameter-skew probe (evaluated rounds), see engine/probe.py
-
-
-@dataclass
-class RoundPlan:
-    """One round in progress on the server: who was sampled and who dropped out (both seeded), what the server
-    broadcasts, and what the uploads taken so far came to. :meth:`Simulation.open_round` makes it,
-    :meth:`Simulation.take_upload` fills it (one upload at a time, in client order), :meth:`Simulation.close_round`
-    aggregates, evaluates and records it. The simulator trains the clients in between; a deployment (Flower) sends
-    them messages, and fills ``failed`` with the sampled clients that never replied."""
-
-    rnd: int
-    sampled: list[int]
-    gone: set[int]  # sampled, but drop out before reporting (client_dropout, seeded)
-    broadcast: Params
-    stack: UploadStack
-    t0: float
-    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (cid, samples, loss) of counted uploads
-    bytes_up: int = 0
-    bytes_down: int = 0
-    failed: list[dict[str, Any]] = field(default_factory=list)  # [{"client": cid, "reason": ...}] (deployments)
-
-
-def train_settings(cfg: RunConfig) -> TrainSettings:
-    """The local optimizer's settings of a run and its number of rounds (every client's, wherever it trains)."""
-    return TrainSettings(
-        epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        drop_last=cfg.drop_last,
-        rounds=cfg.rounds,
-    )
-
-
-def train_client(
-    method: Method,
-    model: nn.Module,
-    settings: TrainSettings,
-    seed: int,
-    cid: int,
-    rnd: int,
-    received: Params,
-    broadcast: Params,
-    client_state: dict[str, Any],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    x_val: torch.Tensor | None = None,
-    y_val: torch.Tensor | None = None,
-) -> ClientUpdate:
-    """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
-    ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
-    ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
-    split, if the run has one (hooks may score it; it is never trained on)."""
-    ctx = LocalContext(
-        cid=cid,
-        round=rnd,
-        model=model,
-        received=received,
-        client_state=client_state,
-        broadcast=broadcast,
-        settings=settings,
-        x_val=x_val,
-        y_val=y_val,
-    )
-    gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
-    return local_train(method.client, ctx, x, y, gen, method.uploads)
-
-
-def keep_trained(
-    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: ClientUpdate
-) -> Params | None:
-    """What a client keeps of the model it trained: its local entries (``method.local``) go into
-    ``client_state["local_params"]``; for a personalized method the model the ``trained`` view evaluates is returned
-    (the model it keeps for itself, else the one it trained), otherwise ``None``."""
-    if local_names:
-        client_state["local_params"] = {k: update.params[k] for k in local_names}
-    if method.personalized:
-        own = method.client.personal_model(client_state)
-        return own if own is not None else update.params
-    return None
-
-
-def with_local(received: Params, local: Params | None, order: Params) -> Params:
-    """The model a client holds after receiving ``received``: the entries it keeps for itself (``local``)
-    overlaid, keys in the order of ``order`` (the model's state dict)."""
-    if not local:
-        return received
-    return {k: local[k] if k in local else received[k] for k in order}
 
 
 def global_views(server: Any, global_params: Params) -> dict[str, float]:
@@ -357,17 +166,10 @@ class Simulation:
         self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
-        self._workers: ClientWorkers | None = None  # forked at the first round that uses them (cfg.workers > 1)
-        self.batched = cfg.batched_clients and self._batch_fallback() is None
-
-    def _batch_fallback(self) -> str | None:
-        """Why ``batched_clients`` cannot be used for this method and model (warned once), else ``None``."""
-        from fedskew.engine.batched import batchable
-
-        why = batchable(self.method, self.model)
-        if why is not None:
-            warnings.warn(f"batched_clients: {why}; training the clients one after the other", stacklevel=3)
-        return why
+        self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
+        # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
+        self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
+        self.batched = self._batched is not None
 
     @property
     def model_name(self) -> str:
@@ -385,17 +187,12 @@ class Simulation:
     def _train_clients(self, rnd: int, cids: list[int], broadcast: Params) -> Iterator[ClientUpdate]:
         """The uploads of ``cids``, in that order: trained one after the other, in ``workers`` forked processes
         (``engine/workers.py``: identical results), or together, vmapped (``batched_clients``, ``engine/batched.py``:
-        equal up to float32 rounding)."""
-        if self.batched:
-            from fedskew.engine.batched import train_batched
-
-            received = {cid: self.params_for(cid) for cid in cids}
-            yield from train_batched(self, rnd, cids, received, broadcast)
+        equal up to float32 rounding); the loop knows the last two only as ``ClientTrainer`` (``engine/host.py``)."""
+        if self._batched is not None:
+            yield from self._batched.train(self, rnd, [(cid, self.params_for(cid), broadcast) for cid in cids])
         elif self.cfg.workers > 1 and len(cids) > 1:
             if self._workers is None:
-                from fedskew.engine.workers import ClientWorkers
-
-                self._workers = ClientWorkers(self, min(self.cfg.workers, self.data.num_clients))
+                self._workers = worker_pool(self, min(self.cfg.workers, self.data.num_clients))
             yield from self._workers.train(self, rnd, [(cid, self.params_for(cid), broadcast) for cid in cids])
         else:
             for cid in cids:

@@ -41,9 +41,9 @@ from fedskew.engine.evaluate import batch_scores
 from fedskew.protocol import ClientUpdate, Params
 
 if TYPE_CHECKING:
-    from fedskew.engine.loop import EvalSource, Simulation
+    from fedskew.engine.host import BatchScores, ClientHost, EvalSource, TrainJob
 
-_SIM: Simulation | None = None  # the forked copy of the simulation, in a worker
+_SIM: ClientHost | None = None  # the forked copy of the simulation, in a worker
 
 
 # ---- transport: plain bytes, each tensor compacted to its own elements ------------------------------------------
@@ -121,7 +121,7 @@ class WorkerDied(RuntimeError):
 class ClientWorkers:
     """A pool of ``n`` forked processes that train clients of one simulation (see the module docstring)."""
 
-    def __init__(self, sim: Simulation, n: int) -> None:
+    def __init__(self, sim: ClientHost, n: int) -> None:
         why = can_fork(sim.cfg.device)
         if why is not None:
             raise ValueError(why)
@@ -137,9 +137,7 @@ class ClientWorkers:
         self.n = n
         self._owner = os.getpid()
 
-    def train(
-        self, sim: Simulation, rnd: int, jobs: Sequence[tuple[int, Params, Params]]
-    ) -> Iterator[ClientUpdate]:
+    def train(self, sim: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> Iterator[ClientUpdate]:
         """Train ``(cid, received, broadcast)`` jobs in parallel; yield the uploads in the order of ``jobs``, each
         client's new state already stored in ``sim.client_states``."""
         # the largest clients start first (longest-processing-time order), so that no worker is left training a big
@@ -164,9 +162,7 @@ class ClientWorkers:
             for future in futures:
                 future.cancel()
 
-    def score(
-        self, sim: Simulation, passes: Sequence[tuple[Params, EvalSource]], batch_size: int
-    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def score(self, sim: ClientHost, passes: Sequence[tuple[Params, EvalSource]], batch_size: int) -> list[BatchScores]:
         """:func:`~fedskew.engine.evaluate.batch_scores` of each ``(params, source)`` pass, computed in the workers:
         a pass over many samples is split into one range of whole batches per worker, so the batches, and therefore
         the scores, are exactly those of the pass in one process."""
@@ -177,7 +173,7 @@ class ClientWorkers:
             for start in range(0, n, max(per, 1)):
                 job = pack((params, source, start, min(start + per, n), batch_size))
                 jobs.append((k, self._pool.submit(_score_one, job)))
-        out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in passes]
+        out: list[BatchScores] = [[] for _ in passes]
         for k, future in jobs:
             try:
                 out[k].extend(unpack(future.result()))

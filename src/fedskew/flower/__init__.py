@@ -1,7 +1,7 @@
 """Flower (``flwr``) as fedskew's distributed engine: any method composition in a real federation, same numbers.
 
 The only place in fedskew that imports ``flwr`` (the optional extra ``pip install -e ".[flower]"``). The apps run the
-objects the simulator runs, nothing re-implemented: the ClientApp calls :func:`fedskew.engine.loop.train_client`
+objects the simulator runs, nothing re-implemented: the ClientApp calls :func:`fedskew.engine.rounds.train_client`
 with the method's :class:`~fedskew.client.local.LocalAlgorithm`; the ServerApp is a
 :class:`~fedskew.engine.loop.Simulation` whose clients are Flower nodes (its round opens, takes uploads and closes
 with the simulator's own code, the method's :class:`~fedskew.server.api.ServerStrategy` aggregating).

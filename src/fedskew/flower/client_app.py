@@ -4,7 +4,7 @@ Handlers (message types):
 
 * ``query.hello`` (once, before round 1): the client's id and its training/test label histograms; sample counts and
   label histograms (FedDisco) reach the server from the clients, as in a real federation;
-* ``train``: one round of local training: :func:`fedskew.engine.loop.train_client` (the method's
+* ``train``: one round of local training: :func:`fedskew.engine.rounds.train_client` (the method's
   :class:`~fedskew.client.local.LocalAlgorithm` on the one loop, batches from the (seed, client, round) stream) on the
   model it received with the entries it keeps for itself overlaid; replies with its upload (model, extra tensors,
   scalar metrics and ``num-examples``). Its persistent state (control variates, MOON's previous model, personal models,
@@ -36,7 +36,8 @@ from fedskew.client.local import TrainSettings, snapshot
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import ClientData, FederatedData, build_federated
 from fedskew.engine.evaluate import predict_scores
-from fedskew.engine.loop import init_model, keep_trained, train_client, train_settings, with_local
+from fedskew.engine.model_init import init_model
+from fedskew.engine.rounds import keep_trained, train_client, train_settings, with_local
 from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
 from fedskew.flower.settings import node_overrides, parse_run_config
 from fedskew.methods import Method, resolve_method

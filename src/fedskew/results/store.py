@@ -20,8 +20,7 @@ import numpy as np
 
 from fedskew import __version__
 from fedskew.config import RunConfig
-from fedskew.engine.evaluate import ClientScores
-from fedskew.protocol import TIMING_KEYS
+from fedskew.protocol import TIMING_KEYS, ClientScores
 
 SUMMARY_KEYS = (
     "global_acc",

@@ -1,8 +1,9 @@
 """Search spaces: what a hyper-parameter may take while tuning.
 
 A method part declares its tunable hyper-parameters next to their defaults (``ClientPart(..., tunable={"mu":
-LogFloat(1e-3, 1.0)})``), with the ranges its paper or official code tunes over; :func:`method_space` gathers a
-composition's space under the keys ``-m`` uses (``heal.tau`` where two parts share ``tau``). Run-level settings
+LogFloat(1e-3, 1.0)})``), with the ranges its paper or official code tunes over;
+:func:`fedskew.tuning.method_space.method_space` gathers a composition's space under the keys ``-m`` uses
+(``heal.tau`` where two parts share ``tau``). This module knows no method (the registry imports it). Run-level settings
 (``lr``, ``momentum``, ``local_epochs``) are tuned only when asked for (``--space lr=log:0.001..0.1``): the papers
 share one learning rate across methods and tune each method's own hyper-parameters.
 
@@ -17,7 +18,6 @@ Override strings (``--space KEY=SPEC``, a tune spec's ``space:``):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,51 +140,3 @@ def suggest(trial: Any, name: str, dist: Dist) -> Any:
 
 # run-level settings a search may cover when asked (``--space lr=...``); everything else is the method's
 RUN_LEVEL = ("lr", "momentum", "weight_decay", "local_epochs", "batch_size")
-
-
-def method_space(method: str, overrides: Mapping[str, Dist | None] | None = None) -> dict[str, Dist]:
-    """The search space of ``method`` (a composition): every part's declared tunables under the keys ``-m`` takes
-    (qualified ``part.key`` where two parts of the composition share the key), updated by ``overrides`` (a ``None``
-    removes a key; a run-level key in :data:`RUN_LEVEL` adds it). An override naming neither is refused."""
-    from fedskew.methods import method_parts
-
-    parts = method_parts(method)
-    owners: dict[str, list[str]] = {}
-    for part in parts:
-        for key in part.params.model_fields:
-            owners.setdefault(key, []).append(part.name)
-    space: dict[str, Dist] = {}
-    for part in parts:
-        for key, dist in part.tunable.items():
-            if key not in part.params.model_fields:
-                raise ConfigError(f"part {part.name!r} declares tunable {key!r}, which is not one of its parameters")
-            space[key if len(owners[key]) == 1 else f"{part.name}.{key}"] = dist
-    for key, dist in (overrides or {}).items():
-        bare = key.rpartition(".")[2]
-        known = key in RUN_LEVEL or (key in owners and len(owners[key]) == 1) or (
-            "." in key and key.rpartition(".")[0] in owners.get(bare, [])
-        )
-        if not known:
-            if bare in owners and len(owners[bare]) > 1:
-                raise ConfigError(
-                    f"search space: {key!r} is ambiguous in {method!r}; use "
-                    + " or ".join(f"{o}.{bare}" for o in owners[bare])
-                )
-            continue  # a key of another method in the same search (e.g. mu while tuning fedavg): not this one's
-        if dist is None:
-            space.pop(key, None)
-        else:
-            space[key] = dist
-    return space
-
-
-def unknown_overrides(methods: list[str], overrides: Mapping[str, Any]) -> list[str]:
-    """Override keys that belong to none of ``methods`` (a typo): refused by ``fedskew tune``."""
-    from fedskew.methods import method_parts
-
-    keys: set[str] = set(RUN_LEVEL)
-    for m in methods:
-        for part in method_parts(m):
-            for k in part.params.model_fields:
-                keys |= {k, f"{part.name}.{k}"}
-    return [k for k in overrides if k not in keys]

@@ -1,0 +1,110 @@
+"""The run's model: which one ``auto`` stands for, building it (or the user's) from the run's init stream on the run's
+device, and the state-dict entries a method keeps on the clients (:data:`LOCAL_GROUPS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fedskew.models import build_model, head_keys, norm_keys
+from fedskew.schema import ConfigError
+from fedskew.seeding import Purpose, torch_seed
+
+if TYPE_CHECKING:
+    from fedskew.config import RunConfig
+    from fedskew.data.federated import FederatedData
+    from fedskew.methods import Method
+
+
+def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> str:
+    """The model ``auto`` stands for: ``cnn`` for images of at least 16 px, else ``mlp``; a method that keeps the
+    normalization layers on the clients (FedBN) gets ``lenet_bn``, the smallest zoo model with BatchNorm."""
+    if cfg.model != "auto":
+        return cfg.model
+    if method is not None and "norm" in method.local:
+        return "lenet_bn"
+    return "cnn" if data.image_size >= 16 else "mlp"
+
+
+UserModel = nn.Module | Callable[[], nn.Module]
+
+
+def user_model_name(model: UserModel) -> str:
+    """How a user's model is recorded in config.yaml: ``custom:<class or function name>``."""
+    name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__name__", type(model).__name__)
+    return f"custom:{name}"
+
+
+def init_model(
+    cfg: RunConfig, data: FederatedData, method: Method | None = None, user_model: UserModel | None = None
+) -> nn.Module:
+    """Build the model with weights drawn from the run's init stream (global torch RNG left untouched).
+
+    ``user_model``: a module of the user's (copied, its weights are the initial model) or a function returning one
+    (called under the init stream, so the seed fixes its weights), split into body + head by
+    :func:`fedskew.models.custom.split_model` (checked on a batch of client 0's data)."""
+    if user_model is not None:
+        from fedskew.models.custom import prepare_user_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+            example = data.clients[0].x_train[:2].cpu()
+            model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
+        return _placed(model, cfg)
+    if cfg.model.startswith("custom:"):
+        raise ConfigError(
+            f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+        model = build_model(
+            resolve_model_name(cfg, data, method),
+            in_channels=data.in_channels,
+            image_size=data.image_size,
+            num_classes=data.num_classes,
+            norm=cfg.norm,
+            **(method.model_options if method is not None else {}),
+        )
+    return _placed(model, cfg)
+
+
+def _placed(model: nn.Module, cfg: RunConfig) -> nn.Module:
+    """The model on the run's device, its 4-D (convolution) weights channels-last when ``cfg.channels_last``: the
+    layout is kept through ``load_state_dict`` (a copy into the existing tensors), so every client trains in it."""
+    model = model.to(torch.device(cfg.device))
+    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+
+LOCAL_GROUPS = {
+    "buffers": "non-trainable entries (BatchNorm running statistics)",
+    "head": "the classifier head (FedPer, FedRep)",
+    "norm": "normalization layers: affine parameters and running statistics (FedBN)",
+    "all": "every entry: no collaboration (Local / Separate)",
+}
+
+
+def local_state_names(groups: frozenset[str], model: nn.Module, trainable: frozenset[str]) -> frozenset[str]:
+    """State-dict names behind the groups (:data:`LOCAL_GROUPS`) a method keeps on the clients."""
+    template = model.state_dict()
+    names: set[str] = set()
+    for group in groups:
+        if group == "buffers":
+            names |= {n for n in template if n not in trainable}
+        elif group == "head":
+            names |= head_keys(model)
+        elif group == "norm":
+            found = norm_keys(model)
+            if not found:
+                raise ConfigError(
+                    f"the model has no normalization layers, so keeping them local (FedBN) would be plain FedAvg; "
+                    f"use a model with BatchNorm (e.g. --model resnet8), got layers {sorted(template)[:4]}..."
+                )
+            names |= found
+        elif group == "all":
+            names |= set(template)
+        else:
+            raise ConfigError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
+    return frozenset(names)

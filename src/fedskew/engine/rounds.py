@@ -1,0 +1,157 @@
+"""The parts of a round that every runtime shares, the simulator (:class:`fedskew.engine.loop.Simulation`) and a
+deployment (the Flower apps): who is sampled and who drops out (both seeded by (seed, round)), what travels (payload
+bytes), one client's local step (:func:`train_client`, :func:`keep_trained`, :func:`with_local`), a round in progress
+and its result (:class:`RoundPlan`, :class:`RoundResult`), and :class:`Diverged`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fedskew.client.local import LocalContext, TrainSettings, local_train
+from fedskew.protocol import ClientScores, ClientUpdate, Params
+from fedskew.seeding import Purpose, numpy_rng, torch_generator
+from fedskew.server.api import UploadStack
+
+if TYPE_CHECKING:
+    from fedskew.config import RunConfig
+    from fedskew.methods import Method
+
+
+def payload_bytes(tensors: Params) -> int:
+    """Bytes on the wire: boolean tensors (masks) count 1 bit per element, others their dtype size."""
+    total = 0
+    for t in tensors.values():
+        total += math.ceil(t.numel() / 8) if t.dtype == torch.bool else t.numel() * t.element_size()
+    return total
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> list[int]:
+    """``max(1, round(join_ratio * N))`` distinct clients, drawn from a stream keyed by (seed, round)."""
+    m = max(1, int(round(join_ratio * num_clients)))
+    if m >= num_clients:
+        return list(range(num_clients))
+    rng = numpy_rng(seed, Purpose.SAMPLING, rnd)
+    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+
+
+def dropped_out(seed: int, rnd: int, sampled: list[int], num_clients: int, p: float) -> list[int]:
+    """The sampled clients that fail to report in round ``rnd``, each with probability ``p``.
+
+    One uniform number per client of the federation is drawn from a stream keyed by (seed, round) of its own
+    (:attr:`Purpose.DROPOUT`); client ``c`` drops out when ``u[c] < p``. So sampling is the same with or without
+    dropout, whether a client drops out depends on nothing but (seed, round, client, p), and a larger ``p`` only
+    removes more clients."""
+    if p <= 0:
+        return []
+    u = numpy_rng(seed, Purpose.DROPOUT, rnd).random(num_clients)
+    return [c for c in sampled if u[c] < p]
+
+
+class Diverged(RuntimeError):
+    """Training diverged: a non-finite or exploding training loss, or a non-finite model. The run stops there."""
+
+    def __init__(self, rnd: int, reason: str) -> None:
+        super().__init__(f"training diverged in round {rnd}: {reason}")
+        self.round = rnd
+        self.reason = reason
+
+
+@dataclass
+class RoundResult:
+    record: dict[str, Any]  # one line of metrics.jsonl
+    client_scores: dict[str, ClientScores] = field(default_factory=dict)  # view -> per-client scores
+    probe: dict[str, Any] | None = None  # parameter-skew probe (evaluated rounds), see engine/probe.py
+
+
+@dataclass
+class RoundPlan:
+    """One round in progress on the server: who was sampled and who dropped out (both seeded), what the server
+    broadcasts, and what the uploads taken so far came to. :meth:`Simulation.open_round` makes it,
+    :meth:`Simulation.take_upload` fills it (one upload at a time, in client order), :meth:`Simulation.close_round`
+    aggregates, evaluates and records it. The simulator trains the clients in between; a deployment (Flower) sends
+    them messages, and fills ``failed`` with the sampled clients that never replied."""
+
+    rnd: int
+    sampled: list[int]
+    gone: set[int]  # sampled, but drop out before reporting (client_dropout, seeded)
+    broadcast: Params
+    stack: UploadStack
+    t0: float
+    losses: list[tuple[int, int, float]] = field(default_factory=list)  # (cid, samples, loss) of counted uploads
+    bytes_up: int = 0
+    bytes_down: int = 0
+    failed: list[dict[str, Any]] = field(default_factory=list)  # [{"client": cid, "reason": ...}] (deployments)
+
+
+def train_settings(cfg: RunConfig) -> TrainSettings:
+    """The local optimizer's settings of a run and its number of rounds (every client's, wherever it trains)."""
+    return TrainSettings(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        drop_last=cfg.drop_last,
+        rounds=cfg.rounds,
+    )
+
+
+def train_client(
+    method: Method,
+    model: nn.Module,
+    settings: TrainSettings,
+    seed: int,
+    cid: int,
+    rnd: int,
+    received: Params,
+    broadcast: Params,
+    client_state: dict[str, Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_val: torch.Tensor | None = None,
+    y_val: torch.Tensor | None = None,
+) -> ClientUpdate:
+    """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
+    ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
+    ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
+    split, if the run has one (hooks may score it; it is never trained on)."""
+    ctx = LocalContext(
+        cid=cid,
+        round=rnd,
+        model=model,
+        received=received,
+        client_state=client_state,
+        broadcast=broadcast,
+        settings=settings,
+        x_val=x_val,
+        y_val=y_val,
+    )
+    gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
+    return local_train(method.client, ctx, x, y, gen, method.uploads)
+
+
+def keep_trained(
+    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: ClientUpdate
+) -> Params | None:
+    """What a client keeps of the model it trained: its local entries (``method.local``) go into
+    ``client_state["local_params"]``; for a personalized method the model the ``trained`` view evaluates is returned
+    (the model it keeps for itself, else the one it trained), otherwise ``None``."""
+    if local_names:
+        client_state["local_params"] = {k: update.params[k] for k in local_names}
+    if method.personalized:
+        own = method.client.personal_model(client_state)
+        return own if own is not None else update.params
+    return None
+
+
+def with_local(received: Params, local: Params | None, order: Params) -> Params:
+    """The model a client holds after receiving ``received``: the entries it keeps for itself (``local``)
+    overlaid, keys in the order of ``order`` (the model's state dict)."""
+    if not local:
+        return received
+    return {k: local[k] if k in local else received[k] for k in order}
