@@ -114,7 +114,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from fedskew.config import ConfigError
-    from fedskew.tuning.study import load_tune_spec, trial_row, tune
+    from fedskew.tuning.study import load_tune_spec, searched_spaces, trial_row, tune
     from fedskew.tuning.tuned import format_args
 
     try:
@@ -131,6 +131,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"validation {spec.validation:g} of each client's training split; storage {spec.storage_url}",
         highlight=False,
     )
+    for entry, space in searched_spaces(spec):
+        shown = ", ".join(f"{k} {d.describe()}" for k, d in space.items()) or "nothing to search: one run (reference)"
+        console.print(escape(f"  {entry.display()}: {shown}"), highlight=False)
 
     def on_trial(entry: Any, study: Any, trial: Any) -> None:
         if args.quiet:

@@ -104,9 +104,7 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    space = method_space(entry.name, spec.overrides())
-    for k in entry.args:  # fixed by the spec: not searched
-        space.pop(k, None)
+    space = dict(searched_spaces(spec)[spec.method_entries().index(entry)][1])
     metric, direction = objective_metric(spec, trial_values(spec, entry, {}))
     fp = _fingerprint(spec, entry, space, metric)
     seed = int(hashlib.sha1(f"{study_name(spec, entry)}:{spec.seed_list()[0]}".encode()).hexdigest()[:8], 16) + worker
@@ -135,6 +133,15 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[
             "choose another --name or --out (or the storage of that search)"
         )
     return study, space, metric
+
+
+def searched_spaces(spec: TuneSpec) -> list[tuple[MethodEntry, dict[str, Dist]]]:
+    """Each method of ``spec`` with the space its search covers (declared ranges, overrides, minus fixed arguments)."""
+    out = []
+    for entry in spec.method_entries():
+        space = method_space(entry.name, spec.overrides())
+        out.append((entry, {k: d for k, d in space.items() if k not in entry.args}))
+    return out
 
 
 def counted(study: Any) -> int:
