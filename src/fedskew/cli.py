@@ -64,6 +64,8 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--workers": ("workers", int, "processes training clients in parallel (default 1; results identical)"),
     "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
     "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
+    "--log": ("log", str, "live loggers, comma-separated: tensorboard, mlflow, wandb (docs/loggers.md)"),
+    "--log-uri": ("log_uri", str, "MLflow tracking URI (default $MLFLOW_TRACKING_URI, else a file store runs/mlruns)"),
 }
 
 

@@ -42,6 +42,9 @@ NOT_IDENTITY = frozenset(
         "workers",
         "batched_clients",
         "channels_last",
+        "log",
+        "log_group",
+        "log_uri",
     }
 )
 
@@ -192,6 +195,17 @@ class RunConfig(StrictSettings):
         description="keep convolution weights and activations in channels-last memory order (faster convolutions "
         "on CPU, benchmarks/round_time.py); equal to the default layout up to float32 rounding",
     )
+    log: list[str] = Field(
+        default_factory=list,
+        description="live loggers: tensorboard, mlflow, wandb (or a comma-separated string); each needs its extra "
+        "(pip install 'fedskew[loggers]'); see docs/loggers.md",
+    )
+    log_group: str | None = Field(
+        None, description="the trackers' group / MLflow experiment (sweeps: the sweep's name; tune: the study's)"
+    )
+    log_uri: str | None = Field(
+        None, description="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else a file store runs/mlruns)"
+    )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
     db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
 
@@ -203,6 +217,13 @@ class RunConfig(StrictSettings):
         if v != "auto" and v < least:
             raise ValueError(f"must be auto or an integer >= {least}")
         return v
+
+    @field_validator("log", mode="before")
+    @classmethod
+    def _log_names(cls, v: Any) -> list[str]:
+        from fedskew.results.loggers import parse_names
+
+        return parse_names(v)
 
     @field_validator("model")
     @classmethod

@@ -29,6 +29,7 @@ from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
 from fedskew.methods import resolve_method
+from fedskew.results.loggers import LogContext, Loggers, check_installed
 from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
 from fedskew.results.store import (
     DatabaseError,
@@ -194,6 +195,7 @@ def run_experiment(
         torch.set_num_threads(cfg.threads)
     if cfg.db:
         check_db_path(cfg.db)  # before any compute
+    check_installed(cfg.log)
     started = time.perf_counter()
     now = datetime.now(UTC)
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
@@ -226,6 +228,9 @@ def run_experiment(
         rd.write_file("clients.json", json.dumps(label_table(data)))
     rd.set_status("running", run_id=run_id)
     records = rd.read_lines("metrics.jsonl")
+    # live trackers on the same record stream (started at the first finished round; never stop the run)
+    hists = data.train_hists + data.test_hists if cfg.log else None
+    loggers = Loggers(cfg.log, cfg, out_dir, cfg.log_group or "", LogContext(run_id, first), note, hists)
     diverged: Diverged | None = None
     ckpt_time, ckpt_count, since_ckpt = 0.0, 0, 0.0
     last_ckpt_cost: float | None = None
@@ -272,6 +277,7 @@ def run_experiment(
                     rd.append_line("client_metrics.jsonl", json.dumps({"round": rnd, "rows": rows}))
                 if result.probe is not None:
                     rd.append_line("skew.jsonl", json.dumps(result.probe))
+                loggers.round(result)
                 since_ckpt += time.perf_counter() - t0
                 if stop.signum is not None:
                     checkpoint(rnd)
@@ -283,8 +289,10 @@ def run_experiment(
                 if on_round is not None:
                     on_round(result)
     except RunInterrupted:
+        loggers.close()
         raise
     except BaseException as exc:
+        loggers.close()
         if not records:  # no round finished: leave no trace
             rd.discard()
             raise
@@ -320,6 +328,8 @@ def run_experiment(
     )
     summary["headline"] = headline(cfg, summary)
     rd.finish("diverged" if diverged else "finished", summary)
+    loggers.end(summary)
+    loggers.close()
     if cfg.db:
         record_in_db(cfg.db, out_dir)
     return RunOutcome(run_id, out_dir, summary, records, data)

@@ -230,7 +230,7 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
                     values["method"] = method.name
                     values["method_args"] = {**values.get("method_args", {}), **method.args}
                     where += f", method {method.display()}"
-                values.update(seed=seed, db=db_path)
+                values.update(seed=seed, db=db_path, log_group=spec.name)
                 took = None
                 try:
                     if tuned_entries is not None:
@@ -258,6 +258,15 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
             extra = ", ".join(f"{k}={_slug(cfg.identity().get(k))}" for k in varying if k not in _NAMED)
             runs[name] = PlannedRun(name, cfg, f"{label}{' ' + extra if extra else ''} s{cfg.seed}", point, took)
     return list(runs.values())
+
+
+def with_log(runs: list[PlannedRun], log: str | list[str] | None) -> list[PlannedRun]:
+    """The runs with the live loggers ``log`` (``--log``; not part of what a run computes, so the same folders)."""
+    if not log:
+        return runs
+    return [
+        PlannedRun(r.name, make_config({**r.cfg.model_dump(), "log": log}), r.label, r.point, r.tuned) for r in runs
+    ]
 
 
 # ---- what is already there -------------------------------------------------------------------------------------
@@ -436,6 +445,9 @@ def run_sweep(
             continue
         results[run.name] = res
         report(res)
+    from fedskew.results.loggers import check_installed
+
+    check_installed(dict.fromkeys(n for t in todo for n in t.values.get("log") or []))  # before any run starts
     interrupted = False
     if jobs <= 1 or len(todo) <= 1:
         for i, task in enumerate(todo):

@@ -34,6 +34,7 @@ def add_parsers(sub: Any) -> None:
     sw.add_argument(
         "--tuned", default=None, help="tuned.yaml of `fedskew tune`: runs take their method's tuned arguments"
     )
+    sw.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -67,6 +68,7 @@ def add_parsers(sub: Any) -> None:
         help="the reference row of the paired differences in the tables (a row id, label or method; default: FedAvg, "
         "and a host+plug-in row against its host)",
     )
+    rp.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
     rp.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -201,7 +203,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedskew.config import ConfigError
     from fedskew.results.report import build_report
     from fedskew.results.store import ResultsDB
-    from fedskew.sweep import expand, load_spec
+    from fedskew.sweep import expand, load_spec, with_log
 
     spec = load_spec(args.spec)
     if args.tuned:
@@ -209,7 +211,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     jobs = args.jobs or spec.jobs or 1
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
-    runs = expand(spec, out=args.out, db=args.db)
+    runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
     db = runs[0].cfg.db if runs else None
     print(f"sweep {spec.name}: {len(runs)} runs, {jobs} at a time; database {db}", file=sys.stderr)
     if spec.tuned:
@@ -249,6 +251,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows, tuned=args.tuned
     )
     plan.against = args.against
+    plan.log = args.log
     print(f"{paper.paper}: {paper.title}", file=sys.stderr)
     print(f"scale {args.scale}: {paper.scales[args.scale].note.strip()}", file=sys.stderr)
     shown = [s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings]

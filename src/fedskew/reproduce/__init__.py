@@ -27,7 +27,7 @@ from typing import Any
 from fedskew.reproduce.papers import SCALES, Paper, load_paper, paper_names
 from fedskew.reproduce.plan import Plan, make_plan
 from fedskew.reproduce.table import BuiltTable, build_tables, compute_table, render_markdown, tables_json
-from fedskew.sweep import Event, PlannedRun, RunResult, SweepOutcome, dump_spec, expand, run_sweep
+from fedskew.sweep import Event, PlannedRun, RunResult, SweepOutcome, dump_spec, expand, run_sweep, with_log
 
 __all__ = ["SCALES", "Paper", "Plan", "Reproduction", "load_paper", "make_plan", "paper_names", "run_reproduction"]
 
@@ -43,8 +43,9 @@ class Reproduction:
 
 
 def planned_runs(plan: Plan) -> list[PlannedRun]:
-    """The plan's runs (seeds x settings x methods), each with its folder under ``OUT/runs``."""
-    return expand(plan.spec())
+    """The plan's runs (seeds x settings x methods), each with its folder under ``OUT/runs`` (and the plan's live
+    loggers, which change nothing the runs compute)."""
+    return with_log(expand(plan.spec()), plan.log)
 
 
 def run_reproduction(

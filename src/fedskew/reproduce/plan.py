@@ -40,6 +40,7 @@ class Plan:
     missing_settings: list[tuple[str, str]]  # (setting id, why it does not run)
     out: Path
     tuned: str | None = None  # a tuned.yaml of `fedskew tune`: rows take their tuned arguments (explicit ones win)
+    log: str | None = None  # live loggers of every run (--log tensorboard,mlflow,wandb); changes nothing computed
     against: str | None = None  # the reference row of the paired differences (id, label or method); None: defaults
 
     @property

@@ -205,7 +205,7 @@ def optimize(
             study.stop()
 
     study.optimize(
-        make_objective(spec, entry, space, metric),
+        make_objective(spec, entry, space, metric, group=study.study_name),
         n_trials=left,
         timeout=spec.timeout,
         callbacks=[callback],

@@ -95,8 +95,11 @@ def _replay(run_dir: Path, report: Callable[[int, float], None], metric: str, *,
             report(int(rec["round"]), float(rec[metric]))
 
 
-def make_objective(spec: TuneSpec, entry: MethodEntry, space: dict[str, Dist], metric: str) -> Callable[[Any], float]:
-    """The Optuna objective of ``entry``: the trial's runs, one per tuning seed, and the mean of their statistic."""
+def make_objective(
+    spec: TuneSpec, entry: MethodEntry, space: dict[str, Dist], metric: str, group: str | None = None
+) -> Callable[[Any], float]:
+    """The Optuna objective of ``entry``: the trial's runs, one per tuning seed, and the mean of their statistic.
+    ``group``: the live loggers' group of the runs (the study's name)."""
     import optuna
 
     from fedskew.runner import RunInterrupted
@@ -112,7 +115,7 @@ def make_objective(spec: TuneSpec, entry: MethodEntry, space: dict[str, Dist], m
         scores, dirs = [], []
         for i, seed in enumerate(seeds):
             cfg = make_config({**values, "seed": seed})
-            cfg = cfg.model_copy(update={"out": str(_run_dir(spec, entry, cfg))})
+            cfg = cfg.model_copy(update={"out": str(_run_dir(spec, entry, cfg)), "log_group": group})
             dirs.append(str(cfg.out))
             trial.set_user_attr("run_dirs", dirs)
 
