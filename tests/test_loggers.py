@@ -244,3 +244,12 @@ def test_reproduce_passes_its_loggers_to_every_run_and_names_the_group():
     assert {r.cfg.log_group for r in runs} == {"reproduce-feddisco-smoke"}
     plan.log = None  # loggers change nothing a run computes: the same folders either way
     assert [r.name for r in planned_runs(plan)] == [r.name for r in runs]
+
+
+def test_logger_names_as_text():
+    from fedskew.results.loggers import parse_names
+
+    assert parse_names("tensorboard, mlflow,tensorboard") == ["tensorboard", "mlflow"]
+    assert parse_names("[]") == [] and parse_names('["wandb"]') == ["wandb"]  # Flower's run config carries text
+    with pytest.raises(ValueError, match="unknown logger"):
+        parse_names("[nosuch]")

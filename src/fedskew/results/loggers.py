@@ -294,6 +294,13 @@ def parse_names(value: str | Iterable[str] | None) -> list[str]:
     """``"tensorboard,mlflow"`` or a list: the logger names, deduplicated in order; unknown names refused."""
     if value is None:
         return []
+    if isinstance(value, str) and value.strip().startswith("["):  # a list written as text (Flower's run config)
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"not a list of logger names: {value!r} ({exc})") from None
     if not isinstance(value, str | list | tuple):
         raise ValueError(f"a list of logger names or a comma-separated string, got {value!r}")
     items = value.split(",") if isinstance(value, str) else list(value)
