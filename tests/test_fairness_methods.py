@@ -532,3 +532,27 @@ def test_resume_continues_exactly(tmp_path, method, args, one_thread):
     if method.startswith("fedproc"):  # the prototype view shows through the loss-before wrapper
         assert all("proto_acc" in r for r in expected)
     assert _same_params(resumed.global_params, whole.global_params)
+
+
+def test_wrappers_forward_every_hook_by_construction_and_skip_unused_ones():
+    """A wrapper forwards each LocalAlgorithm hook (whatever hooks it gains later) to the part it wraps, and the
+    training loop sees through the forwarders: a hook the wrapped part does not use is never called."""
+    from fedskew.client.local import HOOKS, LocalAlgorithm, Wrapper, _overrides
+
+    calls = []
+
+    class Recorder(LocalAlgorithm):
+        pass
+
+    for hook in HOOKS:
+        setattr(Recorder, hook, lambda self, *a, _h=hook, **k: calls.append(_h) or _h)
+
+    wrapped = Wrapper()
+    wrapped.inner = Recorder()
+    for hook in HOOKS:
+        assert getattr(wrapped, hook)(None) == hook and _overrides(wrapped, hook)
+    assert calls == list(HOOKS)
+    plain = LossBefore(LocalAlgorithm())  # +afl, +qffl, +fedfv on FedAvg: no per-step hook calls at all
+    assert [h for h in ("loss", "after_backward", "after_step", "end") if _overrides(plain, h)] == []
+    assert _overrides(plain, "begin")  # its own work
+    assert _overrides(LossAfter(LossBefore(FedProto())), "loss")  # through two wrappers to FedProto's loss

@@ -205,8 +205,47 @@ def mean_step_loss(losses: Sequence[Tensor], sizes: Sequence[int]) -> float:
     return total / sum(sizes)
 
 
+# every hook of LocalAlgorithm (a method it defines): what a wrapper forwards, whatever hooks are added later
+HOOKS = tuple(n for n, v in vars(LocalAlgorithm).items() if callable(v) and not n.startswith("_"))
+
+
+def _forward(hook: str) -> Any:
+    def forward(self: Wrapper, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, hook)(*args, **kwargs)
+
+    forward.__name__ = hook
+    forward.forwarded = True  # type: ignore[attr-defined]
+    return forward
+
+
+class Wrapper(LocalAlgorithm):
+    """A client part around another one (``inner``), adding work of its own: every hook of :class:`LocalAlgorithm`
+    and every attribute goes to ``inner`` unless the wrapper's class defines it. The forwarding is built from
+    :data:`HOOKS`, so a hook added to ``LocalAlgorithm`` later is forwarded too, and the training loop sees through
+    the forwarders (:func:`_overrides`): a hook ``inner`` does not use is never called."""
+
+    inner: LocalAlgorithm
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def __getattr__(self, attr: str) -> Any:  # only called for attributes this wrapper does not have
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+
+for _hook in HOOKS:
+    setattr(Wrapper, _hook, _forward(_hook))
+
+
 def _overrides(algo: LocalAlgorithm, hook: str) -> bool:
-    return getattr(type(algo), hook) is not getattr(LocalAlgorithm, hook)
+    """Whether ``algo`` does anything in ``hook`` (a wrapper's forwarder counts as its inner part's hook)."""
+    method = getattr(type(algo), hook)
+    if getattr(method, "forwarded", False):
+        return _overrides(algo.inner, hook)  # type: ignore[attr-defined]
+    return method is not getattr(LocalAlgorithm, hook)
 
 
 def snapshot(model: nn.Module) -> Params:

@@ -27,14 +27,13 @@ split during training, so it uses the validation split carved from the client's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.client.local import LocalAlgorithm, LocalContext, Wrapper
+from fedskew.protocol import Params
 
 LOSS_BEFORE = "loss_before"
 LOSS_AFTER = "loss_after"
@@ -58,20 +57,12 @@ def mean_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = EVAL_BAT
 
 
 @dataclass
-class LossBefore(LocalAlgorithm):
-    """``inner`` unchanged, plus the loss before training in ``ctx.metrics`` (module docstring). Every hook and
-    attribute is the inner algorithm's (``eval_views`` of a prototype host included)."""
+class LossBefore(Wrapper):
+    """``inner`` unchanged, plus the loss before training in ``ctx.metrics`` (module docstring). Every other hook and
+    attribute is the inner algorithm's (``eval_views`` of a prototype host included), by construction
+    (:class:`~fedskew.client.local.Wrapper`)."""
 
     inner: LocalAlgorithm
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
-
-    def __getattr__(self, attr: str) -> Any:  # only called for attributes this wrapper does not have
-        if attr == "inner":
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
 
     def begin(self, ctx: LocalContext) -> None:
         assert ctx.x is not None and ctx.y is not None
@@ -80,33 +71,6 @@ class LossBefore(LocalAlgorithm):
         ctx.metrics[MOMENTUM] = float(ctx.settings.momentum)
         self.inner.begin(ctx)
 
-    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
-        return self.inner.loss(ctx, logits, features, y, x)
-
-    def after_backward(self, ctx: LocalContext) -> None:
-        self.inner.after_backward(ctx)
-
-    def after_step(self, ctx: LocalContext) -> None:
-        self.inner.after_step(ctx)
-
-    def end(self, ctx: LocalContext) -> Params:
-        return self.inner.end(ctx)
-
-    def phases(self, ctx: LocalContext) -> list[Phase]:
-        return self.inner.phases(ctx)
-
-    def personal_model(self, client_state: dict[str, Any]) -> Params | None:
-        return self.inner.personal_model(client_state)
-
-    def server_init(self, ctx: ServerContext) -> State:
-        return self.inner.server_init(ctx)
-
-    def broadcast(self, state: State) -> Params:
-        return self.inner.broadcast(state)
-
-    def server_update(self, rin: RoundInput, state: State) -> State:
-        return self.inner.server_update(rin, state)
-
 
 def with_loss_before(algo: LocalAlgorithm) -> LocalAlgorithm:
     """``algo`` reporting its loss before training (once: wrapping twice adds nothing)."""
@@ -114,14 +78,12 @@ def with_loss_before(algo: LocalAlgorithm) -> LocalAlgorithm:
 
 
 @dataclass
-class LossAfter(LossBefore):
+class LossAfter(Wrapper):
     """``inner`` unchanged, plus ``loss_after`` (the trained model's loss on the validation split) in ``ctx.metrics``
     (module docstring). Needs the run's clients to have validation splits."""
 
+    inner: LocalAlgorithm
     needs_validation = True
-
-    def begin(self, ctx: LocalContext) -> None:
-        self.inner.begin(ctx)
 
     def end(self, ctx: LocalContext) -> Params:
         extras = self.inner.end(ctx)
