@@ -80,14 +80,19 @@ def _fake_domain(name, n_train, n_test, seed):
 @pytest.fixture
 def fake_domains(monkeypatch):
     """Three small random RGB domains (1000/200/500 training samples) in place of the Digits suite's files."""
+    import dataclasses
+
     import fedskew.data.federated as fed
+    from fedskew.data.readers.domains import DOMAIN_SUITES
 
     doms = {
         "a": _fake_domain("a", 1000, 50, 0),
         "b": _fake_domain("b", 200, 30, 1),
         "c": _fake_domain("c", 500, 40, 2),
     }
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    suite = fed.domain_suite("digits_domains")
+    fake = dataclasses.replace(suite, load=lambda data_dir, size, seed, download=False: dict(doms))
+    monkeypatch.setitem(DOMAIN_SUITES, "digits_domains", fake)
     return doms
 
 

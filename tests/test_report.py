@@ -2,6 +2,7 @@
 metrics, a closed pipe, the run summary, run-folder names, and the domains a domain-skew run used."""
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -269,7 +270,10 @@ def test_digits_domains_without_svhn_says_so_and_records_the_domains(tmp_path, c
     from fedskew.runner import run_experiment
 
     doms = {n: _fake_domain(n, 300, 30, i) for i, n in enumerate(("mnist", "usps", "synth"))}
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    from fedskew.data.readers.domains import DOMAIN_SUITES
+
+    fake = dataclasses.replace(fed.domain_suite("digits_domains"), load=lambda *a, **k: dict(doms))
+    monkeypatch.setitem(DOMAIN_SUITES, "digits_domains", fake)
     cfg = _domain_cfg(tmp_path)
     with pytest.warns(UserWarning, match="svhn"):
         outcome = run_experiment(cfg)

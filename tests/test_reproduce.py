@@ -1,12 +1,14 @@
 """`fedskew reproduce PAPER` (issue 16): the papers' numbers as package data with their sources, the plan (methods
 this version lacks listed, and run once registered; missing data listed), and `--scale smoke` for every paper."""
 
+import dataclasses
 import json
 
 import pytest
 from conftest import _fake_domain
 
 from fedskew.cli import main
+from fedskew.data.readers.domains import DOMAIN_SUITES
 from fedskew.registry import NoParams, ServerPlugin, register, unregister
 from fedskew.reproduce import SCALES, load_paper, make_plan, paper_names
 from fedskew.reproduce.papers import parse_value
@@ -123,7 +125,8 @@ def test_smoke_fedheal_per_domain_columns(tmp_path, capsys, monkeypatch):
 
     # three random domains big enough for the smoke's 0.2% per client, in place of the Digits suite's files
     doms = {n: _fake_domain(n, 3000, 60, i) for i, n in enumerate("abc")}
-    monkeypatch.setattr(fed, "digits_domains", lambda data_dir, size, seed, download=False: dict(doms))
+    fake = dataclasses.replace(fed.domain_suite("digits_domains"), load=lambda *a, **k: dict(doms))
+    monkeypatch.setitem(DOMAIN_SUITES, "digits_domains", fake)
     real = plan_mod.dataset_status
     monkeypatch.setattr(
         plan_mod,

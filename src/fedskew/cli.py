@@ -49,7 +49,7 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
     "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
     "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),
-    "--image-size": ("image_size", int, "common image side of the domains (digits_domains)"),
+    "--image-size": ("image_size", int, "common image side of the domains (domain suites)"),
     "--resize": ("resize", int, "dataset folder: resize every image to N x N (needed when image sizes differ)"),
     "--on-bad-update": ("on_bad_update", str, "fail | drop: what a non-finite, mis-shaped or wrong-dtype upload does"),
     "--client-dropout": ("client_dropout", float, "probability that a sampled client fails to report (seeded)"),

@@ -18,7 +18,8 @@ from fedskew.schema import ConfigError, StrictSettings, describe_errors
 PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain", "given"]
 
 
-DOMAIN_DATASETS = ("digits_domains",)
+DOMAIN_DATASETS = ("digits_domains", "office_caltech")  # the domain suites (fedskew.data.readers.domains)
+DOMAIN_ONLY = ("digits_domains",)  # read only as domains; office_caltech also reads pooled for the other partitions
 
 # the partitions protocol fedcac can draw client-wise class proportions from (FedCAC's Dirichlet and pathological)
 FEDCAC_PARTITIONS = ("dirfixed", "pat")
@@ -106,7 +107,7 @@ class RunConfig(StrictSettings):
     domain_fraction: float = Field(
         0.01, gt=0, le=1, description="share of its domain's training set each client gets (domain; FedHEAL: 1%)"
     )
-    image_size: int = Field(28, ge=8, description="common image side of the domains (digits_domains)")
+    image_size: int = Field(28, ge=8, description="common image side of the domains (domain suites)")
     resize: int | None = Field(
         None, ge=8, description="dataset folder: resize every image to resize x resize (needed when sizes differ)"
     )
@@ -252,10 +253,13 @@ class RunConfig(StrictSettings):
     def _cross_checks(self) -> RunConfig:
         from fedskew.methods import resolve_method
 
-        if (self.partition == "domain") != (self.dataset in DOMAIN_DATASETS):
+        if (self.partition == "domain" and self.dataset not in DOMAIN_DATASETS) or (
+            self.partition != "domain" and self.dataset in DOMAIN_ONLY
+        ):
             raise ValueError(
-                f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}) and vice "
-                f"versa; got dataset {self.dataset!r} with partition {self.partition!r}"
+                f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}), and "
+                f"{', '.join(DOMAIN_ONLY)} with partition 'domain' only; got dataset {self.dataset!r} with partition "
+                f"{self.partition!r}"
             )
         _check_dataset(self)
         if self.evaluate_on == "validation" and not self.validation:

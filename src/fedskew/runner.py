@@ -78,17 +78,17 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
 
 
-DIGITS_DOMAINS = ("mnist", "usps", "svhn", "synth")
-
-
 def domain_fields(cfg: RunConfig, domains: tuple[str, ...]) -> dict[str, Any]:
-    """Summary fields of a domain-skew run: the domains it used and those of the Digits suite whose files were not
-    found (``{}`` without domains)."""
+    """Summary fields of a domain-skew run: the domains it used and those of its suite whose files were not found
+    (``{}`` without domains)."""
+    from fedskew.data.readers.domains import DOMAIN_SUITES
+
     if not domains:
         return {}
     missing = []
-    if cfg.dataset == "digits_domains" and set(DIGITS_DOMAINS) & set(domains):
-        missing = [d for d in DIGITS_DOMAINS if d not in domains]
+    suite = DOMAIN_SUITES.get(cfg.dataset)
+    if suite is not None and set(suite.domains) & set(domains):
+        missing = [d for d in suite.domains if d not in domains]
     return {"domains": list(domains), "domains_missing": missing}
 
 

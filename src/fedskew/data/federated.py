@@ -1,8 +1,9 @@
 """A federation's data, resident on the device: per-client train/test tensors and a global test set.
 
 Every sample also carries its **source index**, the position of the sample in the dataset as read: the dataset's
-training split first, then its test split (index ``len(y_train) + j`` is ``x_test[j]``); for ``digits_domains`` the
-domains' training splits concatenated in domain order, then their test splits in the same order. A holdout taken from
+training split first, then its test split (index ``len(y_train) + j`` is ``x_test[j]``); for a domain suite
+(``digits_domains``, ``office_caltech``) the domains' training splits concatenated in domain order, then their test
+splits in the same order. A holdout taken from
 a dataset without a test split (digits) keeps its training-split indices. ``ClientData.train_index`` /
 ``test_index`` and ``FederatedData.test_index`` hold these indices (int64 numpy arrays, row ``i`` of a tensor came
 from source index ``index[i]``), so that where every sample came from can be checked, e.g. that no test sample sits
@@ -30,7 +31,8 @@ from fedskew.data.partition import (
     pfllib_least_samples,
     train_test_split_clients,
 )
-from fedskew.data.readers import ClientDatasets, ImageDataset, digits_domains, load_source
+from fedskew.data.readers import ClientDatasets, ImageDataset, load_source
+from fedskew.data.readers.domains import domain_suite
 from fedskew.data.settings import DataSettings, HasDataSettings, data_settings
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, numpy_rng
@@ -174,16 +176,16 @@ def _assemble(
 def build_domain_federated(cfg: DataSettings) -> FederatedData:
     """FedHEAL-style domain skew: ``clients / D`` clients per domain, each holding a random ``domain_fraction`` of
     its domain's training set (disjoint within a domain); the global test set is every domain's test split."""
-    domains = digits_domains(cfg.data_dir, size=cfg.image_size, seed=cfg.seed, download=cfg.download)
+    suite = domain_suite(cfg.dataset)  # e.g. FedHEAL's Digits or Office-Caltech; a domain without files is skipped
+    domains = suite.load(cfg.data_dir, size=cfg.image_size, seed=cfg.seed, download=cfg.download)
     names = tuple(domains)
-    suite = ("mnist", "usps", "svhn", "synth")  # FedHEAL's Digits suite; a domain whose files are missing is skipped
-    missing = [n for n in suite if n not in names] if set(suite) & set(names) else []
+    missing = [n for n in suite.domains if n not in names] if set(suite.domains) & set(names) else []
     if missing:
         import warnings
 
         warnings.warn(
-            f"digits_domains: no files for {', '.join(missing)} (searched {cfg.data_dir or '$FEDSKEW_DATA'}); "
-            f"running on {len(names)} domains ({', '.join(names)}) instead of FedHEAL's {len(suite)}",
+            f"{cfg.dataset}: no files for {', '.join(missing)} (searched {cfg.data_dir or '$FEDSKEW_DATA'}); "
+            f"running on {len(names)} domains ({', '.join(names)}) instead of FedHEAL's {len(suite.domains)}",
             UserWarning,
             stacklevel=2,
         )
@@ -195,7 +197,8 @@ def build_domain_federated(cfg: DataSettings) -> FederatedData:
         )
     per = cfg.clients // d
     sizes = [len(domains[n].y_train) for n in names]
-    parts = domain_skew(sizes, [per] * d, cfg.domain_fraction, numpy_rng(cfg.seed, Purpose.PARTITION))
+    labels = [domains[n].y_train for n in names] if suite.every_class else None
+    parts = domain_skew(sizes, [per] * d, cfg.domain_fraction, numpy_rng(cfg.seed, Purpose.PARTITION), labels=labels)
     offsets = np.cumsum([0, *sizes])
     pooled = [offsets[dom] + idx for dom, idx in parts]
     train_parts, test_parts = train_test_split_clients(pooled, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))

@@ -23,7 +23,7 @@ class DataSettings:
     data_dir: str | None
     download: bool
     resize: int | None  # image folders: every image resized to resize x resize
-    image_size: int  # digits_domains: the domains' common image side
+    image_size: int  # domain suites: the domains' common image side
     # the protocol, the partition and its parameters
     protocol: str  # fedskew | pfllib | fedcac
     partition: str

@@ -86,6 +86,18 @@ def dataset_status(dataset: str, data_dir: str | None) -> tuple[str | None, list
         if len(domains) < 2:
             return f"the Digits domain suite needs the MNIST files (and USPS or SVHN); not found ({data_dir})", []
         return None, domains
+    if dataset == "office_caltech":
+        from fedskew.data.readers.office import OFFICE_DOMAINS, office_present
+
+        folders, where = office_present(data_dir)
+        if len(folders) < 2:
+            lacking = [f"{d}/" for d in OFFICE_DOMAINS if d not in folders]
+            return (
+                f"the Office-Caltech domain suite needs at least 2 of its 4 domain folders (with class subfolders) in "
+                f"an office_caltech folder; missing: {', '.join(lacking)} (searched {where})",
+                [],
+            )
+        return None, list(folders)
     if dataset in DOMAIN_DATASETS:
         return None, []
     spec = find_spec(dataset)

@@ -4,6 +4,8 @@ size; plus the bilinear resize it uses."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -163,3 +165,30 @@ def digits_domains(
     with _LOCK:
         _DOMAIN_CACHE[key] = dict(out)
     return out
+
+
+@dataclass(frozen=True)
+class DomainSuite:
+    """A multi-domain dataset for ``partition: domain``: ``load(data_dir, size=, seed=, download=)`` returns the
+    domains whose files are present, in the order of ``domains`` (the suite's full list, e.g. FedHEAL's four)."""
+
+    name: str
+    domains: tuple[str, ...]
+    load: Callable[..., dict[str, ImageDataset]]
+    every_class: bool = False  # repair each client to hold every class of its domain (FedHEAL, Office-Caltech)
+
+
+DOMAIN_SUITES: dict[str, DomainSuite] = {}
+
+
+def register_domain_suite(suite: DomainSuite) -> None:
+    DOMAIN_SUITES[suite.name] = suite
+
+
+def domain_suite(name: str) -> DomainSuite:
+    if name not in DOMAIN_SUITES:
+        raise DataError(f"{name!r} is not a domain suite; domain suites: {', '.join(DOMAIN_SUITES)}")
+    return DOMAIN_SUITES[name]
+
+
+register_domain_suite(DomainSuite("digits_domains", ("mnist", "usps", "svhn", "synth"), digits_domains))

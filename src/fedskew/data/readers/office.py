@@ -8,12 +8,15 @@ from pathlib import Path
 import numpy as np
 
 from fedskew.data.readers.base import DataError, DatasetNotFoundError, ImageDataset, PathLike
+from fedskew.data.readers.domains import DomainSuite, register_domain_suite
 from fedskew.data.readers.images import class_dirs, disk_cached, read_class_folders
-from fedskew.data.readers.registry import DatasetSpec, register_reader
+from fedskew.data.readers.registry import DatasetSpec, data_roots, get_spec, locate, register_reader
 
 OFFICE_DOMAINS = ("amazon", "caltech", "dslr", "webcam")
 #: image size of the pooled ``load_dataset("office_caltech")``; use :func:`load_domain_folders` for others.
 OFFICE_POOLED_SIZE = 32
+#: share of each class of a domain held out as its test split when the domain folder has none (the usual release)
+OFFICE_TEST_SHARE = 0.2
 
 
 def _domain_split_dirs(dom: Path) -> tuple[Path, Path | None]:
@@ -105,3 +108,66 @@ register_reader(
     ),
     origin="fedskew",
 )
+
+
+def office_present(data_dir: PathLike | None) -> tuple[dict[str, str], str]:
+    """({domain: its folder name} of the Office-Caltech domains found, in :data:`OFFICE_DOMAINS` order; the paths
+    searched), looking where ``load_dataset("office_caltech")`` looks, without decoding anything."""
+    found, searched = locate(get_spec("office_caltech"), data_roots(data_dir))
+    where = ", ".join(str(s) for s in searched[:3]) + (" ..." if len(searched) > 3 else "")
+    if found is None:  # the probe wants 2 domain folders: a folder holding just one is still reported as found
+        found = next((c for c in searched if c.is_dir() and any(_office_name(p.name) for p in c.iterdir())), None)
+    if found is None:
+        return {}, where
+    names = sorted(p.name for p in found.iterdir() if p.is_dir() and _office_name(p.name))
+    folders: dict[str, str] = {}
+    for n in names:
+        folders.setdefault(_office_name(n), n)  # type: ignore[arg-type]
+    return {d: folders[d] for d in OFFICE_DOMAINS if d in folders}, str(found)
+
+
+def _split_test(ds: ImageDataset, dom: str, index: int) -> ImageDataset:
+    """``ds`` with a stratified :data:`OFFICE_TEST_SHARE` of each class held out as its test split (at least one
+    image of every class with 2 or more stays on each side); fixed by the domain, not by the run's seed."""
+    if ds.x_test is not None:
+        return ImageDataset(dom, ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.num_classes, ds.classes)
+    rng = np.random.default_rng([0x0FF1CE, index])
+    test = []
+    for c in np.unique(ds.y_train):
+        idx = rng.permutation(np.flatnonzero(ds.y_train == c))
+        k = min(max(int(round(len(idx) * OFFICE_TEST_SHARE)), 1 if len(idx) > 1 else 0), len(idx) - 1)
+        test.append(idx[:k])
+    te = np.sort(np.concatenate(test)).astype(np.int64)
+    tr = np.setdiff1d(np.arange(len(ds.y_train)), te)
+    return ImageDataset(
+        dom, ds.x_train[tr], ds.y_train[tr], ds.x_train[te], ds.y_train[te], ds.num_classes, ds.classes
+    )
+
+
+def office_domains(
+    data_dir: PathLike | None = None, size: int = 32, *, seed: int = 0, download: bool = False
+) -> dict[str, ImageDataset]:
+    """Office-Caltech-10 as a domain suite (FedHEAL): domains ``amazon``, ``caltech``, ``dslr``, ``webcam`` in that
+    order, RGB uint8 ``[N, 3, size, size]``, labels over the 10 shared classes. A domain folder with ``train/`` and
+    ``val/`` (or ``test/``) keeps that split; one with class folders only (the usual release) holds out
+    :data:`OFFICE_TEST_SHARE` of each class, with a fixed generator. Domains whose folders are missing are skipped;
+    fewer than 2 is a :class:`DataError`. ``seed`` and ``download`` are accepted for the suite interface (no
+    download exists)."""
+    del seed, download
+    if size < 1:
+        raise DataError(f"size must be >= 1, got {size}")
+    folders, where = office_present(data_dir)
+    if not folders:
+        raise DatasetNotFoundError(
+            f"dataset 'office_caltech' not found. Searched: {where}. Expected: {get_spec('office_caltech').expected}"
+        )
+    if len(folders) < 2:
+        raise DataError(
+            f"the Office-Caltech domain suite needs at least 2 of the domain folders {', '.join(OFFICE_DOMAINS)} "
+            f"in {where}; found {', '.join(folders)}"
+        )
+    read = load_domain_folders(Path(where), size, domains=list(folders.values()))
+    return {d: _split_test(read[f], d, OFFICE_DOMAINS.index(d)) for d, f in folders.items()}
+
+
+register_domain_suite(DomainSuite("office_caltech", OFFICE_DOMAINS, office_domains, every_class=True))
