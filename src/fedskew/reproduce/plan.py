@@ -98,6 +98,13 @@ def dataset_status(dataset: str, data_dir: str | None) -> tuple[str | None, list
                 [],
             )
         return None, list(folders)
+    if dataset == "ham10000":
+        from fedskew.data.readers.ham10000 import ham_missing
+
+        lacking, where = ham_missing(data_dir)
+        if lacking:
+            return f"HAM10000 files not found: missing {', '.join(lacking)} (searched {where})", []
+        return None, []
     if dataset in DOMAIN_DATASETS:
         return None, []
     spec = find_spec(dataset)

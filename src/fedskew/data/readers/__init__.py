@@ -12,6 +12,7 @@ One module per format family, each registering its datasets with :func:`register
 ``tinyimagenet``          Tiny-ImageNet-200 folder layout (:mod:`.tinyimagenet`)
 ``cinic``                 CINIC-10 image folders (:mod:`.cinic`)
 ``office``                Office-Caltech-10 domain folders (:mod:`.office`)
+``ham10000``              HAM10000: metadata CSV and the two JPEG folders, uniform test split (:mod:`.ham10000`)
 ``folder``                your images, one sub-folder per class, cached (:mod:`.folder`)
 ``npz``                   your arrays: one .npz, or per-client files incl. PFLlib's format (:mod:`.npz`)
 ``domains``               the Digits domain suite built from the above (:func:`digits_domains`)

@@ -8,7 +8,7 @@ import pkgutil
 from pathlib import Path
 
 PACKAGE = __name__.rpartition(".")[0]
-BUILTIN = ("digits", "idx", "usps", "cifar", "svhn", "tinyimagenet", "cinic", "office", "folder", "npz")
+BUILTIN = ("digits", "idx", "usps", "cifar", "svhn", "tinyimagenet", "cinic", "office", "ham10000", "folder", "npz")
 # modules that hold shared code, not formats
 INFRASTRUCTURE = frozenset({"base", "registry", "download", "images", "domains"})
 
