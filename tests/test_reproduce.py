@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 import pytest
-from conftest import _fake_domain
+from conftest import SHARED_DATA, _fake_domain
 
 from fedskew.cli import main
 from fedskew.data.readers.domains import DOMAIN_SUITES
@@ -150,12 +150,32 @@ def test_smoke_fedheal_per_domain_columns(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fedsa", "feddisco", "fedcac"])
-def test_cpu_scale_runs_on_the_embedded_digits_with_three_seeds(name, monkeypatch):
-    """`--scale cpu` needs no data directory for the label-skew papers: its settings are the embedded 8x8 digits."""
+def test_laptop_scale_runs_on_the_embedded_digits_with_three_seeds(name, monkeypatch):
+    """`--scale laptop` needs no data directory for the label-skew papers: its settings are the embedded 8x8 digits."""
     monkeypatch.delenv("FEDSKEW_DATA", raising=False)
-    plan = make_plan(load_paper(name), "cpu")
+    plan = make_plan(load_paper(name), "laptop")
     assert plan.settings and {s.case["dataset"] for s in plan.settings} == {"digits"}
     assert plan.seeds == [0, 1, 2] and plan.base["rounds"] == 50
+
+
+@pytest.mark.parametrize("name", ["fedsa", "feddisco", "fedcac", "fedheal"])
+def test_cpu_scale_uses_the_official_test_sets_with_five_seeds(name, monkeypatch, tmp_path):
+    """Issue 23: `--scale cpu` runs the paper's protocol on Fashion-MNIST / MNIST (official test sets), never on the
+    8x8 digits, with at least 5 seeds; without the files every column is listed as missing, naming the dataset."""
+    monkeypatch.delenv("FEDSKEW_DATA", raising=False)
+    paper = load_paper(name)
+    plan = make_plan(paper, "cpu", data_dir=str(tmp_path))
+    assert not plan.settings and len(plan.seeds) >= 5
+    datasets = {paper.settings[sid].dataset for sid, _ in plan.missing_settings if "cpu" in paper.settings[sid].scales}
+    assert datasets and datasets <= {"fmnist", "mnist", "digits_domains", "office_caltech"}
+    assert all(
+        "not found" in why or "needs" in why
+        for sid, why in plan.missing_settings
+        if sid in paper.settings and "cpu" in paper.settings[sid].scales
+    )
+    if (SHARED_DATA / "fashion-mnist").is_dir() and (SHARED_DATA / "mnist").is_dir():
+        plan = make_plan(paper, "cpu", data_dir=str(SHARED_DATA))
+        assert plan.settings and all(s.setting.dataset != "digits" for s in plan.settings)
 
 
 def test_references_follow_the_pairs_the_hosts_and_against():

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 SCALE_HELP = (
-    "smoke: a pipeline check on a small subset (minutes on a CPU); cpu: the paper's protocol on the embedded 8x8 "
-    "digits, sized for a laptop (6 to 17 minutes per paper on 2 cores with --jobs 2); small: a stated reduction "
-    "(about an hour on one GPU); paper: the paper's rounds, local epochs, clients and model"
+    "smoke: a pipeline check on a small subset (minutes on a CPU); laptop: the paper's protocol on the embedded 8x8 "
+    "digits, offline (6 to 17 minutes per paper on 2 cores with --jobs 2); cpu: the paper's protocol on MNIST / "
+    "Fashion-MNIST with their official test sets and 5 seeds, sized to resolve differences (about an hour per paper "
+    "on 2 cores with --jobs 2; needs those files); small: a stated reduction (about an hour on one GPU); paper: the "
+    "paper's rounds, local epochs, clients and model"
 )
 
 
