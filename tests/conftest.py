@@ -35,8 +35,10 @@ def tiny_digits_config(tmp_path):
 @pytest.fixture(autouse=True)
 def _run_in_tmp_dir(tmp_path, monkeypatch):
     """Every test runs with its temporary directory as the working directory, so that a default output path
-    (``runs/``, ``runs/fedskew.db``) can never land in the user's checkout."""
+    (``runs/``, ``runs/fedskew.db``) can never land in the user's checkout, and fedskew's cache (decoded image
+    folders, a Flower node's part) is inside it too, never in the user's ``~/.cache``."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path / ".fedskew-cache"))
 
 
 @pytest.fixture
@@ -106,3 +108,37 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
+
+
+def digits_nodes(tmp_path, k=3):
+    """Label-skewed per-client data (issue 24): each node's own .npz (x, y, x_test, y_test, num_classes) in its own
+    folder ``node0``, ``node1``, ..., the same clients as per-client files for the simulator (``given/train/K.npz``,
+    ``given/test/K.npz``), and ``server_test.npz``: the clients' test splits in client order (so a server scoring the
+    global model on it scores what the simulator pools over the clients). Returns (given, node folders)."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = np.clip(x * 16, 0, 255).astype(np.uint8).reshape(-1, 1, 8, 8)
+    order = np.argsort(y, kind="stable")  # sorted by label: each node holds a few of the 10 classes
+    given = tmp_path / "given"
+    (given / "train").mkdir(parents=True)
+    (given / "test").mkdir()
+    nodes = []
+    for c, idx in enumerate(np.array_split(order, k)):
+        idx = np.random.default_rng(c).permutation(idx)
+        cut = int(0.75 * len(idx))
+        tr, te = idx[:cut], idx[cut:]
+        node = tmp_path / f"node{c}"
+        node.mkdir()
+        np.savez(node / "data.npz", x=x[tr], y=y[tr], x_test=x[te], y_test=y[te], num_classes=10)
+        np.savez(given / "train" / f"{c}.npz", x=x[tr], y=y[tr])
+        np.savez(given / "test" / f"{c}.npz", x=x[te], y=y[te])
+        nodes.append(node)
+    tests = [np.load(n / "data.npz") for n in nodes]
+    np.savez(
+        tmp_path / "server_test.npz",
+        x_test=np.concatenate([t["x_test"] for t in tests]),
+        y_test=np.concatenate([t["y_test"] for t in tests]),
+    )
+    return given, nodes

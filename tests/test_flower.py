@@ -14,6 +14,7 @@ import sqlite3
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -82,10 +83,24 @@ def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
     assert (fl_cfg.pop("out"), fl_cfg.pop("db")) == (str(fl_dir), str(tmp_path / "flower.db"))
     assert (sim_cfg.pop("out"), sim_cfg.pop("db")) == (str(sim_dir), "sim.db")
     assert fl_cfg == sim_cfg and fl_cfg["model"] == "mlp"  # `auto` resolved the same way
-    assert json.loads((fl_dir / "clients.json").read_text()) == json.loads((sim_dir / "clients.json").read_text())
+    # the server learned only the clients' sample counts and what the method declared (issue 24): no histogram but
+    # the FedDisco d_k row of the +disco composition, equal to the simulator's from the full histograms
+    known, sim_known = (json.loads((d / "clients.json").read_text()) for d in (fl_dir, sim_dir))
+    assert (
+        known["num_train"] == [sum(h) for h in sim_known["train"]] and known["global_test"] == sim_known["global_test"]
+    )
+    assert "train" not in known and "test" not in known
+    if "disco" in method:
+        from fedskew.server.disco import DISCREPANCY, discrepancy
+
+        assert set(known["reports"]) == {DISCREPANCY}
+        expected = discrepancy(np.array(sim_known["train"]), None, "kl")
+        assert np.allclose(np.ravel(known["reports"][DISCREPANCY]), expected, rtol=0, atol=1e-12)
+    else:
+        assert known["reports"] == {}
     summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (fl_dir, sim_dir))
     assert summary["engine"] == "flower" and "engine" not in sim_summary
-    assert set(summary) - set(sim_summary) == {"engine", "flower"} and summary["flower"]["failures"] == []
+    assert set(summary) - set(sim_summary) == {"engine", "evaluation", "flower"} and summary["flower"]["failures"] == []
     assert summary["headline"] == pytest.approx(sim_summary["headline"]) and summary["rounds"] == 3
     # the database rows: one run each, round rows equal but for the timings
     rows = {}

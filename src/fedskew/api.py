@@ -45,7 +45,7 @@ from fedskew.data.federated import build_federated
 from fedskew.data.readers import ClientDatasets, ImageDataset
 from fedskew.engine.loop import UserModel
 from fedskew.models.custom import split_model
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import ClientReport, Params, RoundInput, ServerContext, State
 from fedskew.registry import ClientPart, NoParams, ServerPlugin, register, unregister
 from fedskew.schema import ConfigError
 
@@ -274,8 +274,10 @@ def run(
 class _FunctionWeighting:
     """A stateless weighting from ``fn(rin, params) -> [K]`` non-negative numbers (normalized here)."""
 
-    def __init__(self, name: str, fn: Callable[[RoundInput, Any], Any], params: Any) -> None:
-        self.name, self.fn, self.params = name, fn, params
+    def __init__(
+        self, name: str, fn: Callable[[RoundInput, Any], Any], params: Any, reports: tuple[ClientReport, ...] = ()
+    ) -> None:
+        self.name, self.fn, self.params, self.reports = name, fn, params, reports
 
     def init(self, ctx: ServerContext) -> State:
         return None
@@ -306,7 +308,13 @@ class _FunctionCombine:
 
 
 def _plugin_decorator(
-    role: str, wrapper: type, name: str, params: type[BaseModel], summary: str, paper: str
+    role: str,
+    wrapper: type,
+    name: str,
+    params: type[BaseModel],
+    summary: str,
+    paper: str,
+    reports: tuple[ClientReport, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         doc = (fn.__doc__ or "").strip().splitlines()
@@ -317,7 +325,7 @@ def _plugin_decorator(
                 paper or "user code",
                 params,
                 (role,),
-                lambda p: {role: wrapper(name, fn, p)},
+                lambda p: {role: wrapper(name, fn, p, reports) if reports else wrapper(name, fn, p)},
             ),
             origin=f"user code ({fn.__module__}.{fn.__qualname__})",
         )
@@ -327,14 +335,22 @@ def _plugin_decorator(
 
 
 def weighting(
-    name: str, *, params: type[BaseModel] = NoParams, summary: str = "", paper: str = ""
+    name: str,
+    *,
+    params: type[BaseModel] = NoParams,
+    summary: str = "",
+    paper: str = "",
+    reports: tuple[ClientReport, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(rin, params) -> [K] non-negative weights`` as a server plug-in ``name`` filling the
     ``weighting`` role: ``fedprox+name`` then averages the participants' models with these weights (normalized to
-    sum 1). ``rin`` is the round's :class:`~fedskew.protocol.RoundInput` (``num_samples``, ``label_hists``,
-    ``metrics["train_loss"]``, ``updates()``, ...); ``params`` an instance of ``params`` (a
-    :class:`~fedskew.schema.StrictSettings` model; its fields are ``-m`` hyper-parameters)."""
-    return _plugin_decorator("weighting", _FunctionWeighting, name, params, summary, paper)
+    sum 1). ``rin`` is the round's :class:`~fedskew.protocol.RoundInput` (``num_samples``,
+    ``metrics["train_loss"]``, ``updates()``, ``reports``, ...); ``params`` an instance of ``params`` (a
+    :class:`~fedskew.schema.StrictSettings` model; its fields are ``-m`` hyper-parameters). ``reports``: what it
+    needs from every client before round 1 (:class:`~fedskew.protocol.ClientReport`; e.g.
+    ``(fedskew.protocol.LABEL_HIST,)`` makes ``rin.label_hists`` the participants' label histograms; nothing else
+    about a client's data reaches the server)."""
+    return _plugin_decorator("weighting", _FunctionWeighting, name, params, summary, paper, reports)
 
 
 def combine(

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, Upload
 from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
+from fedskew.protocol import ClientReport, unique_reports
 from fedskew.registry import (
     ALIASES,
     CLIENTS,
@@ -149,6 +150,9 @@ class DiscoParams(StrictSettings):
     b: float = 0.1
     metric: Literal["kl", "l1", "l2", "cosine", "only_iid"] = "kl"
     target: tuple[float, ...] | None = None
+    # what each client sends before round 1: its discrepancy d_k, computed on the client (default), or its label
+    # histogram, from which the server computes d_k (the official code's way; identical weights)
+    report: Literal["discrepancy", "histogram"] = "discrepancy"
 
 
 class HealParams(StrictSettings):
@@ -182,9 +186,7 @@ def _fedsa(p: FedSAParams) -> dict[str, Any]:
 def _heal(p: HealParams) -> dict[str, Any]:
     return {
         "masking": HealMasks(tau=p.tau, strict=p.strict),
-        "weighting": FaelWeights(
-            beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over
-        ),
+        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over),
     }
 
 
@@ -200,7 +202,6 @@ class AmpParams(StrictSettings):
     decay_every: int = Field(30, ge=1)
 
 
-
 _CORE_PLUGINS: dict[str, ServerPlugin] = {
     "disco": ServerPlugin(
         "disco",
@@ -208,7 +209,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
         "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023",
         DiscoParams,
         ("weighting",),
-        lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target)},
+        lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target, report=p.report)},
         tunable={"a": Float(0.1, 1.0), "b": Float(0.0, 0.2)},  # FedDisco Fig. 4 tunes a and b around 0.5 / 0.1
     ),
     "fedsa": ServerPlugin(
@@ -276,6 +277,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
     ),
 }
 
+
 def _register_builtins() -> None:
     from fedskew.catalog import CATALOGS
 
@@ -302,6 +304,9 @@ class Method:
     uploads: tuple[Upload, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
     # keyword arguments the engine passes to models.build_model (MOON: {"projection": 256})
     model_options: Mapping[str, Any] = field(default_factory=dict)
+    # what every client computes from its training labels and sends once, before round 1, because a part declared
+    # it (protocol.ClientReport: FedDisco's discrepancy, FedGen's label histogram); nothing else about its data
+    reports: tuple[ClientReport, ...] = ()
 
 
 def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any], method: str) -> list[BaseModel]:
@@ -319,9 +324,7 @@ def _split_args(parts: list[tuple[str, type[BaseModel]]], args: Mapping[str, Any
                 raise ConfigError(f"method {method!r} has no hyper-parameter {key!r} (part {part!r})")
         elif key not in owners:
             valid = sorted(k if len(o) == 1 else f"{o[0]}.{k}" for k, o in owners.items())
-            raise ConfigError(
-                f"method {method!r} has no hyper-parameter {key!r}; valid: {', '.join(valid) or 'none'}"
-            )
+            raise ConfigError(f"method {method!r} has no hyper-parameter {key!r}; valid: {', '.join(valid) or 'none'}")
         elif len(owners[key]) > 1:
             qualified = " or ".join(f"{o}.{key}" for o in owners[key])
             raise ConfigError(f"method {method!r}: hyper-parameter {key!r} is ambiguous here; use {qualified}")
@@ -462,6 +465,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     personalized = client.personalized or "personalize" in roles or bool(local & PERSONAL_GROUPS)
     canonical = "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens)
     algo = client.build(client_params)
+    reports = unique_reports(r for piece in (algo, weighting, *roles.values()) for r in getattr(piece, "reports", ()))
     for wrap in wrappers:
         algo = wrap(algo)
     return Method(
@@ -473,6 +477,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         local=local,
         uploads=tuple(uploads),
         model_options=client.model_options(client_params),
+        reports=reports,
     )
 
 

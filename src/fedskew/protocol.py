@@ -5,6 +5,9 @@ imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor
 (``tests/test_boundaries.py`` keeps it so).
 
 * :class:`ClientUpdate`: what one client uploads after local training (model, sample count, extra tensors, metrics);
+* :class:`ClientReport`: a statistic each client computes from its own training labels and sends once, before the
+  first round, because a method part declared that it needs it (:data:`LABEL_HIST`; FedDisco's discrepancy), and
+  :func:`client_reports`, which computes the declared ones; nothing else about a client's data leaves it;
 * :class:`ServerContext`: what the server knows before the first round;
 * :class:`RoundInput`: one round's valid uploads stacked along a leading client axis, as every server piece reads them;
 * :class:`Rejection`, :class:`UpdateError`: an upload the server refuses, and why;
@@ -16,7 +19,7 @@ imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,16 +84,63 @@ class ClientUpdate:
 
 
 @dataclass(frozen=True)
+class ClientReport:
+    """A statistic every client computes from its own training labels and sends to the server once, before round 1.
+
+    A method part that needs one declares it (a ``reports`` attribute: a tuple of these, on a server piece or a local
+    algorithm); the engine gathers the declared ones (``Method.reports``) and nothing else about a client's data
+    reaches the server: its sample count, and these. In a simulation the engine computes them from the partition; on
+    Flower each client computes them itself (:func:`client_reports`) and only the values travel. ``compute`` maps the
+    client's training label histogram ``[C]`` (int64) to a 1-D float64 vector (``[1]`` for a scalar); ``learns``
+    says, for the docs and ``fedskew methods``, what the server learns from it."""
+
+    name: str
+    compute: Callable[[np.ndarray], np.ndarray]
+    learns: str
+
+
+def _histogram(hist: np.ndarray) -> np.ndarray:
+    return np.asarray(hist, dtype=np.float64).reshape(-1)
+
+
+LABEL_HIST = ClientReport("label_hist", _histogram, "the client's training label histogram (counts per class)")
+
+
+def client_reports(reports: Iterable[ClientReport], train_hists: np.ndarray) -> dict[str, np.ndarray]:
+    """``{name: [N, d] float64}``: each declared report computed for every client from its training label histogram
+    (one row per client of ``train_hists``, ``[N, C]``), client by client as each client computes its own."""
+    hists = np.asarray(train_hists)
+    out: dict[str, np.ndarray] = {}
+    for r in reports:
+        rows = [np.asarray(r.compute(h), dtype=np.float64).reshape(-1) for h in hists]
+        out[r.name] = np.stack(rows) if rows else np.zeros((0, 0))
+    return out
+
+
+def unique_reports(reports: Iterable[ClientReport]) -> tuple[ClientReport, ...]:
+    """The reports once each, by name (two parts declaring the same name must mean the same statistic)."""
+    seen: dict[str, ClientReport] = {}
+    for r in reports:
+        if r.name in seen and seen[r.name].compute != r.compute:
+            raise ValueError(f"two method parts declare different client reports named {r.name!r}")
+        seen.setdefault(r.name, r)
+    return tuple(seen.values())
+
+
+@dataclass(frozen=True)
 class ServerContext:
-    """What the server knows before the first round."""
+    """What the server knows before the first round: the model's template, every client's training sample count, and
+    the client reports the method's parts declared (:class:`ClientReport`); nothing else about the clients' data."""
 
     num_clients: int
     num_classes: int
     template: Params  # the initial global state dict (names, shapes, dtypes)
     trainable: frozenset[str]  # names of trainable parameters; the other state-dict entries are buffers
     num_train: np.ndarray  # [N] training samples per client
-    label_hists: np.ndarray  # [N, num_classes] training label histogram per client
+    # [N, num_classes] training label histogram per client: only when a part declared LABEL_HIST (else None)
+    label_hists: np.ndarray | None = None
     seed: int = 0  # the run seed: server-side pieces that draw random numbers key their streams with it (seeding.py)
+    reports: Mapping[str, np.ndarray] = field(default_factory=dict)  # declared client reports, name -> [N, d]
 
 
 @dataclass(frozen=True)
@@ -104,11 +154,13 @@ class RoundInput:
     extras: Params  # name -> [K, ...]
     global_params: Params  # the model broadcast at the start of the round
     trainable: frozenset[str]
-    label_hists: np.ndarray  # [K, num_classes] participants' histograms
+    # [K, num_classes] participants' training label histograms: only when a part declared LABEL_HIST (else None)
+    label_hists: np.ndarray | None = None
     rejected: tuple[Rejection, ...] = ()  # uploads left out under on_bad_update='drop'
     # scalar metrics every participant reported, [K] float64 each: "train_loss", "steps" (local optimizer steps:
     # FedNova's tau_k), and whatever a local algorithm adds (e.g. the loss before training)
     metrics: Mapping[str, Tensor] = field(default_factory=dict)
+    reports: Mapping[str, np.ndarray] = field(default_factory=dict)  # participants' client reports, name -> [K, d]
 
     @property
     def num_participants(self) -> int:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_generator, torch_seed
 
@@ -117,6 +118,8 @@ class FedGen(LocalAlgorithm):
     gen_weight: float = 1.0
     name: str = "fedgen"
     _cache: dict[tuple[int, int, str], Generator] = field(default_factory=dict, repr=False)
+    # the server's generator samples labels by their share over all clients: each client's label histogram
+    reports: ClassVar[tuple[ClientReport, ...]] = (LABEL_HIST,)
 
     def build_generator(self, num_classes: int, feature_dim: int, device: torch.device) -> Generator:
         """A generator of this configuration (weights drawn from the global RNG, which callers fork and seed)."""
@@ -160,6 +163,8 @@ class FedGen(LocalAlgorithm):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(torch_seed(ctx.seed, Purpose.FEDGEN, 0))
             gen = self.build_generator(c, d, device)
+        if ctx.label_hists is None:
+            raise ConfigError("FedGen needs the clients' label histograms (its declared LABEL_HIST report)")
         counts = torch.as_tensor(ctx.label_hists, dtype=torch.float64).sum(0)
         if counts.sum() <= 0:
             raise ConfigError("FedGen: the clients hold no training labels")

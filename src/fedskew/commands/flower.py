@@ -8,7 +8,8 @@
 * ``check [METHOD ...]``: run each composition (default: every valid one) with ``fedskew run``'s runner and with the
   Flower apps in process on a small digits federation, and compare their metrics (all but the wall-clock times);
 * ``loopback DIR``: a real deployment of app folder DIR on this machine (a SuperLink and one SuperNode per client, on
-  127.0.0.1, every process stopped afterwards), ``flwr run`` included.
+  127.0.0.1, every process stopped afterwards), ``flwr run`` included; ``--secure``: with TLS and SuperNode
+  authentication, as across machines.
 
 ``flwr`` is imported only inside the handlers; without the extra they say how to install it.
 """
@@ -41,6 +42,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="once a phase's first reply is in, seconds it waits for the others (default: only --round-timeout)",
     )
     p.add_argument("--node-wait", type=float, default=None, help="seconds the ServerApp waits for the nodes (300)")
+    p.add_argument(
+        "--node-data",
+        action="store_true",
+        help="a real federation: each node's data-dir holds its own data (e.g. --dataset npz), the server none "
+        "(flower.data = node; docs/flower.md)",
+    )
+    p.add_argument(
+        "--test-data",
+        default=None,
+        metavar="NPZ",
+        help="with --node-data: a held-out test set on the server (x_test, y_test); default: federated evaluation",
+    )
 
 
 def add_parsers(sub: Any) -> None:
@@ -84,12 +97,22 @@ def add_parsers(sub: Any) -> None:
     lb.add_argument("dir", metavar="DIR", help="an app folder written by `fedskew flower new`")
     lb.add_argument("--run-config", default=None, metavar="'K=V ...'", help="overrides, as flwr run --run-config")
     lb.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take (default 1800)")
+    lb.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS (a throwaway CA and server certificate for 127.0.0.1) and SuperNode authentication (each node's "
+        "key pair registered with `flwr supernode register`), as across machines; no --insecure anywhere",
+    )
 
 
 def _config(args: argparse.Namespace):
-    """The run configuration from --config and the flags, as `fedskew run` reads them."""
+    """The run configuration from --config and the flags, as `fedskew run` reads them (with --node-data, the data
+    directory is each node's own, so none is needed here)."""
     from fedskew.cli import _config_from_args
+    from fedskew.flower.settings import NODE_DATA
 
+    if getattr(args, "node_data", False) and not getattr(args, "data_dir", None):
+        args.data_dir = NODE_DATA
     return _config_from_args(args)
 
 
@@ -100,7 +123,13 @@ def _settings(args: argparse.Namespace):
         "round_timeout": args.round_timeout,
         "straggler_timeout": args.straggler_timeout,
         "node_wait": args.node_wait,
+        "data": "node" if getattr(args, "node_data", False) else None,
+        "test_data": getattr(args, "test_data", None),
     }
+    if given["test_data"] and given["data"] is None:
+        from fedskew.config import ConfigError
+
+        raise ConfigError("--test-data is the server's held-out set of a real federation: it needs --node-data")
     return FlowerSettings(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -167,8 +196,10 @@ def cmd_loopback(args: argparse.Namespace) -> int:
     clients = int(overrides.get("clients", clients))
     with tempfile.TemporaryDirectory(prefix="fedskew-flower-") as home:
         t0 = time.perf_counter()
-        with Loopback(Path(home), clients) as fed:
-            print(f"SuperLink and {clients} SuperNodes up on 127.0.0.1:{fed.port} in {time.perf_counter() - t0:.1f} s")
+        with Loopback(Path(home), clients, secure=args.secure) as fed:
+            mode = "TLS, SuperNode authentication" if args.secure else "insecure"
+            up = f"SuperLink and {clients} SuperNodes up on 127.0.0.1:{fed.port} ({mode})"
+            print(f"{up} in {time.perf_counter() - t0:.1f} s")
             t1 = time.perf_counter()
             argv = ["--run-config", args.run_config] if args.run_config else []
             out = fed.run_app(app_dir, None, timeout=args.timeout, extra_args=argv)

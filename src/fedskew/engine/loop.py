@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,14 @@ from fedskew.engine.rounds import (
     with_local,
 )
 from fedskew.methods import Method, resolve_method
-from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, Params, ServerContext
+from fedskew.protocol import (
+    LABEL_HIST,
+    ClientUpdate,
+    NonFiniteUpdateError,
+    Params,
+    ServerContext,
+    client_reports,
+)
 from fedskew.server.api import UploadStack, check_model
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
@@ -111,7 +118,7 @@ def global_views(server: Any, global_params: Params) -> dict[str, float]:
         ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
         rec.update(pooled("global", ds))
         rec.update(domain_summary(data.domains, ds))
-    elif not (server.global_is_local_union and not server.local_names):
+    elif len(data.y_test) and not (server.global_is_local_union and not server.local_names):
         owner = torch.zeros(data.x_test.shape[0], dtype=torch.long, device=data.x_test.device)
         rec.update(pooled("global", accumulate(_test_pass(server, global_params), owner, 1)))
     return rec
@@ -130,8 +137,17 @@ class Simulation:
     """A seeded, single-process simulation of one federation."""
 
     def __init__(
-        self, cfg: RunConfig, data: FederatedData, method: Method | None = None, model: UserModel | None = None
+        self,
+        cfg: RunConfig,
+        data: FederatedData,
+        method: Method | None = None,
+        model: UserModel | None = None,
+        *,
+        known: tuple[np.ndarray, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
+        """``known``: what the server knows of the clients (training sample counts ``[N]``, and the client reports the
+        method declared, name -> ``[N, d]``) when not computed from ``data``'s partition (a deployment: the clients
+        sent them)."""
         self.cfg = cfg
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
@@ -142,14 +158,17 @@ class Simulation:
         self.trained: dict[int, Params] = {}  # personalized methods: each client's model after its latest training
         self.client_states: dict[int, dict[str, Any]] = {c: {} for c in range(data.num_clients)}
         self.settings = train_settings(cfg)
+        num_train, reports = known or (data.num_train, client_reports(self.method.reports, data.train_hists))
+        self.reports: dict[str, np.ndarray] = dict(reports)  # only the declared ones (protocol.ClientReport)
         self.ctx = ServerContext(
             num_clients=data.num_clients,
             num_classes=data.num_classes,
             template=self.global_params,
             trainable=self.trainable,
-            num_train=data.num_train,
-            label_hists=data.train_hists,
+            num_train=np.asarray(num_train),
+            label_hists=self.reports.get(LABEL_HIST.name),
             seed=cfg.seed,
+            reports=self.reports,
         )
         local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
         self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
@@ -228,7 +247,7 @@ class Simulation:
 
     def close_round(self, plan: RoundPlan) -> RoundResult:
         """Aggregate the round's uploads with the method's server strategy, evaluate on the cadence, record."""
-        cfg, data, method = self.cfg, self.data, self.method
+        cfg, method = self.cfg, self.method
         rnd, sampled, gone, stack = plan.rnd, plan.sampled, plan.gone, plan.stack
         t0, t1 = plan.t0, time.perf_counter()
         train_loss = self._check_training(rnd, plan.losses)
@@ -249,7 +268,8 @@ class Simulation:
             record["failed"] = plan.failed
         rin, out = None, None
         if stack.count:
-            rin = stack.round_input(rnd=rnd, trainable=self.trainable, label_hists=data.train_hists[stack.cids])
+            rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
+            rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
             self.client_server_state = method.client.server_update(rin, self.client_server_state)
             out, self.server_state = method.server.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)

@@ -15,6 +15,8 @@ with the simulator's own code, the method's :class:`~fedskew.server.api.ServerSt
 * :mod:`fedskew.flower.inprocess` a Grid that calls the ClientApp in this process (no network, no Ray): tests, and
                                  ``fedskew flower local``;
 * :mod:`fedskew.flower.loopback` SuperLink + SuperNodes as processes on 127.0.0.1 and ``flwr run`` (tests, docs).
+* :mod:`fedskew.flower.strategies` FedDisco, FedHEAL, FedSA/FedPake and any composition as subclasses of Flower's own
+                                 ``FedAvg`` strategy, for an existing Flower app (quickstart ClientApps unchanged).
 
 See docs/flower.md.
 """

@@ -2,8 +2,10 @@
 
 Handlers (message types):
 
-* ``query.hello`` (once, before round 1): the client's id and its training/test label histograms; sample counts and
-  label histograms (FedDisco) reach the server from the clients, as in a real federation;
+* ``query.hello`` (once, before round 1): the client's id, its fedskew version and configuration hash (the server
+  refuses a node that differs), the shape of its data, its training sample count and the client reports its method
+  declares (:class:`~fedskew.protocol.ClientReport`: FedDisco's ``d_k``, FedGen's label histogram), computed on the
+  client; nothing else about its data leaves it, and its test split never does;
 * ``train``: one round of local training: :func:`fedskew.engine.rounds.train_client` (the method's
   :class:`~fedskew.client.local.LocalAlgorithm` on the one loop, batches from the (seed, client, round) stream) on the
   model it received with the entries it keeps for itself overlaid; replies with its upload (model, extra tensors,
@@ -13,11 +15,11 @@ Handlers (message types):
   for (``global_local``: the global model with its local entries; ``personal``; ``trained``), as the simulator scores
   each client.
 
-The client is ``--node-config "cid=K"`` (stable across runs; Flower's node ids are not) and finds its data through the
-run config (``dataset``, ``data_dir``, partition and seed: the same partition ``fedskew run`` draws) or its own
-``data-dir``. Every message builds the method's objects and the model afresh, as a SuperNode's fresh ``flwr-clientapp``
-process does (so a method that kept client state anywhere but in ``client_state`` would show here, in process too);
-only the federation's data, a pure function of the configuration, is built once per process.
+The client is ``--node-config "cid=K"`` (stable across runs; Flower's node ids are not). It holds only its own data
+(:mod:`fedskew.flower.node_data`): under ``flower.data = "partition"`` its part of the simulator's partition, built
+once and cached on the node; under ``"node"`` the data in its own ``data-dir``. Every message builds the method's
+objects and the model afresh, as a SuperNode's fresh ``flwr-clientapp`` process does (so a method that kept client
+state anywhere but in ``client_state`` would show here, in process too).
 """
 
 from __future__ import annotations
@@ -26,20 +28,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedskew import __version__
 from fedskew.client.local import TrainSettings, snapshot
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import ClientData, FederatedData, build_federated
+from fedskew.data.federated import ClientData
 from fedskew.engine.evaluate import predict_scores
 from fedskew.engine.model_init import init_model
 from fedskew.engine.rounds import keep_trained, train_client, train_settings, with_local
 from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
-from fedskew.flower.settings import node_overrides, parse_run_config
+from fedskew.flower.hello import NodeReport
+from fedskew.flower.node_data import NodePart, cached_part, own_part
+from fedskew.flower.settings import FlowerSettings, config_hash, node_overrides, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import Params
 
@@ -50,27 +54,31 @@ app = ClientApp()
 class _Shared:
     """What a client builds from the configuration for one message."""
 
-    data: FederatedData
+    part: NodePart  # its own data only
     method: Method
     model: nn.Module
     initial: Params  # the initial model: what a client holds of its local entries before it first trains
     settings: TrainSettings
 
 
-_DATA: dict[str, FederatedData] = {}  # the federation's data per configuration (JSON); one entry per process
+_PARTS: dict[str, NodePart] = {}  # this process's part per configuration (JSON); one entry per process
 
 
-def _shared(cfg: RunConfig) -> _Shared:
+def _part(cfg: RunConfig, cid: int, settings: FlowerSettings, node_config: dict[str, Any]) -> NodePart:
+    key = json.dumps([cfg.model_dump(exclude={"out", "db"}), cid, settings.data], sort_keys=True, default=str)
+    if key not in _PARTS:
+        _PARTS.clear()
+        _PARTS[key] = own_part(cfg, cid) if settings.data == "node" else cached_part(cfg, cid, node_config)
+    return _PARTS[key]
+
+
+def _shared(cfg: RunConfig, cid: int, settings: FlowerSettings, node_config: dict[str, Any]) -> _Shared:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    key = json.dumps(cfg.model_dump(exclude={"out", "db"}), sort_keys=True, default=str)
-    if key not in _DATA:
-        _DATA.clear()
-        _DATA[key] = build_federated(cfg)
-    data = _DATA[key]
+    part = _part(cfg, cid, settings, node_config)
     method = resolve_method(cfg.method, cfg.method_args)
-    model = init_model(cfg, data, method)
-    return _Shared(data, method, model, snapshot(model), train_settings(cfg))
+    model = init_model(cfg, part.federation(), method)
+    return _Shared(part, method, model, snapshot(model), train_settings(cfg))
 
 
 @dataclass(frozen=True)
@@ -81,15 +89,15 @@ class _Client:
 
     @property
     def data(self) -> ClientData:
-        return self.shared.data.clients[self.cid]
+        return self.shared.part.client
 
 
 def _client(context: Context) -> _Client:
     cid, overrides = node_overrides(context.node_config)
-    cfg, _ = parse_run_config(context.run_config, overrides)
+    cfg, settings = parse_run_config(context.run_config, overrides)
     if cid >= cfg.clients:
         raise ConfigError(f"this node is client {cid}, but the federation has clients 0..{cfg.clients - 1}")
-    return _Client(cfg, cid, _shared(cfg))
+    return _Client(cfg, cid, _shared(cfg, cid, settings, dict(context.node_config)))
 
 
 def _checked(client: _Client, msg: Message) -> ConfigRecord:
@@ -106,14 +114,24 @@ def _local(client_state: dict[str, Any], initial: Params, names: list[str]) -> P
 
 @app.query("hello")
 def hello(msg: Message, context: Context) -> Message:
-    """The client's id and label histograms (training and local test split), once, before round 1."""
+    """Once, before round 1: the client's id, the fedskew version and configuration hash it runs (the server refuses
+    a node that differs), the shape of its data (classes, input), its training sample count and the client reports
+    the server asks for, which its method declares (protocol.ClientReport: e.g. FedDisco's d_k), computed here from
+    its own labels. Nothing else about its data leaves it; its test split never does."""
     client = _client(context)
-    c, k = client.data, client.shared.data.num_classes
-    hists = {
-        "train_hist": np.bincount(c.y_train.cpu().numpy(), minlength=k).tolist(),
-        "test_hist": np.bincount(c.y_test.cpu().numpy(), minlength=k).tolist(),
-    }
-    content = RecordDict({"hello": metrics_record(hists), "meta": ConfigRecord({"cid": client.cid})})
+    conf = msg.content["config"]
+    part, method = client.shared.part, client.shared.method
+    declared = {r.name: r for r in method.reports}
+    wanted = [str(n) for n in conf.get("reports", [])]  # type: ignore[union-attr]
+    unknown = [n for n in wanted if n not in declared]
+    if unknown:
+        raise ConfigError(
+            f"the server asks client {client.cid} for reports {unknown}, which its method {method.name!r} does not "
+            f"declare ({sorted(declared) or 'none'}): the nodes run another configuration or fedskew version"
+        )
+    shape = (part.num_classes, part.in_channels, part.image_size)
+    report = NodeReport.measure(client.cid, part.train_hist, shape, declared, wanted)
+    content = report.content(__version__, config_hash(client.cfg))
     return Message(content, reply_to=msg)
 
 

@@ -78,6 +78,7 @@ class InProcessGrid(Grid):
             self.contexts[nid] = Context(run_id, nid, dict(nc), RecordDict(), dict(run_config))
         self.silent: set[int] = set()  # node ids that never reply
         self.sent: list[Message] = []  # every instruction delivered (tests inspect the payloads)
+        self.received: list[Message] = []  # every reply a client sent, as the server reads it (what leaves a client)
         self._replies: dict[str, Message] = {}
         self._run = Run.create_empty(run_id)
 
@@ -117,6 +118,7 @@ class InProcessGrid(Grid):
                 reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
                 reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=delivered)
             self._replies[msg.metadata.message_id] = round_trip(reply)
+            self.received.append(self._replies[msg.metadata.message_id])
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:

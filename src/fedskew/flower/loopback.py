@@ -7,27 +7,44 @@ before taking it to real machines::
         fed.run_app(app_dir, {"rounds": 2, "out": "/abs/run"}, timeout=300)   # `flwr run APP loopback --stream`
     # leaving the block stops every process it started (their whole process groups), waits, and checks
 
+    with Loopback(tmp_dir, num_nodes=3, secure=True) as fed:   # TLS + SuperNode authentication, as across machines
+        ...
+
+``secure=True`` (``fedskew flower loopback --secure``) sets up what docs/flower.md's "TLS and authentication" asks
+of real machines, with throwaway material in the federation's own folder: a CA and a server certificate for
+127.0.0.1/localhost (``tls/``, :func:`write_tls`; the CA's key is never written), the SuperLink started with
+``--ssl-ca-certfile/--ssl-certfile/--ssl-keyfile --enable-supernode-auth``, one EC P-384 key pair per SuperNode
+(``keys/``, :func:`write_node_key`) registered with ``flwr supernode register KEY.pub loopback`` before the node
+starts with ``--root-certificates ca.crt --auth-supernode-private-key KEY`` (its own 127.0.0.1 Runtime API on TLS
+too), and ``flwr`` connecting with ``root-certificates``: no process of the federation runs with ``--insecure``, and
+the SuperLink refuses any SuperNode whose key was not registered. Without it: ``--insecure`` everywhere, any node
+accepted (this machine only).
+
 Offline by construction: telemetry, the update check and the SuperLink's runtime dependency installation are off
 (``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``, ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``);
 nothing binds outside 127.0.0.1. Every wait is bounded; every process is started in a session of its own, so stopping
-it stops the SuperExec and app processes it spawned, and :meth:`Loopback.leftovers` finds any process still carrying
-this federation's ``FLWR_HOME`` (none, after the block).
+it stops the SuperExec and app processes it spawned (a refused SuperNode's SuperExec included), and
+:meth:`Loopback.leftovers` finds any process still carrying this federation's ``FLWR_HOME`` (none, after the block).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +75,132 @@ def _executable(name: str) -> str:
     return found
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a throwaway certificate authority and of a server certificate it signed."""
+
+    ca: Path  # the CA certificate: the SuperLink's --ssl-ca-certfile, the nodes' and flwr's root certificates
+    cert: Path  # the server certificate (SANs: the hosts given)
+    key: Path  # the server's private key
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def write_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: float = 2.0) -> TlsFiles:
+    """A new CA (``ca.crt``) and a server certificate it signed (``server.pem``, key ``server.key``) for ``hosts``
+    (IP addresses become IP SANs, names DNS SANs), valid for ``days``, in ``folder``. EC P-256 keys; nothing of it
+    outlives the folder: the CA's own private key is never written."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedskew loopback CA")])
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ca_ski, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(ca=folder / "ca.crt", cert=folder / "server.pem", key=folder / "server.key")
+    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(
+        files.key,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+    return files
+
+
+def write_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode authentication key pair as Flower reads it: an EC P-384 private key in OpenSSH format
+    (``NAME``, for ``flower-supernode --auth-supernode-private-key``) and its public key in OpenSSH format
+    (``NAME.pub``, for ``flwr supernode register``). Returns (private, public)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder = Path(folder)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = folder / name, folder / f"{name}.pub"
+    _write_private(
+        private,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
+    )
+    return private, public
+
+
 def _toml_string(value: str) -> str:
     return "'" + value.replace("'", "") + "'"
 
@@ -77,7 +220,11 @@ def override_string(values: dict[str, Any]) -> str:
 
 
 class Loopback:
-    """SuperLink + ``num_nodes`` SuperNodes (``cid=0..num_nodes-1``) on 127.0.0.1; a context manager."""
+    """SuperLink + ``num_nodes`` SuperNodes (``cid=0..num_nodes-1``) on 127.0.0.1; a context manager.
+
+    ``secure=True``: TLS on every connection (a throwaway CA and a server certificate for 127.0.0.1/localhost in
+    ``home/tls``) and SuperNode authentication (the SuperLink refuses any node whose public key was not registered
+    with ``flwr supernode register``; one EC key pair per node in ``home/keys``); no ``--insecure`` anywhere."""
 
     def __init__(
         self,
@@ -86,15 +233,20 @@ class Loopback:
         *,
         node_configs: list[dict[str, Any]] | None = None,
         start_timeout: float = 90.0,
+        secure: bool = False,
     ) -> None:
         self.home = Path(home).resolve()
         self.num_nodes = num_nodes
         self.node_configs = node_configs or [{"cid": c} for c in range(num_nodes)]
         self.start_timeout = start_timeout
+        self.secure = secure
+        self.tls: TlsFiles | None = None  # secure mode: the CA and server certificate, written by start()
+        self.node_ids: dict[str, int] = {}  # secure mode: SuperNode name -> the node id its registration returned
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.last_run: dict[str, Any] = {}  # `flwr list` of the last run_app's run
         self.logs = self.home / "logs"
+        self.keys = self.home / "keys"
         self.env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
         self.env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", TASK_POLL)
 
@@ -116,18 +268,40 @@ class Loopback:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace") if path.is_file() else ""
 
+    def _flwr(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[bytes]:
+        """``flwr ARGS`` against this federation (FLWR_HOME's ``loopback`` connection), bounded by ``timeout``."""
+        try:
+            return subprocess.run(
+                [_executable("flwr"), *args],
+                env=self.env,
+                cwd=self.home,
+                capture_output=True,
+                timeout=timeout,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise LoopbackError(f"flwr {' '.join(args[:2])} did not finish within {timeout:g} s") from exc
+
     def start(self) -> Loopback:
-        """Start the SuperLink, wait until it is healthy, start the SuperNodes, wait until all are connected."""
+        """Start the SuperLink and wait until it is healthy; in secure mode, register the SuperNodes' public keys;
+        start the SuperNodes (the ServerApp waits for them to connect: ``flower.node_wait``)."""
         self.home.mkdir(parents=True, exist_ok=True)
+        if self.secure:
+            self.tls = write_tls(self.home / "tls")
+            connection = f"root-certificates = {_toml_string(str(self.tls.ca))}\n"
+            flags = ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert)]
+            flags += ["--ssl-keyfile", str(self.tls.key), "--enable-supernode-auth"]
+        else:
+            connection, flags = "insecure = true\n", ["--insecure"]
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n'
-            "insecure = true\n"
+            + connection
         )
         self._spawn(
             "superlink",
             [
                 _executable("flower-superlink"),
-                "--insecure",
+                *flags,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -142,26 +316,94 @@ class Loopback:
                 tail = self.log("superlink")[-2000:]
                 raise LoopbackError(f"the SuperLink was not healthy within {self.start_timeout:g} s:\n{tail}")
             time.sleep(0.3)
-        for i, nc in enumerate(self.node_configs):
-            config = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in nc.items())
-            self._spawn(
-                f"node{i}",
-                [
-                    _executable("flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{self.port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    config,
-                ],
-            )
+        names = [f"node{i}" for i in range(len(self.node_configs))]
+        private_keys: dict[str, Path | None] = dict.fromkeys(names)
+        if self.secure:
+            pairs = {name: write_node_key(self.keys, name) for name in names}
+            self.node_ids.update(self.register_nodes([public for _, public in pairs.values()], names))
+            private_keys = {name: private for name, (private, _) in pairs.items()}
+        for name, nc in zip(names, self.node_configs, strict=True):
+            self.start_node(name, nc, private_key=private_keys[name])
         return self
 
-    def _healthy(self) -> bool:
+    def register_nodes(self, public_keys: list[Path], names: list[str] | None = None) -> dict[str, int]:
+        """``flwr supernode register PUBLIC_KEY loopback`` for each key (at once, each bounded by the start
+        timeout); returns name (default: the key's file name) -> node id."""
+        names = names or [Path(k).stem for k in public_keys]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        running = {}
+        for name, key in zip(names, public_keys, strict=True):
+            argv = [_executable("flwr"), "supernode", "register", str(key), "loopback", "--format", "json"]
+            running[name] = subprocess.Popen(
+                argv,
+                env=self.env,
+                cwd=self.home,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.start_timeout
+        ids: dict[str, int] = {}
+        failed: list[str] = []
+        for name, proc in running.items():
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate(timeout=10)
+            text = out.decode(errors="replace")
+            found = re.search(r'"node-id":\s*"?(\d+)', text)
+            if proc.returncode == 0 and found:
+                ids[name] = int(found.group(1))
+            else:
+                failed.append(f"{name} (exit {proc.returncode}): {text[-1000:]}")
+        if failed:
+            raise LoopbackError("flwr supernode register failed for " + "\n".join(failed))
+        return ids
+
+    def start_node(self, name: str, node_config: dict[str, Any], *, private_key: Path | None = None) -> None:
+        """Start a SuperNode ``name`` (log: ``logs/NAME.log``) with ``node_config``; in secure mode it verifies the
+        SuperLink's certificate against the run's CA and authenticates with ``private_key`` (required)."""
+        if self.secure:
+            if self.tls is None or private_key is None:
+                raise LoopbackError(f"{name}: a secure SuperNode needs the run's CA (start first) and a private key")
+            flags = ["--root-certificates", str(self.tls.ca), "--auth-supernode-private-key", str(private_key)]
+            # the node's own Runtime API (127.0.0.1, for its SuperExec and ClientApps) on TLS too
+            flags += ["--ssl-certfile", str(self.tls.cert), "--ssl-keyfile", str(self.tls.key)]
+            flags += ["--ssl-ca-certfile", str(self.tls.ca)]
+        else:
+            flags = ["--insecure"]
+        config = " ".join(f"{k}={_toml_string(v) if isinstance(v, str) else v}" for k, v in node_config.items())
+        self._spawn(
+            name,
+            [
+                _executable("flower-supernode"),
+                *flags,
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                config,
+            ],
+        )
+
+    def nodes(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """``flwr supernode list loopback --format json``: the SuperLink's nodes (``node-id``, ``status``: registered,
+        online, offline, ...)."""
+        done = self._flwr(["supernode", "list", "loopback", "--format", "json"], timeout)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+            return list(json.loads(done.stdout)["nodes"])
+        except (ValueError, KeyError) as exc:
+            raise LoopbackError(f"flwr supernode list gave no nodes: {done.stdout[-1000:]!r}") from exc
+
+    def _healthy(self) -> bool:
+        scheme, context = "http", None
+        if self.tls is not None:  # verifies the SuperLink's certificate as the nodes do
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.tls.ca))
+        try:
+            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/health", timeout=2, context=context) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -207,8 +449,7 @@ class Loopback:
 
     def run_status(self, run_id: str, timeout: float = 60.0) -> dict[str, Any]:
         """``flwr list --run-id RUN_ID --format json``: the run's status, timings and traffic."""
-        argv = [_executable("flwr"), "list", "loopback", "--run-id", run_id, "--format", "json"]
-        done = subprocess.run(argv, env=self.env, cwd=self.home, capture_output=True, timeout=timeout)
+        done = self._flwr(["list", "loopback", "--run-id", run_id, "--format", "json"], timeout)
         try:
             return dict(json.loads(done.stdout)["runs"][0])
         except (ValueError, KeyError, IndexError) as exc:
@@ -241,18 +482,23 @@ class Loopback:
 
     def leftovers(self) -> list[int]:
         """Processes still running with this federation's ``FLWR_HOME`` in their environment."""
+        return list(self.processes())
+
+    def processes(self) -> dict[int, list[str]]:
+        """pid -> command line of every live process carrying this federation's ``FLWR_HOME`` (Linux ``/proc``)."""
         marker = f"FLWR_HOME={self.home}".encode()
-        found = []
+        found: dict[int, list[str]] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
                 env = (entry / "environ").read_bytes()
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
             if b"\0" + marker + b"\0" in b"\0" + env and stat.split(")")[-1].split()[0] != "Z":
-                found.append(int(entry.name))
+                found[int(entry.name)] = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
         return found
 
     def __enter__(self) -> Loopback:

@@ -27,7 +27,6 @@ nodes, for one run), so no checkpoint is written.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -44,7 +43,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig, dump_yaml
-from fedskew.data.federated import ClientData, FederatedData, build_federated
+from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.evaluate import (
     ClientScores,
     pooled,
@@ -59,20 +58,18 @@ from fedskew.engine.loop import (
     resolve_model_name,
 )
 from fedskew.flower.codec import from_record, to_record
-from fedskew.flower.settings import FlowerSettings, parse_run_config
+from fedskew.flower.hello import FederationError, Hello, NodeReport, known_of, server_knows
+from fedskew.flower.server_data import load_test_data, server_view
+from fedskew.flower.settings import FlowerSettings, config_hash, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.results.rundir import RunDirectory
 from fedskew.results.store import check_db_path, client_rows, default_run_dir, summarize_run
-from fedskew.runner import RunOutcome, domain_fields, headline, label_table, record_in_db
+from fedskew.runner import RunOutcome, domain_fields, headline, record_in_db
 
 log = logging.getLogger("flwr.fedskew")
 ENGINE = "flower"
 MESSAGE_TTL_MARGIN = 60.0  # seconds a message outlives the wait for its reply
-
-
-class FederationError(RuntimeError):
-    """The federation cannot run as configured (nodes missing, duplicate client ids, ...); the message says why."""
 
 
 class GridLink:
@@ -83,9 +80,12 @@ class GridLink:
         self.settings = settings
         self.nodes: dict[int, int] = {}  # cid -> Flower node id (learned from the hello replies)
         self.seen: set[int] = set()  # node ids asked for their client id after the first hello
+        self.request = Hello((), __version__, "")  # what the server says in every hello (set by connect)
 
-    def connect(self, num_clients: int) -> dict[int, dict[str, list[int]]]:
-        """Wait (at most ``node_wait`` s) for ``num_clients`` nodes, ask each for its id and label histograms."""
+    def connect(self, num_clients: int, request: Hello) -> dict[int, NodeReport]:
+        """Wait (at most ``node_wait`` s) for ``num_clients`` nodes; say hello to each: the server's fedskew version,
+        configuration hash and the client reports its method declares go out, each node's report comes back
+        (:class:`NodeReport`). A node running another fedskew version or configuration is refused, naming both."""
         deadline = time.monotonic() + self.settings.node_wait
         while len(ids := sorted(self.grid.get_node_ids())) < num_clients:
             if time.monotonic() > deadline:
@@ -94,26 +94,43 @@ class GridLink:
                     '(flower.node_wait); start one `flower-supernode --node-config "cid=K"` per client'
                 )
             time.sleep(self.settings.poll_interval)
+        self.request = request
         replies, failed = self._hello(ids, num_clients)
         if failed:
             raise FederationError(f"nodes did not answer the hello: {failed}")
-        reports: dict[int, dict[str, list[int]]] = {}
+        reports: dict[int, NodeReport] = {}
         for nid, content in replies.items():
-            cid = int(content["meta"]["cid"])  # type: ignore[arg-type]
-            if cid in self.nodes:
-                raise FederationError(f"two nodes ({self.nodes[cid]}, {nid}) both say they are client {cid}")
-            self.nodes[cid] = nid
-            hello = content["hello"]
-            reports[cid] = {"train_hist": list(hello["train_hist"]), "test_hist": list(hello["test_hist"])}  # type: ignore[arg-type]
+            report = NodeReport.read(nid, content, request)
+            if report.cid in self.nodes:
+                raise FederationError(
+                    f"two nodes ({self.nodes[report.cid]}, {nid}) both say they are client {report.cid}"
+                )
+            self.nodes[report.cid] = nid
+            reports[report.cid] = report
         missing = sorted(set(range(num_clients)) - set(self.nodes))
         if missing or len(self.nodes) != num_clients:
             raise FederationError(
                 f"the federation needs clients 0..{num_clients - 1} once each; connected: {sorted(self.nodes)}"
             )
+        shapes = {(r.num_classes, r.in_channels, r.image_size) for r in reports.values()}
+        if len(shapes) > 1:
+            seen = {cid: (r.num_classes, r.in_channels, r.image_size) for cid, r in sorted(reports.items())}
+            raise FederationError(
+                f"the clients' data disagree on (classes, channels, image size): {seen}; every node's data must have "
+                "the same classes and input shape (an .npz can store num_classes)"
+            )
         return reports
 
     def _hello(self, node_ids: list[int], num_clients: int) -> tuple[dict[int, RecordDict], dict[int, str]]:
-        config = ConfigRecord({"clients": num_clients})
+        request = self.request
+        config = ConfigRecord(
+            {
+                "clients": num_clients,
+                "reports": list(request.reports),
+                "fedskew_version": request.version,
+                "config_hash": request.config_hash,
+            }
+        )
         return self._exchange("query.hello", {nid: RecordDict({"config": config}) for nid in node_ids}, "0")
 
     def rejoin(self) -> dict[int, int]:
@@ -127,7 +144,12 @@ class GridLink:
         replies, _ = self._hello(new, len(self.nodes))
         moved = {}
         for nid in new:
-            cid = int(replies[nid]["meta"]["cid"]) if nid in replies else None  # type: ignore[arg-type]
+            cid = None
+            if nid in replies:
+                try:
+                    cid = NodeReport.read(nid, replies[nid], self.request).cid
+                except FederationError as exc:  # another version or configuration: never let in
+                    log.warning("%s", exc)
             if cid is not None and cid in self.nodes and self.nodes[cid] in online:
                 # the SuperLink still lists the old node (it drops a dead one after 2 missed heartbeats): ask again
                 log.warning("node %d says it is client %d, which node %d still is", nid, cid, self.nodes[cid])
@@ -201,26 +223,20 @@ def decode_update(cid: int, content: RecordDict, device: str) -> ClientUpdate:
     )
 
 
-def server_view(full: FederatedData, reports: dict[int, dict[str, list[int]]]) -> FederatedData:
-    """What the server holds: the dataset's global test split, and per client only what the client reported."""
-    n = full.num_clients
-    train_hists = np.array([reports[c]["train_hist"] for c in range(n)], dtype=np.int64)
-    test_hists = np.array([reports[c]["test_hist"] for c in range(n)], dtype=np.int64)
-    ex, ey = full.x_test[:0], full.y_test[:0]
-    clients = [ClientData(c, ex, ey, ex, ey) for c in range(n)]
-    owner = torch.zeros(0, dtype=torch.long, device=ey.device)
-    return dataclasses.replace(
-        full, clients=clients, train_hists=train_hists, test_hists=test_hists, local_x=ex, local_y=ey, local_owner=owner
-    )
-
-
 class FlowerServer(Simulation):
     """A :class:`Simulation` whose clients train and evaluate on Flower nodes (see the module docstring)."""
 
     def __init__(
-        self, cfg: RunConfig, view: FederatedData, method: Method, link: GridLink, global_is_local_union: bool
+        self,
+        cfg: RunConfig,
+        view: FederatedData,
+        method: Method,
+        link: GridLink,
+        global_is_local_union: bool,
+        *,
+        known: tuple[np.ndarray, dict[str, np.ndarray]],
     ) -> None:
-        super().__init__(cfg, view, method)
+        super().__init__(cfg, view, method, known=known)
         self.link = link
         self.global_is_local_union = global_is_local_union  # the global test set is the clients' test splits
         self.unreachable: dict[int, str] = {}  # clients that failed this round: not asked again until the next
@@ -336,20 +352,32 @@ def run_on_grid(
     started = time.perf_counter()
     now = datetime.now(UTC)
     run_id = f"{now:%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-    link = GridLink(grid, settings)
-    reports = link.connect(cfg.clients)
-    full = build_federated(cfg)
-    view = server_view(full, reports)
     method = resolve_method(cfg.method, cfg.method_args)
+    request = Hello(tuple(r.name for r in method.reports), __version__, config_hash(cfg))
+    link = GridLink(grid, settings)
+    reports = link.connect(cfg.clients, request)
+    if settings.data == "partition":  # a simulated deployment: the server holds the dataset's global test split
+        full = build_federated(cfg)
+        view, union = server_view(full, reports, cfg, None), _same_samples(full)
+        evaluation = "the global model on the dataset's test set here, every view on the clients' test splits there"
+        del full
+    else:  # a real federation: no client data here; at most a held-out test set
+        test = load_test_data(settings.test_data, reports[0].num_classes) if settings.test_data else None
+        view, union = server_view(None, reports, cfg, test), test is None
+        evaluation = (
+            "federated: every view, the global model's included, scored by the clients on their test splits (no "
+            "test set on the server)"
+            if test is None
+            else "the global model on the server's test_data here, every view on the clients' test splits there"
+        )
     cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, view, method)})
     out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
-    server = FlowerServer(cfg, view, method, link, _same_samples(full))
-    del full
+    server = FlowerServer(cfg, view, method, link, union, known=known_of(reports, request))
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite)
     created = now.isoformat(timespec="seconds")
     rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds, engine=ENGINE)
     rd.write_file("config.yaml", dump_yaml(cfg))
-    rd.write_file("clients.json", json.dumps(label_table(view)))
+    rd.write_file("clients.json", json.dumps(server_knows(view, reports, request)))
     log.info("fedskew %s on %s: %d clients connected, run directory %s", cfg.method, cfg.dataset, cfg.clients, out_dir)
     records: list[dict[str, Any]] = []
     diverged: Diverged | None = None
@@ -393,6 +421,7 @@ def run_on_grid(
             "checkpoint_time": 0.0,
             **domain_fields(cfg, view.domains),
             "engine": ENGINE,
+            "evaluation": evaluation,
             "flower": {**settings.model_dump(), "failures": server.failures, "rejoined": server.rejoined},
         }
     )

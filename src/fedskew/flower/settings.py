@@ -11,16 +11,18 @@ not have, so :func:`app_config` writes every key). The keys are fedskew's own ru
 
 TOML has no null: ``""`` stands for an unset value (``out = ""``: the default run directory; ``db = ""``: no database).
 Each SuperNode adds its own ``--node-config``: ``cid`` (its stable client id, 0..clients-1) and optionally
-``data-dir`` (where its copy of the dataset lies; a quoted string). This module needs no ``flwr``.
+``data-dir`` (where its copy of the dataset lies, or under ``flower.data = "node"`` its own data; a quoted string)
+and ``cache-dir`` (where it caches its part, :mod:`fedskew.flower.node_data`). This module needs no ``flwr``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
@@ -54,6 +56,31 @@ class FlowerSettings(StrictSettings):
         300.0, gt=0, description="seconds the ServerApp waits for the federation's `clients` SuperNodes to connect"
     )
     poll_interval: float = Field(0.5, gt=0, description="seconds between the ServerApp's pulls of replies")
+    data: Literal["partition", "node"] = Field(
+        "partition",
+        description="partition: every node draws the simulator's partition of `dataset` and keeps (and caches) only "
+        "its own part, a simulated deployment whose results equal `fedskew run`; node: each node's data-dir holds its "
+        "own data, which is its part (a real federation; the server holds no client data)",
+    )
+    test_data: str | None = Field(
+        None,
+        description="data = node: a held-out test set on the server (an .npz with x_test, y_test or x, y) that it "
+        "scores the global model on; unset: evaluation is federated only (the clients score the global model on "
+        "their test splits)",
+    )
+
+
+# data_dir of the server's configuration under flower.data = node: the data are where each node says (its data-dir)
+NODE_DATA = "(each node's own data-dir)"
+NOT_IN_HASH = ("data_dir", "out", "db", "device", "threads", "workers", "log", "log_group", "log_uri", "download")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """A short hash of what decides the numbers of a run (the node-local keys left out: ``data_dir``, output,
+    device, threads): the hello refuses a node whose hash differs from the server's, as it refuses another fedskew
+    version, because identical numbers need both."""
+    blob = json.dumps(cfg.model_dump(exclude=set(NOT_IN_HASH)), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _none_if_empty(value: Any) -> Any:
@@ -92,11 +119,14 @@ def parse_run_config(
         else:
             values[head] = _none_if_empty(value)
     values[METHOD_ARGS] = method_args
-    cfg = make_config(values, dict(overrides or {}))
     try:
         settings = FlowerSettings(**engine)
     except ValidationError as exc:
         raise ConfigError("invalid [tool.flwr.app.config.flower]:\n  " + "\n  ".join(describe_errors(exc))) from None
+    overrides = dict(overrides or {})
+    if settings.data == "node" and not values.get("data_dir") and "data_dir" not in overrides:
+        values["data_dir"] = NODE_DATA  # the server (and a node started without its data-dir) reads no client data
+    cfg = make_config(values, overrides)
     return cfg, settings
 
 

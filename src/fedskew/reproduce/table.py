@@ -344,7 +344,8 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
 
 def _train_samples(run_dir: str | None) -> int | None:
     try:
-        return int(np.asarray(json.loads((Path(str(run_dir)) / "clients.json").read_text())["train"]).sum())
+        known = json.loads((Path(str(run_dir)) / "clients.json").read_text())
+        return int(np.asarray(known["train"] if "train" in known else known["num_train"]).sum())
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from fedskew.protocol import (
+    LABEL_HIST,
     ClientUpdate,
     Params,
     Rejection,
@@ -245,9 +246,20 @@ class UploadStack:
         self.metrics.append({k: float(v) for k, v in update.metrics.items()})
         return None
 
-    def round_input(self, *, rnd: int, trainable: frozenset[str], label_hists: np.ndarray) -> RoundInput:
-        """The accepted uploads as a :class:`RoundInput` (views of the buffers' filled rows, no copy);
-        ``label_hists``: the accepted clients' histograms, in the order of :attr:`cids`."""
+    def round_input(
+        self,
+        *,
+        rnd: int,
+        trainable: frozenset[str],
+        reports: Mapping[str, np.ndarray] | None = None,
+        label_hists: np.ndarray | None = None,
+    ) -> RoundInput:
+        """The accepted uploads as a :class:`RoundInput` (views of the buffers' filled rows, no copy); ``reports``:
+        the accepted clients' declared client reports (name -> ``[K, d]``, rows in the order of :attr:`cids`), of
+        which ``label_hist`` is also ``RoundInput.label_hists``; ``label_hists`` given alone stands for it."""
+        reports = dict(reports or {})
+        if label_hists is not None:
+            reports.setdefault(LABEL_HIST.name, np.asarray(label_hists))
         if not self.cids:
             raise UpdateError("no valid upload in this round")
         k = self.count
@@ -259,8 +271,9 @@ class UploadStack:
             extras={n: buf[:k] for n, buf in (self.extras or {}).items()},
             global_params=self.global_params,
             trainable=trainable,
-            label_hists=np.asarray(label_hists),
+            label_hists=reports.get(LABEL_HIST.name),
             metrics=stack_metrics(self.metrics),
+            reports=reports,
         )
 
 
@@ -282,15 +295,16 @@ def stack_updates(
     rnd: int,
     global_params: Params,
     trainable: frozenset[str],
-    label_hists: np.ndarray,
+    label_hists: np.ndarray | None = None,
     on_bad_update: str = "fail",
+    reports: Mapping[str, np.ndarray] | None = None,
 ) -> RoundInput:
     """Validate the uploads against the broadcast model (:func:`check_update`) and stack them along a client axis.
 
     ``on_bad_update='fail'`` raises :class:`UpdateError` naming the client and tensor for a missing, extra,
     mis-shaped or wrong-dtype upload (:class:`NonFiniteUpdateError` for NaN/Inf); ``'drop'`` leaves such uploads
-    out (``RoundInput.rejected`` says which and why; ``label_hists`` rows follow ``updates``) and raises only when
-    none is left.
+    out (``RoundInput.rejected`` says which and why; the rows of ``label_hists`` and of every ``reports`` entry
+    follow ``updates``) and raises only when none is left.
     """
     if on_bad_update not in ON_BAD_UPDATE:
         raise ValueError(f"on_bad_update must be one of {ON_BAD_UPDATE}, got {on_bad_update!r}")
@@ -307,10 +321,12 @@ def stack_updates(
     if not kept:
         reasons = "; ".join(f"client {r.cid}: {r.reason}" for r in stack.rejected)
         raise UpdateError(f"no valid upload in this round ({reasons})")
-    hists = np.asarray(label_hists)
+    rows = dict(reports or {})
+    if label_hists is not None:
+        rows.setdefault(LABEL_HIST.name, np.asarray(label_hists))
     if len(kept) < len(updates):
-        hists = hists[kept]
-    rin = stack.round_input(rnd=rnd, trainable=trainable, label_hists=hists)
+        rows = {k: np.asarray(v)[kept] for k, v in rows.items()}
+    rin = stack.round_input(rnd=rnd, trainable=trainable, reports=rows)
     return replace(rin, rejected=tuple(stack.rejected)) if stack.rejected else rin
 
 
@@ -325,9 +341,7 @@ def check_model(params: Params, template: Params, what: str) -> list[str]:
     for n, ref in template.items():
         t = params[n]
         if t.shape != ref.shape or t.dtype != ref.dtype:
-            raise TypeError(
-                f"{what}: tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
-            )
+            raise TypeError(f"{what}: tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad.append(n)
     return bad

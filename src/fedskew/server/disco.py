@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9
@@ -50,9 +50,7 @@ def _target(target: np.ndarray | tuple[float, ...] | None, num_classes: int, met
         return np.full(num_classes, 1.0 / num_classes)
     t = np.asarray(target, dtype=np.float64)
     if t.shape != (num_classes,):
-        raise ValueError(
-            f"target has shape {t.shape}, expected ({num_classes},) to match the label histograms"
-        )
+        raise ValueError(f"target has shape {t.shape}, expected ({num_classes},) to match the label histograms")
     if not np.all(np.isfinite(t)) or np.any(t < 0) or not t.sum() > 0:
         raise ValueError(f"target must be finite, non-negative, with a positive sum; got {t.tolist()}")
     if metric == "kl" and np.any(t <= 0):
@@ -63,9 +61,7 @@ def _target(target: np.ndarray | tuple[float, ...] | None, num_classes: int, met
     return t / t.sum()
 
 
-def discrepancy(
-    hists: np.ndarray, target: np.ndarray | tuple[float, ...] | None, metric: str = "kl"
-) -> np.ndarray:
+def discrepancy(hists: np.ndarray, target: np.ndarray | tuple[float, ...] | None, metric: str = "kl") -> np.ndarray:
     """Raw per-client discrepancy ``D_k = f(h_k / N_k, T)`` (``[K]`` float64), not normalized over clients.
 
     ``hists`` is ``[K, C]`` label counts (or proportions); ``target`` is ``[C]`` (rescaled to sum 1) or
@@ -82,9 +78,7 @@ def discrepancy(
     totals = h.sum(axis=1)
     empty = np.flatnonzero(totals <= 0)
     if empty.size:
-        raise ValueError(
-            f"clients at rows {empty.tolist()} have an empty label histogram; exclude them from the round"
-        )
+        raise ValueError(f"clients at rows {empty.tolist()} have an empty label histogram; exclude them from the round")
     p = h / totals[:, None]
     t = _target(target, h.shape[1], metric)
     if metric == "kl":
@@ -131,9 +125,7 @@ def disco_terms(
         total = d.sum()
         d = d / total if total > 0 else np.zeros_like(d)
     inf = np.isinf(d)
-    raw = np.where(
-        inf, -np.inf, n - a * np.where(inf, 0.0, d) + b
-    )  # inf·a with a = 0 must still drop the client
+    raw = np.where(inf, -np.inf, n - a * np.where(inf, 0.0, d) + b)  # inf·a with a = 0 must still drop the client
     relu = np.maximum(raw, 0.0)
     total = relu.sum()
     if total > 0:
@@ -154,19 +146,28 @@ def disco_weights(
     return disco_terms(num_samples, discrepancies, metric=metric, a=a, b=b).weights
 
 
+DISCREPANCY = "disco_discrepancy"  # the client report of FedDisco's d_k
+
+
 @dataclass(frozen=True)
 class DiscoWeights:
     """FedDisco's :class:`~fedskew.server.api.Weighting`: Eq. 3 from the participants' histograms and sizes.
 
     ``target=None`` means the uniform distribution; otherwise a tuple of ``num_classes`` non-negative numbers
-    (rescaled to sum 1; strictly positive for ``kl``). Stateless: the discrepancies are recomputed every round
-    from the fixed histograms (code), which equals computing them once.
+    (rescaled to sum 1; strictly positive for ``kl``). Stateless: the discrepancies are read every round from what the
+    clients reported once, which equals computing them once.
+
+    ``report``: what each client sends before round 1 (:attr:`reports`). ``"discrepancy"`` (default): its raw
+    ``d_k``, computed on the client from its own histogram and the target (the server learns one number per client);
+    ``"histogram"``: its label histogram, from which the server computes ``d_k`` (the official code's way). The
+    weights are the same. A :class:`RoundInput` built by hand with ``label_hists`` only is read as ``"histogram"``.
     """
 
     a: float = 0.5
     b: float = 0.1
     metric: str = "kl"
     target: tuple[float, ...] | None = None
+    report: str = "discrepancy"
 
     def __post_init__(self) -> None:
         _check_metric(self.metric)
@@ -178,23 +179,51 @@ class DiscoWeights:
             t = tuple(float(x) for x in self.target)
             _target(t, len(t), self.metric)  # validates values
             object.__setattr__(self, "target", t)
+        if self.report not in ("discrepancy", "histogram"):
+            raise ValueError(f"FedDisco report must be 'discrepancy' or 'histogram', got {self.report!r}")
+
+    @property
+    def reports(self) -> tuple[ClientReport, ...]:
+        """What each client sends before round 1 (see the class docstring)."""
+        if self.report == "histogram":
+            return (LABEL_HIST,)
+        return (
+            ClientReport(
+                DISCREPANCY,
+                self._client_discrepancy,
+                f"the client's label-distribution discrepancy d_k ({self.metric} to the target): one number",
+            ),
+        )
+
+    def _client_discrepancy(self, hist: np.ndarray) -> np.ndarray:
+        """``d_k`` as the client computes it from its own training label histogram ``[C]``."""
+        return discrepancy(np.asarray(hist, dtype=np.float64)[None, :], self.target, self.metric)
 
     def init(self, ctx: ServerContext | None) -> State:
         if ctx is not None and self.target is not None and len(self.target) != ctx.num_classes:
-            raise ValueError(
-                f"target has {len(self.target)} entries but the task has {ctx.num_classes} classes"
-            )
+            raise ValueError(f"target has {len(self.target)} entries but the task has {ctx.num_classes} classes")
         return None
 
     def terms(self, rin: RoundInput) -> DiscoTerms:
-        """This round's Eq. 3 intermediates (for diagnostics)."""
-        hists = np.asarray(rin.label_hists, dtype=np.float64)
-        if hists.ndim != 2 or hists.shape[0] != rin.num_participants:
+        """This round's Eq. 3 intermediates (for diagnostics), from the participants' reported ``d_k`` or, when the
+        histograms were reported instead, computed from them."""
+        if DISCREPANCY in rin.reports:
+            d = np.asarray(rin.reports[DISCREPANCY], dtype=np.float64).reshape(-1)
+            if d.shape[0] != rin.num_participants:
+                raise ValueError(f"{DISCREPANCY} has {d.shape[0]} values, expected {rin.num_participants}")
+        elif rin.label_hists is not None:
+            hists = np.asarray(rin.label_hists, dtype=np.float64)
+            if hists.ndim != 2 or hists.shape[0] != rin.num_participants:
+                raise ValueError(
+                    f"label_hists has shape {hists.shape}, expected [{rin.num_participants}, num_classes] "
+                    "(one row per participant)"
+                )
+            d = discrepancy(hists, self.target, self.metric)
+        else:
             raise ValueError(
-                f"label_hists has shape {hists.shape}, expected [{rin.num_participants}, num_classes] "
-                "(one row per participant)"
+                f"FedDisco needs each participant's {DISCREPANCY} or label histogram (its declared client report); "
+                "the round input carries neither"
             )
-        d = discrepancy(hists, self.target, self.metric)
         n = rin.num_samples.detach().cpu().to(torch.float64).numpy()
         return disco_terms(n, d, metric=self.metric, a=self.a, b=self.b)
 
