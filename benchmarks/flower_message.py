@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--method", default="fedavg+disco")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--round", action="store_true", help="also time a round: simulator, in-process Flower, loopback")
+    ap.add_argument("--round-clients", type=int, default=3, help="clients (SuperNodes) of the round timing (3)")
     args = ap.parse_args()
     cfg = {
         "dataset": args.dataset,
@@ -164,31 +165,40 @@ def _write_node_files(cfg: dict, cid: int, node_dir: Path, env: dict[str, str]) 
 
 
 def _round_times(cfg: dict, args: argparse.Namespace) -> None:
-    """One round's time: the simulator, the Flower apps in process, alternating (median of --repeats)."""
-    import time
-
+    """A round's time (median over the rounds of ``--repeats`` runs of 3 rounds, every round evaluated): the
+    simulator, the Flower apps over the in-process grid, and a loopback deployment (a SuperLink and one SuperNode per
+    client as processes on 127.0.0.1, each message a fresh ClientApp process)."""
     from fedskew.config import make_config
     from fedskew.flower.inprocess import run_in_process
-    from fedskew.flower.settings import FlowerSettings
+    from fedskew.flower.loopback import Loopback
+    from fedskew.flower.settings import FlowerSettings, write_app
     from fedskew.runner import run_experiment
 
-    times: dict[str, list[float]] = {"simulator": [], "flower, in process": []}
+    fast = FlowerSettings(poll_interval=0.05)
+    times: dict[str, list[float]] = {"simulator": [], "flower, in process": [], "flower, loopback": []}
+
+    def rounds(run_dir: Path) -> list[float]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["time_round"] for line in lines]
+
     with tempfile.TemporaryDirectory(prefix="fedskew-flower-round-") as tmp:
         os.environ["FEDSKEW_CACHE"] = str(Path(tmp) / "cache")
+        base = make_config({**cfg, "clients": args.round_clients, "rounds": 3, "skew_probes": 0, "db": None})
+        write_app(Path(tmp) / "app", base, fast)
         for r in range(args.repeats):
-            base = make_config({**cfg, "rounds": 2, "skew_probes": 0, "db": None})
-            t = time.perf_counter()
             run_experiment(base.model_copy(update={"out": str(Path(tmp) / f"sim{r}")}))
-            times["simulator"].append((time.perf_counter() - t) / 2)
-            t = time.perf_counter()
-            run_in_process(
-                base.model_copy(update={"out": str(Path(tmp) / f"fl{r}")}), FlowerSettings(poll_interval=0.01)
-            )
-            times["flower, in process"].append((time.perf_counter() - t) / 2)
+            times["simulator"] += rounds(Path(tmp) / f"sim{r}")
+            run_in_process(base.model_copy(update={"out": str(Path(tmp) / f"fl{r}")}), fast)
+            times["flower, in process"] += rounds(Path(tmp) / f"fl{r}")
+            with Loopback(Path(tmp) / f"home{r}", args.round_clients) as fed:
+                fed.run_app(Path(tmp) / "app", {"out": str(Path(tmp) / f"lb{r}"), "db": ""}, timeout=1800)
+            times["flower, loopback"] += rounds(Path(tmp) / f"lb{r}")
+    print(f"\nround time, {args.round_clients} clients ({cfg['dataset']}), median over {args.repeats} x 3 rounds:")
     sim = statistics.median(times["simulator"])
     for label, vals in times.items():
         med = statistics.median(vals)
-        print(f"round time, {label:20s} {med:7.3f} s  ({med / sim:.2f}x the simulator)")
+        spread = f"rounds {min(vals):.2f}-{max(vals):.2f} s"
+        print(f"  {label:20s} {med:8.3f} s  ({med / sim:7.1f}x the simulator; {spread})")
 
 
 if __name__ == "__main__":

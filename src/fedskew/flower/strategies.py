@@ -54,7 +54,7 @@ from fedskew.flower.codec import from_record, to_record
 from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, State, UpdateError
 from fedskew.server.api import ON_BAD_UPDATE, Aggregation, ServerStrategy, check_update, stack_updates
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DiscoWeights, disco_weights
+from fedskew.server.disco import DISCREPANCY, DiscoWeights
 from fedskew.server.fedsa import FedSACombine
 from fedskew.server.heal import heal_aggregation
 from fedskew.server.weights import SampleWeights
@@ -285,9 +285,9 @@ def _resolve(name: str, args: Mapping[str, Any]) -> ServerStrategy:
 
 @dataclass(frozen=True)
 class ReportedDiscoWeights:
-    """FedDisco's weighting fed by what the clients report: their label counts (``RoundInput.label_hists``, given to
-    :class:`DiscoWeights` itself) or, without them, their own discrepancy ``d_k`` (``RoundInput.metrics[key]``,
-    given to :func:`disco_weights`)."""
+    """FedDisco's weighting fed by what the clients report: their label counts (``RoundInput.label_hists``) or,
+    without them, their own discrepancy ``d_k`` (``RoundInput.metrics[key]``, handed to :class:`DiscoWeights` as the
+    client report it reads, ``disco_discrepancy``): either way :class:`DiscoWeights` computes the weights."""
 
     disco: DiscoWeights
     discrepancy_key: str = "discrepancy"
@@ -301,10 +301,8 @@ class ReportedDiscoWeights:
             return self.disco(rin, masks, state)
         if self.discrepancy_key not in rin.metrics:
             raise ValueError(f"FedDisco needs every client's label counts or its '{self.discrepancy_key}'")
-        n = rin.num_samples.to(torch.float64).numpy()
-        d = rin.metrics[self.discrepancy_key].to(torch.float64).numpy()
-        w = disco_weights(n, d, metric=self.disco.metric, a=self.disco.a, b=self.disco.b)
-        return torch.as_tensor(w, dtype=torch.float64), state
+        d = rin.metrics[self.discrepancy_key].to(torch.float64).numpy().reshape(-1, 1)
+        return self.disco(replace(rin, reports={**rin.reports, DISCREPANCY: d}), masks, state)
 
 
 class FedDisco(FedskewStrategy):
