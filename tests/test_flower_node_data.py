@@ -183,3 +183,33 @@ def test_node_mode_errors_name_the_problem(tmp_path, one_thread):
         np.savez(per_client / "train" / f"{c}.npz", x=np.zeros((4, 1, 8, 8), np.uint8), y=np.arange(4))
     with pytest.raises(ConfigError, match="only its own data"):
         own_part(cfg.model_copy(update={"data_dir": str(per_client)}), 0)
+
+
+def test_federated_evaluation_per_domain_from_the_nodes_domains(tmp_path, one_thread):
+    """A real federation whose nodes name their domain (node config ``domain``): with no test set on the server, the
+    per-domain accuracy (FedHEAL's AVG and STD) pools the clients' own scores of the global model by domain."""
+    from fedskew.flower.client_app import app
+    from fedskew.flower.inprocess import InProcessGrid, run_in_process
+
+    _, nodes = digits_nodes(tmp_path)
+    values = {"clients": 3, "rounds": 1, "seed": 2, "model": "mlp", "method": "fedavg+heal", "threads": 1}
+    cfg = make_config({**values, "dataset": "npz", "data_dir": NODE_DATA, "out": str(tmp_path / "fl"), "db": None})
+    domains = ["paper", "paper", "screen"]
+    configs = [{"cid": c, "data-dir": str(d), "domain": domains[c]} for c, d in enumerate(nodes)]
+    grid = InProcessGrid(app, configs, run_config(cfg, NODE))
+    run_in_process(cfg, NODE, grid=grid)
+    [record] = _lines(tmp_path / "fl" / "metrics.jsonl")
+    scores = {}
+    for msg in _messages_from_clients(grid, "evaluate"):
+        got = msg.content["scores"]
+        scores[int(msg.content["meta"]["cid"])] = (got["global_local/correct"], got["global_local/count"])
+    paper = (scores[0][0] + scores[1][0]) / (scores[0][1] + scores[1][1])
+    screen = scores[2][0] / scores[2][1]
+    assert record["domain_acc/paper"] == pytest.approx(paper, abs=1e-12)
+    assert record["domain_acc/screen"] == pytest.approx(screen, abs=1e-12)
+    assert record["domain_acc_avg"] == pytest.approx((paper + screen) / 2, abs=1e-12)
+    assert record["domain_acc_std"] == pytest.approx(np.std([paper, screen], ddof=1), abs=1e-12)
+    configs[2].pop("domain")  # some nodes name a domain and one does not: refused, naming it
+    grid = InProcessGrid(app, configs, run_config(cfg, NODE))
+    with pytest.raises(Exception, match=r"clients \[2\] name no domain"):
+        run_in_process(cfg.model_copy(update={"out": str(tmp_path / "fl2")}), NODE, grid=grid)

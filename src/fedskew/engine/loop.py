@@ -113,7 +113,7 @@ def global_views(server: Any, global_params: Params) -> dict[str, float]:
     rec: dict[str, float] = {}
     # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
     rec.update(client_part_views(server.method.client, server.client_server_state, model, data, bs))
-    if data.domains:  # one pass, per domain; the global numbers pool the domains
+    if data.domains and data.test_domain is not None:  # one pass, per domain; the global numbers pool the domains
         assert data.test_domain is not None
         ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
         rec.update(pooled("global", ds))

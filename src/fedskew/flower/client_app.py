@@ -130,7 +130,8 @@ def hello(msg: Message, context: Context) -> Message:
             f"declare ({sorted(declared) or 'none'}): the nodes run another configuration or fedskew version"
         )
     shape = (part.num_classes, part.in_channels, part.image_size)
-    report = NodeReport.measure(client.cid, part.train_hist, shape, declared, wanted)
+    domain = str(context.node_config.get("domain", ""))
+    report = NodeReport.measure(client.cid, part.train_hist, shape, declared, wanted, domain)
     content = report.content(__version__, config_hash(client.cfg))
     return Message(content, reply_to=msg)
 

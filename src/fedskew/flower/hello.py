@@ -43,6 +43,7 @@ class NodeReport:
     num_classes: int
     in_channels: int
     image_size: int
+    domain: str = ""  # the domain its data comes from (its node config `domain`), for per-domain evaluation
 
     def content(self, version: str, digest: str) -> RecordDict:
         """The node's reply (``hello``: the numbers; ``node``: who it is and what it runs)."""
@@ -55,6 +56,7 @@ class NodeReport:
                 "num_classes": self.num_classes,
                 "in_channels": self.in_channels,
                 "image_size": self.image_size,
+                "domain": self.domain,
             }
         )
         return RecordDict({"hello": MetricRecord(values), "node": node, "meta": ConfigRecord({"cid": self.cid})})
@@ -67,9 +69,10 @@ class NodeReport:
         shape: tuple[int, int, int],
         declared: Mapping[str, ClientReport],
         wanted: list[str],
+        domain: str = "",
     ) -> NodeReport:
         """What a node reports: its sample count and the reports asked for, from its own training label histogram
-        (``shape``: its classes, input channels and image size)."""
+        (``shape``: its classes, input channels and image size; ``domain``: its node config's, if any)."""
         return cls(
             cid=cid,
             num_train=int(train_hist.sum()),
@@ -77,6 +80,7 @@ class NodeReport:
             num_classes=shape[0],
             in_channels=shape[1],
             image_size=shape[2],
+            domain=domain,
         )
 
     @classmethod
@@ -108,6 +112,7 @@ class NodeReport:
             num_classes=int(node["num_classes"]),  # type: ignore[arg-type]
             in_channels=int(node["in_channels"]),  # type: ignore[arg-type]
             image_size=int(node["image_size"]),  # type: ignore[arg-type]
+            domain=str(node.get("domain", "")),
         )
 
 

@@ -59,7 +59,7 @@ from fedskew.engine.loop import (
 )
 from fedskew.flower.codec import from_record, to_record
 from fedskew.flower.hello import FederationError, Hello, NodeReport, known_of, server_knows
-from fedskew.flower.server_data import load_test_data, server_view
+from fedskew.flower.server_data import domain_scores, load_test_data, server_view
 from fedskew.flower.settings import FlowerSettings, config_hash, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import ClientUpdate, Params
@@ -319,6 +319,8 @@ class FlowerServer(Simulation):
             return rec, {}
         if self.global_is_local_union and not data.domains and not self.local_names:
             rec.update(pooled("global", scores["global_local"]))
+        if data.domains and data.test_domain is None:  # federated evaluation of a real federation's domains
+            rec.update(domain_scores(data.domains, np.asarray(data.client_domain), scores["global_local"]))
         for v in views:
             rec.update(summarize(v, scores[v]))
         return rec, scores

@@ -13,7 +13,9 @@ import torch
 
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import ClientData, FederatedData, to_float
+from fedskew.engine.evaluate import domain_summary
 from fedskew.flower.hello import NodeReport
+from fedskew.protocol import ClientScores
 
 
 def server_view(full: FederatedData | None, reports: dict[int, NodeReport], cfg: RunConfig, test: Any) -> FederatedData:
@@ -50,6 +52,17 @@ def server_view(full: FederatedData | None, reports: dict[int, NodeReport], cfg:
         local_y=ey,
         local_owner=owner,
     )
+    named = sorted({r.domain for r in reports.values()} - {""})
+    if full is None and named:  # a real federation whose nodes say which domain they hold (node config `domain`)
+        lacking = sorted(c for c, r in reports.items() if not r.domain)
+        if lacking:
+            raise ConfigError(f"nodes of clients {lacking} name no domain while others do (node config domain=NAME)")
+        index = {d: i for i, d in enumerate(named)}
+        view = dataclasses.replace(
+            view,
+            domains=tuple(named),
+            client_domain=np.array([index[reports[c].domain] for c in range(n)], dtype=np.int64),
+        )
     if domains is not None and domains.domains:
         view = dataclasses.replace(
             view,
@@ -80,3 +93,15 @@ def load_test_data(path: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]
     x = check_images(x, f"{file}:{keys[0]}")
     y = check_labels(y, len(x), f"{file}:{keys[1]}", num_classes)
     return x, y
+
+
+def domain_scores(domains: tuple[str, ...], client_domain: np.ndarray, scores: ClientScores) -> dict[str, float]:
+    """Federated evaluation per domain: the global model's scores on the clients' test splits, pooled over the
+    clients of each domain (``domain_acc/NAME``, ``domain_acc_avg``, ``domain_acc_std``, as FedHEAL reports them)."""
+    k = len(domains)
+    per = ClientScores(
+        np.bincount(client_domain, weights=scores.correct, minlength=k),
+        np.bincount(client_domain, weights=scores.loss_sum, minlength=k),
+        np.bincount(client_domain, weights=scores.count, minlength=k),
+    )
+    return domain_summary(domains, per)
