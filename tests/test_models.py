@@ -22,7 +22,15 @@ SHAPES = {
     "resnet10": [(3, 32)],
     "resnet18": [(3, 32)],
     "resnet34": [(3, 32)],
+    "textcnn": [(50, 12), (1000, 64)],  # (vocabulary size, tokens per sample)
 }
+
+
+def _input(name: str, cin: int, size: int) -> torch.Tensor:
+    """A batch of two: token ids ``[2, size]`` below ``cin`` for textcnn, images ``[2, cin, size, size]`` otherwise."""
+    if name == "textcnn":
+        return torch.randint(0, cin, (2, size))
+    return torch.randn(2, cin, size, size)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -30,7 +38,7 @@ def test_forward_backward_and_split(name):
     for cin, size in SHAPES[name]:
         torch.manual_seed(0)
         m = build_model(name, in_channels=cin, image_size=size, num_classes=7)
-        x = torch.randn(2, cin, size, size)
+        x = _input(name, cin, size)
         out = m(x)
         assert out.shape == (2, 7)
         assert m.features(x).ndim == 2 and m.features(x).shape[0] == 2
@@ -60,7 +68,7 @@ def test_moon_projection_head_sits_between_body_and_classifier(name):
     # the base body is unchanged (same names, same initial values)
     base = plain.state_dict()
     assert all(torch.equal(m.state_dict()[k], v) for k, v in base.items() if k.startswith("body."))
-    x = torch.randn(2, cin, size, size)
+    x = _input(name, cin, size)
     assert m.features(x).shape == (2, 32) and m(x).shape == (2, 7)
     m(x).square().sum().backward()
     assert all(p.grad is not None for p in m.parameters())

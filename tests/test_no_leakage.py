@@ -15,7 +15,7 @@ from fedskew.config import FEDCAC_PARTITIONS, PFLLIB_PARTITIONS, ConfigError, ma
 from fedskew.data.partition import PartitionError
 from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
 
-PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "quantity"]  # on digits; domain needs digits_domains
+PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "biased", "quantity"]  # on digits; domain needs digits_domains
 PROTOCOLS = ["fedskew", "pfllib", "fedcac"]
 VALID = {"fedskew": PARTITIONS, "pfllib": PFLLIB_PARTITIONS, "fedcac": FEDCAC_PARTITIONS}  # others are refused
 COMBOS = [(p, proto) for proto in PROTOCOLS for p in VALID[proto]]
@@ -68,6 +68,8 @@ def _values(partition: str, protocol: str, seed: int = 1) -> dict:
     values.update({"samples_per_client": 100, "test_samples_per_client": 30, "db": None})
     if partition == "niid2":
         values["clients"] = 6
+    if partition == "biased":
+        values["uniform_clients"] = 2
     if partition == "quantity":  # quantity skew Dir(alpha) over sizes: 0.1 leaves clients with one sample
         values["alpha"] = 1.0
     return values

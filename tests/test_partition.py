@@ -316,6 +316,7 @@ SCHEMES: dict[str, dict[str, object]] = {
     "pat": {"classes_per_client": 2},
     "dirfixed": {"alpha": 0.3, "samples_per_client": 50},
     "niid2": {},
+    "biased": {"num_uniform": 2},
     "quantity": {"beta": 0.5},
 }
 

@@ -38,7 +38,8 @@ def test_paper_numbers_are_data_with_their_sources():
     assert cells[("fedcac", "table1", "separate", "patho_tiny")] == (86.43, None)
     assert cells[("fedheal", "table2", "fedavg_heal", "avg")] == (78.09, None)
     assert cells[("fedheal", "table2", "fedproto_qffl", "office_std")] == (11.99, None)
-    assert len(cells) == 9 * 10 + 17 * 7 + 7 * 12 + (30 * 12 - 12 * 8 - 2 * 8)
+    assert cells[("feddisco", "table4", "fedprox_disco", "ag_partial")] == (62.86, None)
+    assert len(cells) == 9 * 10 + 17 * 7 + 4 * 2 + 7 * 12 + (30 * 12 - 12 * 8 - 2 * 8)
 
 
 @pytest.mark.parametrize("name", ["fedsa", "feddisco", "fedcac", "fedheal"])

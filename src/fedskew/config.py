@@ -15,7 +15,7 @@ from fedskew.data.settings import DataSettings
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
-PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "quantity", "domain", "given"]
+PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "biased", "quantity", "domain", "given"]
 
 
 DOMAIN_DATASETS = ("digits_domains", "office_caltech")  # the domain suites (fedskew.data.readers.domains)
@@ -43,11 +43,18 @@ NOT_IDENTITY = frozenset(
         "workers",
         "batched_clients",
         "channels_last",
+        "state_store",
+        "state_memory",
         "log",
         "log_group",
         "log_uri",
     }
 )
+
+
+# keys added after runs were recorded with this schema: left out of an experiment's identity at their default, so
+# that experiments recorded before keep their identity (group keys, sweep folder names)
+ADDED_AT_DEFAULT: dict[str, Any] = {"uniform_clients": 1}
 
 
 # the keys that define a *setting*: the data and the federation (figures group an experiment's curves by them; an
@@ -58,6 +65,7 @@ SETTING_KEYS = (
     "partition",
     "alpha",
     "classes_per_client",
+    "uniform_clients",
     "pat_scheme",
     "min_size",
     "samples_per_client",
@@ -99,7 +107,10 @@ class RunConfig(StrictSettings):
     )
     partition: PartitionName = "dir"
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
-    classes_per_client: int = Field(2, ge=1, description="classes per client (pat)")
+    classes_per_client: int = Field(2, ge=1, description="classes per client (pat), per biased client (biased)")
+    uniform_clients: int = Field(
+        1, ge=0, description="biased: clients holding every class; the other clients are biased (FedDisco's AG News)"
+    )
     pat_scheme: Literal["random", "pfllib"] = Field("random", description="pat: random classes or PFLlib's blocks")
     min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
     samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
@@ -143,7 +154,7 @@ class RunConfig(StrictSettings):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     drop_last: bool = False
-    model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, or auto")
+    model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, textcnn (token ids), or auto")
     norm: Literal["bn", "gn"] = "bn"
     divergence_factor: float = Field(
         100.0,
@@ -196,6 +207,17 @@ class RunConfig(StrictSettings):
         description="keep convolution weights and activations in channels-last memory order (faster convolutions "
         "on CPU, benchmarks/round_time.py); equal to the default layout up to float32 rounding",
     )
+    state_store: Literal["auto", "memory", "disk"] = Field(
+        "auto",
+        description="where per-client state lives (own models, control variates, personalized models): memory, or "
+        "disk (arrays in <run dir>/client_state, only a round's clients in RAM; identical results); auto: disk when "
+        "the estimate exceeds state_memory",
+    )
+    state_memory: int | str | None = Field(
+        None,
+        description="RAM budget for per-client state under state_store auto, e.g. 2GB or 512MiB (default: a quarter "
+        "of this machine's RAM)",
+    )
     log: list[str] = Field(
         default_factory=list,
         description="live loggers: tensorboard, mlflow, wandb (or a comma-separated string); each needs its extra "
@@ -217,6 +239,15 @@ class RunConfig(StrictSettings):
         least = {"eval_batch_size": 1, "checkpoint_every": 0}[info.field_name]
         if v != "auto" and v < least:
             raise ValueError(f"must be auto or an integer >= {least}")
+        return v
+
+    @field_validator("state_memory")
+    @classmethod
+    def _size(cls, v: int | str | None) -> int | str | None:
+        from fedskew.sizes import parse_size
+
+        if v is not None:
+            parse_size(v)  # ValueError: not a size
         return v
 
     @field_validator("log", mode="before")
@@ -296,6 +327,9 @@ class RunConfig(StrictSettings):
         """The settings that define an experiment (everything except seed and where output goes). For a dataset that
         *is* its data directory (folder, npz) the directory is part of it: two folders are two experiments."""
         ident = self.model_dump(exclude=NOT_IDENTITY)
+        for key, default in ADDED_AT_DEFAULT.items():
+            if ident.get(key) == default:
+                del ident[key]
         if _reads_data_dir(self.dataset):
             ident["data_dir"] = self.data_dir
         return ident

@@ -26,8 +26,10 @@ import torch
 from fedskew import __version__
 from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, dump_yaml, load_yaml, make_config
 from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.readers.base import VOCAB_FILE, vocabulary_digest, vocabulary_text
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
+from fedskew.engine.state_store import STATE_DIR, StoreDirError, StoreFiles
 from fedskew.methods import resolve_method
 from fedskew.results.loggers import LogContext, Loggers, check_installed
 from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
@@ -76,6 +78,14 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     else:
         key, stat = "global_acc", "last_n_mean"
     return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
+
+
+def vocabulary_fields(data: FederatedData) -> dict[str, Any]:
+    """Summary fields of a text run: its vocabulary's file in the run directory, size and SHA-1 (``{}`` without)."""
+    if not data.vocabulary:
+        return {}
+    voc = data.vocabulary
+    return {"vocabulary": {"file": VOCAB_FILE, "size": len(voc), "sha1": vocabulary_digest(voc)}}
 
 
 def domain_fields(cfg: RunConfig, domains: tuple[str, ...]) -> dict[str, Any]:
@@ -206,7 +216,8 @@ def run_experiment(
     model_name = resolve_model_name(cfg, data, method) if model is None else user_model_name(model)
     cfg = cfg.model_copy(update={"model": model_name})
     resume = resume or (not overwrite and out_dir.is_dir() and _same_experiment(out_dir, cfg))
-    sim = Simulation(cfg, data, method, model)  # refuses what it cannot run before anything is written
+    # refuses what it cannot run before anything is written; a disk-backed client-state store writes nothing yet
+    sim = Simulation(cfg, data, method, model, state_dir=out_dir / STATE_DIR, owner=run_id)
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite, resume=resume)
     for msg in rd.notes:
         note(msg)
@@ -223,9 +234,18 @@ def run_experiment(
         rd.cut_rounds(ckpt["round"])
         note(f"resuming {out_dir} after round {ckpt['round']} (checkpoint)")
     else:
+        try:
+            if overwrite:  # the replaced run's client state: its store's own files, nothing else
+                StoreFiles.remove_dir(out_dir / STATE_DIR)
+            sim.state_store.create()  # a disk store takes its directory now, refusing one that is not its own
+        except StoreDirError as exc:
+            rd.unlock()
+            raise ConfigError(f"cannot run into {out_dir}: {exc}") from None
         rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds)
         rd.write_file("config.yaml", dump_yaml(cfg))
         rd.write_file("clients.json", json.dumps(label_table(data)))
+        if data.vocabulary:  # text: the word of every token id, so that the run's model can be read back
+            rd.write_file(VOCAB_FILE, vocabulary_text(data.vocabulary))
     rd.set_status("running", run_id=run_id)
     records = rd.read_lines("metrics.jsonl")
     # live trackers on the same record stream (started at the first finished round; never stop the run)
@@ -294,6 +314,7 @@ def run_experiment(
     except BaseException as exc:
         loggers.close()
         if not records:  # no round finished: leave no trace
+            sim.state_store.remove()
             rd.discard()
             raise
         done = rd.status().get("checkpoint_round") or 0
@@ -324,10 +345,12 @@ def run_experiment(
             "checkpoints": ckpt_count,
             "checkpoint_time": ckpt_time,
             **domain_fields(cfg, data.domains),
+            **vocabulary_fields(data),
         }
     )
     summary["headline"] = headline(cfg, summary)
     rd.finish("diverged" if diverged else "finished", summary)
+    sim.state_store.remove()  # like the checkpoint, the client state is kept only while the run can be resumed
     loggers.end(summary)
     loggers.close()
     if cfg.db:

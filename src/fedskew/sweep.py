@@ -366,16 +366,38 @@ def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
 
 
 _QUEUE: Any = None
+_DEVICE: tuple[int, int] = (0, 0)  # (this worker's index, GPUs visible)
 
 
-def _init_worker(queue: Any) -> None:
-    global _QUEUE
+def worker_device(device: str, index: int, gpus: int) -> str:
+    """The device of pool worker ``index``: ``cuda`` with several GPUs visible is ``cuda:<index mod gpus>`` (runs
+    spread one GPU per worker, round-robin); any other device stays as it is."""
+    return f"cuda:{index % gpus}" if device == "cuda" and gpus > 1 else device
+
+
+def _init_worker(queue: Any, counter: Any = None, gpus: int = 0) -> None:
+    global _QUEUE, _DEVICE
     _QUEUE = queue
+    if counter is not None:
+        with counter.get_lock():
+            _DEVICE, counter.value = (counter.value, gpus), counter.value + 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # between runs; a run installs its own checkpointing handler
 
 
 def _pool_task(task: Task) -> RunResult:
+    device = task.values.get("device")
+    if device == "cuda" and worker_device(device, *_DEVICE) != device:
+        task = Task(task.name, {**task.values, "device": worker_device(device, *_DEVICE)}, task.state)
     return execute_run(task, _QUEUE.put)
+
+
+def _visible_gpus(todo: list[Task]) -> int:
+    """GPUs to spread the pool's runs over: counted only when some run asks for plain ``cuda``."""
+    if not any(t.values.get("device") == "cuda" for t in todo):
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def _mp_context() -> Any:
@@ -423,11 +445,14 @@ def run_sweep(
     jobs: int = 1,
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
+    executor: Callable[..., bool] | None = None,
 ) -> SweepOutcome:
     """Run every planned run that is not done: ``jobs`` at a time in worker processes (``jobs=1``: one after the
-    other in this process). ``on_event`` gets the runs' progress events, ``on_result`` each run's result (skipped
-    runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new one, and
-    returns with ``interrupted``; running the sweep again continues where it stopped."""
+    other in this process; with ``cuda`` and several GPUs, one GPU per worker), or by ``executor`` (called as
+    ``executor(todo, on_event, results, on_result)``, returning whether it was interrupted: the Ray executor,
+    :mod:`fedskew.ray_executor`). ``on_event`` gets the runs' progress events, ``on_result`` each run's result
+    (skipped runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new
+    one, and returns with ``interrupted``; running the sweep again continues where it stopped."""
     emit = on_event or (lambda ev: None)
     report = on_result or (lambda r: None)
     results: dict[str, RunResult] = {}
@@ -449,7 +474,9 @@ def run_sweep(
 
     check_installed(dict.fromkeys(n for t in todo for n in t.values.get("log") or []))  # before any run starts
     interrupted = False
-    if jobs <= 1 or len(todo) <= 1:
+    if executor is not None:
+        interrupted = bool(todo) and executor(todo, emit, results, report)
+    elif jobs <= 1 or len(todo) <= 1:
         for i, task in enumerate(todo):
             try:
                 res = execute_run(task, emit)
@@ -500,8 +527,10 @@ def _run_pool(
 
     old_term = signal.signal(signal.SIGTERM, forward_term) if on_main else None
 
+    worker_args = (queue, ctx.Value("i", 0), _visible_gpus(todo))
+
     def new_pool() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+        return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=worker_args)
 
     pool = new_pool()
     waiting = list(reversed(todo))  # submitted only as workers free up: after Ctrl-C no new run starts

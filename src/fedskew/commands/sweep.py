@@ -37,6 +37,10 @@ def add_parsers(sub: Any) -> None:
         "--tuned", default=None, help="tuned.yaml of `fedskew tune`: runs take their method's tuned arguments"
     )
     sw.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
+    sw.add_argument(
+        "--device", default=None, help="every run's device: cpu, cuda (--jobs N: one GPU per worker), cuda:1"
+    )
+    add_executor_flags(sw)
     sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -71,8 +75,45 @@ def add_parsers(sub: Any) -> None:
         "and a host+plug-in row against its host)",
     )
     rp.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
+    add_executor_flags(rp)
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
     rp.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def add_executor_flags(p: Any) -> None:
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local: --jobs processes on this machine; ray: each run a Ray task anywhere in a Ray cluster, its files "
+        "and database rows written here (extra [ray]; docs/sweeps.md)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="--executor ray: the cluster (HOST:PORT, auto; default auto when RAY_ADDRESS is set, else a Ray "
+        "instance on this machine with --jobs CPUs)",
+    )
+    p.add_argument(
+        "--gpus-per-run",
+        type=float,
+        default=None,
+        help="--executor ray: GPUs each run reserves (default 1 with a cuda device, else 0; 0.5: two runs per GPU)",
+    )
+
+
+def make_executor(args: argparse.Namespace, jobs: int | None, device: str | None) -> Any:
+    """The Ray executor the flags ask for (``None``: the local pool); refuses Ray-only flags without it."""
+    if args.executor != "ray":
+        if args.address or args.gpus_per_run is not None:
+            from fedskew.config import ConfigError
+
+            raise ConfigError("--address and --gpus-per-run go with --executor ray")
+        return None
+    from fedskew.ray_executor import RayExecutor, check_ray
+
+    check_ray()  # a clear message, before anything else, when Ray is not installed
+    return RayExecutor(address=args.address, jobs=jobs, device=device, gpus_per_run=args.gpus_per_run)
 
 
 class Display:
@@ -115,6 +156,8 @@ class Display:
     def _event(self, ev: tuple[Any, ...]) -> None:
         kind, name = ev[0], ev[1]
         if kind == "start" and name not in self.done:
+            if name in self.tasks:  # started again (its Ray worker died): one bar
+                self.progress.remove_task(self.tasks.pop(name))
             label = self.labels.get(name, name)
             self.tasks[name] = self.progress.add_task(f"  {label}", total=ev[3], completed=ev[2] - 1, info="")
         elif kind == "round" and name in self.tasks:
@@ -156,6 +199,17 @@ def tuned_note(runs: list[Any], path: str) -> str:
     return "\n".join(lines)
 
 
+def with_device(runs: list[Any], device: str) -> list[Any]:
+    """The runs on ``device`` (``--device``: where they run, not what they compute, so the same folders)."""
+    from fedskew.config import make_config
+    from fedskew.sweep import PlannedRun
+
+    return [
+        PlannedRun(r.name, make_config({**r.cfg.model_dump(), "device": device}), r.label, r.point, r.tuned)
+        for r in runs
+    ]
+
+
 def _states(runs: list[Any]) -> list[str]:
     from fedskew.sweep import run_state
 
@@ -167,12 +221,12 @@ def _states(runs: list[Any]) -> list[str]:
     return lines
 
 
-def _run_all(runs: list[Any], jobs: int, quiet: bool) -> Any:
+def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None) -> Any:
     from fedskew.sweep import run_sweep
 
     with Display(len(runs), quiet) as display:
         display.labels = {r.name: r.label for r in runs}
-        return run_sweep(runs, jobs=jobs, on_event=display.event, on_result=display.result)
+        return run_sweep(runs, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor)
 
 
 def _closing(outcome: Any, log_dir: Path) -> int:
@@ -213,15 +267,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     jobs = args.jobs or spec.jobs or 1
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    # on Ray, --device applies on the nodes (this machine may have no GPU); --jobs caps the runs at a time
+    executor = make_executor(args, args.jobs or spec.jobs, args.device)
     runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
+    if args.device and executor is None:
+        runs = with_device(runs, args.device)
     db = runs[0].cfg.db if runs else None
-    print(f"sweep {spec.name}: {len(runs)} runs, {jobs} at a time; database {db}", file=sys.stderr)
+    at = f"on {executor.where()}" if executor else f"{jobs} at a time"
+    print(f"sweep {spec.name}: {len(runs)} runs, {at}; database {db}", file=sys.stderr)
     if spec.tuned:
         print(tuned_note(runs, spec.tuned), file=sys.stderr)
     if args.dry_run:
         print("\n".join(_states(runs)))
         return 0
-    outcome = _run_all(runs, jobs, args.quiet)
+    outcome = _run_all(runs, jobs, args.quiet, executor)
     ids = set(outcome.run_ids())
     if ids and db and Path(db).is_file():
         with ResultsDB(db) as store:
@@ -247,7 +306,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    executor = make_executor(args, args.jobs if args.jobs > 1 else None, args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() and args.scale != "smoke" else None)
+    if executor is not None:
+        device = None  # on Ray, --device applies on the nodes
     rows = args.rows.split(",") if args.rows else None
     plan = make_plan(
         paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows, tuned=args.tuned
@@ -267,7 +329,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print("error: nothing to run here (see the reasons above)", file=sys.stderr)
         return 2
     runs = planned_runs(plan)
-    print(f"{len(runs)} runs, {args.jobs} at a time, into {plan.out}/", file=sys.stderr)
+    at = f"on {executor.where()}" if executor else f"{args.jobs} at a time"
+    print(f"{len(runs)} runs, {at}, into {plan.out}/", file=sys.stderr)
     if plan.tuned:
         print(tuned_note(runs, plan.tuned), file=sys.stderr)
     if args.dry_run:
@@ -275,7 +338,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     with Display(len(runs), args.quiet) as display:
         display.labels = {r.name: r.label for r in runs}
-        rep = run_reproduction(plan, jobs=args.jobs, on_event=display.event, on_result=display.result)
+        rep = run_reproduction(
+            plan, jobs=args.jobs, on_event=display.event, on_result=display.result, executor=executor
+        )
     print(rep.markdown)
     print(f"written: {', '.join(str(p) for p in rep.files[:3])}; {len(rep.files) - 3} figure(s) in {plan.out}/figures/")
     return _closing(rep.outcome, plan.out)

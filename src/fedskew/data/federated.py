@@ -74,10 +74,18 @@ class FederatedData:
     client_domain: np.ndarray | None = None  # [N] domain index of each client
     test_domain: Tensor | None = None  # domain index of each global test sample
     test_index: np.ndarray | None = None  # source index of every global test sample (module docstring)
+    # text: the word of every token id (the reader's, built from the training split); written to RUN_DIR/vocab.txt
+    vocabulary: tuple[str, ...] = ()
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    @property
+    def holds_tokens(self) -> bool:
+        """Whether the samples are token ids (integer tensors, text) rather than float images or features."""
+        x = self.clients[0].x_train if self.clients else self.x_test
+        return not x.is_floating_point()
 
     @property
     def num_train(self) -> np.ndarray:
@@ -95,18 +103,30 @@ class Pool(NamedTuple):
         return Pool(self.x[idx], self.y[idx], self.index[idx])
 
 
+def is_tokens(x: np.ndarray) -> bool:
+    """Whether ``x`` holds token ids (an integer array other than uint8: a text reader's ``[N, L]``)."""
+    return x.dtype.kind in "iu" and x.dtype != np.uint8
+
+
 def to_float(x: np.ndarray, device: torch.device | str) -> Tensor:
     """uint8 images -> float32 in [-1, 1] ((x/255 - 0.5) / 0.5, as PFLlib stores them); floating-point features
-    (user data through :mod:`fedskew.api`) are taken as they are, as float32."""
+    (user data through :mod:`fedskew.api`) are taken as they are, as float32; token ids (:func:`is_tokens`) stay
+    integers, as int64, for the model's embedding."""
     t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    if is_tokens(x):
+        return t.long()
     if t.is_floating_point():
         return t.float()
     return t.float().div_(127.5).sub_(1.0)
 
 
-def input_shape(x: np.ndarray) -> tuple[int, int]:
-    """``(in_channels, image_size)`` the model zoo builds for: square images ``[N, C, S, S]`` are (C, S); any other
-    sample shape is a flat feature vector of (product of the sample's dimensions, 1), which ``auto`` gives an MLP."""
+def input_shape(x: np.ndarray, vocab_size: int = 0) -> tuple[int, int]:
+    """``(in_channels, image_size)`` the model zoo builds for: square images ``[N, C, S, S]`` are (C, S); token ids
+    ``[N, L]`` are (vocabulary size, L), the vocabulary size ``vocab_size`` (else the largest id + 1), which
+    ``textcnn`` embeds; any other sample shape is a flat feature vector of (product of the sample's dimensions, 1),
+    which ``auto`` gives an MLP."""
+    if x.ndim == 2 and is_tokens(x):
+        return vocab_size or (int(x.max()) + 1 if x.size else 2), int(x.shape[1])
     if x.ndim == 4 and x.shape[2] == x.shape[3]:
         return int(x.shape[1]), int(x.shape[2])
     return int(np.prod(x.shape[1:])), 1
@@ -131,6 +151,7 @@ def partition_params(cfg: DataSettings) -> dict[str, object]:
         "pat": {"classes_per_client": cfg.classes_per_client, "scheme": cfg.pat_scheme},
         "dirfixed": {"alpha": cfg.alpha, "samples_per_client": cfg.samples_per_client},
         "niid2": {},
+        "biased": {"classes_per_client": cfg.classes_per_client, "num_uniform": cfg.uniform_clients},
         "quantity": {"beta": cfg.alpha},
     }[cfg.partition]
 
@@ -143,9 +164,11 @@ def _assemble(
     test_parts: list[np.ndarray],
     gtest: Pool,
     dev: torch.device,
+    vocabulary: tuple[str, ...] = (),
     **domain_fields: object,
 ) -> FederatedData:
-    """The federation from per-client train/test indices into ``pool``; ``gtest`` is the global test set."""
+    """The federation from per-client train/test indices into ``pool``; ``gtest`` is the global test set;
+    ``vocabulary``: the words of the token ids (text)."""
     x_all = to_float(pool.x, dev)
     y_all = torch.from_numpy(pool.y.astype(np.int64)).to(dev)
     clients = []
@@ -155,11 +178,12 @@ def _assemble(
         tr_i, te_i = pool.index[tr], pool.index[te]
         clients.append(ClientData(cid, x_all[tr_t], y_all[tr_t], x_all[te_t], y_all[te_t], tr_i, te_i))
     owner = torch.cat([torch.full((len(te),), cid, dtype=torch.long) for cid, te in enumerate(test_parts)]).to(dev)
+    in_channels, image_size = input_shape(pool.x, len(vocabulary))
     return FederatedData(
         name=name,
         num_classes=num_classes,
-        in_channels=input_shape(pool.x)[0],
-        image_size=input_shape(pool.x)[1],
+        in_channels=in_channels,
+        image_size=image_size,
         clients=clients,
         x_test=to_float(gtest.x, dev),
         y_test=torch.from_numpy(gtest.y.astype(np.int64)).to(dev),
@@ -169,6 +193,7 @@ def _assemble(
         local_y=torch.cat([c.y_test for c in clients]),
         local_owner=owner,
         test_index=gtest.index,
+        vocabulary=vocabulary,
         **domain_fields,  # type: ignore[arg-type]
     )
 
@@ -252,7 +277,14 @@ def build_pfllib(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
     train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))
     test_idx = np.concatenate(test_parts)
     return _assemble(
-        ds.name, ds.num_classes, pool, train_parts, test_parts, pool.take(test_idx), torch.device(cfg.device)
+        ds.name,
+        ds.num_classes,
+        pool,
+        train_parts,
+        test_parts,
+        pool.take(test_idx),
+        torch.device(cfg.device),
+        ds.vocabulary,
     )
 
 
@@ -339,7 +371,9 @@ def build_fedcac(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
     pool = Pool(np.concatenate([a.x, b.x]), np.concatenate([a.y, b.y]), np.concatenate([a.index, b.index]))
     train_parts = [np.searchsorted(used_tr, p) for p in train_parts]
     test_parts = [len(used_tr) + np.searchsorted(used_te, p) for p in test_parts]
-    return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, te, torch.device(cfg.device))
+    return _assemble(
+        ds.name, ds.num_classes, pool, train_parts, test_parts, te, torch.device(cfg.device), ds.vocabulary
+    )
 
 
 def dirfixed_local_split(cfg: DataSettings, y_pool: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -521,4 +555,5 @@ def _build_split(cfg: DataSettings, dataset: ImageDataset | ClientDatasets | Non
         )
         split_rng = numpy_rng(cfg.seed, Purpose.SPLIT, 1)
         train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, split_rng)
-    return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, gtest, torch.device(cfg.device))
+    dev = torch.device(cfg.device)
+    return _assemble(ds.name, ds.num_classes, pool, train_parts, test_parts, gtest, dev, ds.vocabulary)

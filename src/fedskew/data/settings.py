@@ -29,7 +29,8 @@ class DataSettings:
     partition: str
     alpha: float  # dir, dirfixed, quantity (as beta)
     min_size: int  # dir
-    classes_per_client: int  # pat
+    classes_per_client: int  # pat; biased (a biased client's classes)
+    uniform_clients: int  # biased
     pat_scheme: str  # pat
     samples_per_client: int  # dirfixed, protocol fedcac
     test_samples_per_client: int  # protocol fedcac

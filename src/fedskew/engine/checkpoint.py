@@ -6,6 +6,12 @@ clients hold after training, every client's persistent state (control variates, 
 FedAMP's own models, local head / BN groups), and the server-side state of the strategy and of the local algorithm
 (Disco, HEAL, FedCAC, FedAMP, SCAFFOLD's global control variate). The reusable training module itself carries no
 state between rounds: every client loads what it received.
+
+The three per-client maps (``personal``, ``trained``, ``client_states``) come from the simulation's client-state
+store (``engine/state_store.py``): in RAM the checkpoint holds the dicts; on disk it holds a
+:class:`~fedskew.engine.state_store.StoreRef` per map (the store's id and directory, each client's layout and slot),
+the tensors stay in the store's files, and capturing pins the slots it references (only the latest capture of a
+store stays valid).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedskew.engine.loop import Simulation
+from fedskew.engine.state_store import MAPS
 
 STATE_ATTRS = ("global_params", "personal", "trained", "client_states", "server_state", "client_server_state")
 FORMAT = 1
@@ -20,7 +27,9 @@ FORMAT = 1
 
 def capture(sim: Simulation) -> dict[str, Any]:
     """The simulation's state after its last finished round (shared, not copied: save it before the next round)."""
-    return {"format": FORMAT, **{name: getattr(sim, name) for name in STATE_ATTRS}}
+    state = {name: getattr(sim, name) for name in STATE_ATTRS}
+    state.update(sim.state_store.capture({name: state[name] for name in MAPS}))
+    return {"format": FORMAT, **{name: state[name] for name in STATE_ATTRS}}
 
 
 def restore(sim: Simulation, state: dict[str, Any]) -> None:
@@ -36,4 +45,6 @@ def restore(sim: Simulation, state: dict[str, Any]) -> None:
     ):
         raise ValueError("the checkpoint's model does not match this configuration's model")
     for name in STATE_ATTRS:
-        setattr(sim, name, state[name])
+        if name not in MAPS:
+            setattr(sim, name, state[name])
+    sim.bind_states(sim.state_store.restore({name: state[name] for name in MAPS}))

@@ -9,7 +9,7 @@ direction only (tests/test_boundaries.py keeps it so).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor, nn
@@ -36,7 +36,7 @@ class ClientHost(Protocol):
     method: Method
     model: nn.Module
     settings: TrainSettings
-    client_states: dict[int, dict[str, Any]]
+    client_states: MutableMapping[int, dict[str, Any]]  # a dict, or a disk store's map (engine/state_store.py)
 
     def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> ClientUpdate: ...
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,7 @@ from fedskew.engine.rounds import (
     train_settings,
     with_local,
 )
+from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import (
     LABEL_HIST,
@@ -92,6 +94,9 @@ __all__ = [
     "user_model_name",
     "with_local",
 ]
+
+
+EVAL_CHUNK = 64  # per-client evaluation: clients whose models are scored together (held in RAM at once)
 
 
 def _same_samples(data: FederatedData) -> bool:
@@ -144,19 +149,19 @@ class Simulation:
         model: UserModel | None = None,
         *,
         known: tuple[np.ndarray, Mapping[str, np.ndarray]] | None = None,
+        state_dir: Path | None = None,
+        owner: str = "",
     ) -> None:
         """``known``: what the server knows of the clients (training sample counts ``[N]``, and the client reports the
         method declared, name -> ``[N, d]``) when not computed from ``data``'s partition (a deployment: the clients
-        sent them)."""
+        sent them). ``state_dir``: where a disk-backed client-state store lives (``cfg.state_store``; the runner
+        passes ``<run dir>/client_state``, default a temporary directory); ``owner``: the run, for its marker."""
         self.cfg = cfg
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
         self.model = init_model(cfg, data, self.method, model)
         self.global_params: Params = snapshot(self.model)
         self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
-        self.personal: dict[int, Params] = {}  # per-client models the server sent (personalized strategies)
-        self.trained: dict[int, Params] = {}  # personalized methods: each client's model after its latest training
-        self.client_states: dict[int, dict[str, Any]] = {c: {} for c in range(data.num_clients)}
         self.settings = train_settings(cfg)
         num_train, reports = known or (data.num_train, client_reports(self.method.reports, data.train_hists))
         self.reports: dict[str, np.ndarray] = dict(reports)  # only the declared ones (protocol.ClientReport)
@@ -172,10 +177,24 @@ class Simulation:
         )
         local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
         self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
-        if self.local_names:  # a client that has not trained yet holds the initial model's entries, not the average
-            initial = {k: self.global_params[k] for k in self.local_names}
-            for state in self.client_states.values():
-                state["local_params"] = initial
+        # a client that has not trained yet holds the initial model's entries, not the average
+        initial = {k: self.global_params[k] for k in self.local_names}
+        # the per-client maps, in RAM or on disk (engine/state_store.py): client_states (each client's persistent
+        # state), personal (the models the server sent: personalized strategies), trained (personalized methods:
+        # each client's model after its latest training)
+        self.state_store = open_state_store(
+            cfg,
+            self.method,
+            self.global_params,
+            data.num_clients,
+            default_state=(lambda: {"local_params": initial}) if initial else dict,
+            directory=state_dir,
+            owner=owner,
+        )
+        self.client_states: MutableMapping[int, dict[str, Any]]
+        self.personal: MutableMapping[int, Params]
+        self.trained: MutableMapping[int, Params]
+        self.bind_states(self.state_store.maps)
         self.eval_batch = (
             auto_eval_batch(self.model, data.x_test) if cfg.eval_batch_size == "auto" else cfg.eval_batch_size
         )
@@ -189,6 +208,10 @@ class Simulation:
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
         self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
         self.batched = self._batched is not None
+
+    def bind_states(self, maps: Mapping[str, MutableMapping[int, Any]]) -> None:
+        """Use these per-client maps (the store's, after a restore)."""
+        self.client_states, self.personal, self.trained = (maps[name] for name in MAPS)
 
     @property
     def model_name(self) -> str:
@@ -222,6 +245,7 @@ class Simulation:
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        self.state_store.close()
 
     def open_round(self, rnd: int) -> RoundPlan:
         """Start round ``rnd``: sample (seeded by (seed, round)), draw the drop-outs, prepare the upload buffers;
@@ -244,6 +268,7 @@ class Simulation:
             self._keep_trained(cid, update)
         if rejected is None or self.cfg.on_bad_update == "fail":
             plan.losses.append((cid, update.num_samples, update.metrics.get("train_loss", math.nan)))
+        self.state_store.release(cid)  # this round is done with the client's state: to disk (a disk store)
 
     def close_round(self, plan: RoundPlan) -> RoundResult:
         """Aggregate the round's uploads with the method's server strategy, evaluate on the cadence, record."""
@@ -280,6 +305,7 @@ class Simulation:
             record["skipped_aggregation"] = "every sampled client dropped out"
         else:
             record["skipped_aggregation"] = "no sampled client replied" if plan.failed else "no valid upload"
+        self.state_store.commit()  # a disk store writes the round's remaining client state (personalized models)
         t2 = time.perf_counter()
 
         scores: dict[str, ClientScores] = {}
@@ -358,14 +384,14 @@ class Simulation:
         """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),
         with the state-dict entries it keeps for itself (``method.local``) overlaid."""
         params = base if base is not None else self.personal.get(cid, self.global_params)
-        own = self.client_states[cid].get("local_params")
+        own = peek_entry(self.client_states, cid, "local_params")
         return {**params, **own} if own else params
 
     def personal_params(self, cid: int) -> Params:
         """Client ``cid``'s personalized model now, i.e. after aggregation: the model it keeps for itself (Ditto,
         FedAMP) or else what it would start its next round from (FedCAC's customized model, or the global model
         with its local entries for FedPer/FedRep/FedBN/Local)."""
-        own = self.method.client.personal_model(self.client_states[cid])
+        own = self.method.client.personal_model(peek(self.client_states, cid))
         return own if own is not None else self.params_for(cid)
 
     def trained_params(self, cid: int) -> Params:
@@ -396,13 +422,17 @@ class Simulation:
         return out
 
     def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
+        """Each client's model on its test split, ``EVAL_CHUNK`` clients' models in RAM at a time (a disk store
+        reads them one by one)."""
         data = self.data
         correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
-        passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), ("client", c.cid)) for c in data.clients]
-        for c, batches in zip(data.clients, self.batch_scores_of(passes), strict=True):
-            owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
-            s = accumulate(batches, owner, 1)
-            correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
+        for i in range(0, len(data.clients), EVAL_CHUNK):
+            chunk = data.clients[i : i + EVAL_CHUNK]
+            passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), ("client", c.cid)) for c in chunk]
+            for c, batches in zip(chunk, self.batch_scores_of(passes), strict=True):
+                owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
+                s = accumulate(batches, owner, 1)
+                correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
         return ClientScores(correct, loss, count)
 
     def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:

@@ -20,16 +20,20 @@ if TYPE_CHECKING:
 
 
 def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | None = None) -> str:
-    """The model ``auto`` stands for: ``cnn`` for images of at least 16 px, else ``mlp``; a method that keeps the
-    normalization layers on the clients (FedBN) gets ``lenet_bn``, the smallest zoo model with BatchNorm."""
+    """The model ``auto`` stands for: ``textcnn`` for token ids (text), ``cnn`` for images of at least 16 px, else
+    ``mlp``; a method that keeps the normalization layers on the clients (FedBN) gets ``lenet_bn``, the smallest zoo
+    model with BatchNorm."""
     if cfg.model != "auto":
         return cfg.model
+    if data.holds_tokens:
+        return "textcnn"
     if method is not None and "norm" in method.local:
         return "lenet_bn"
     return "cnn" if data.image_size >= 16 else "mlp"
 
 
 UserModel = nn.Module | Callable[[], nn.Module]
+TEXT_MODEL = "textcnn"  # the zoo's model of token ids
 
 
 def user_model_name(model: UserModel) -> str:
@@ -58,10 +62,18 @@ def init_model(
         raise ConfigError(
             f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
         )
+    name = resolve_model_name(cfg, data, method)
+    if (name == TEXT_MODEL) != data.holds_tokens:
+        raise ConfigError(
+            f"dataset {data.name!r} holds token ids (text): use --model {TEXT_MODEL} (or auto)"
+            if data.holds_tokens
+            else f"model {TEXT_MODEL!r} reads token ids (a text dataset such as ag_news); dataset {data.name!r} holds "
+            f"images or features: choose another model (or auto)"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
         model = build_model(
-            resolve_model_name(cfg, data, method),
+            name,
             in_channels=data.in_channels,
             image_size=data.image_size,
             num_classes=data.num_classes,

@@ -83,6 +83,8 @@ def unpack(raw: bytes) -> Any:
 # ---- the worker side ----------------------------------------------------------------------------------------------
 def _init_worker() -> None:
     torch.set_num_threads(1)
+    if _SIM is not None:  # the parent's client_states is the one source of truth (a disk store: its files only)
+        _SIM.client_states = {}
     # never write into the parent's streams (a progress bar may have replaced them with proxies holding locks)
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
 
@@ -183,6 +185,17 @@ class ClientWorkers:
 
     def close(self) -> None:
         if os.getpid() != self._owner:
+            return
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())
+        if getattr(self._pool, "_broken", False):
+            # a worker died: the others may be stuck (a forked child can inherit a lock some thread of the parent
+            # held), so waiting for them could hang; stop them and do not wait
+            for proc in processes:
+                if proc.is_alive():
+                    proc.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for proc in processes:
+                proc.join(timeout=10)
             return
         self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -131,7 +131,8 @@ def hello(msg: Message, context: Context) -> Message:
         )
     shape = (part.num_classes, part.in_channels, part.image_size)
     domain = str(context.node_config.get("domain", ""))
-    report = NodeReport.measure(client.cid, part.train_hist, shape, declared, wanted, domain)
+    tokens = not part.client.x_train.is_floating_point()
+    report = NodeReport.measure(client.cid, part.train_hist, shape, declared, wanted, domain, tokens, part.vocabulary)
     content = report.content(__version__, config_hash(client.cfg))
     return Message(content, reply_to=msg)
 

@@ -44,6 +44,8 @@ class NodeReport:
     in_channels: int
     image_size: int
     domain: str = ""  # the domain its data comes from (its node config `domain`), for per-domain evaluation
+    tokens: bool = False  # its samples are token ids [N, L] (text; in_channels is then the vocabulary size)
+    vocabulary: str = ""  # text: a hash of its vocabulary (the words of the ids), which every node must share
 
     def content(self, version: str, digest: str) -> RecordDict:
         """The node's reply (``hello``: the numbers; ``node``: who it is and what it runs)."""
@@ -57,6 +59,8 @@ class NodeReport:
                 "in_channels": self.in_channels,
                 "image_size": self.image_size,
                 "domain": self.domain,
+                "tokens": self.tokens,
+                "vocabulary": self.vocabulary,
             }
         )
         return RecordDict({"hello": MetricRecord(values), "node": node, "meta": ConfigRecord({"cid": self.cid})})
@@ -70,6 +74,8 @@ class NodeReport:
         declared: Mapping[str, ClientReport],
         wanted: list[str],
         domain: str = "",
+        tokens: bool = False,
+        vocabulary: str = "",
     ) -> NodeReport:
         """What a node reports: its sample count and the reports asked for, from its own training label histogram
         (``shape``: its classes, input channels and image size; ``domain``: its node config's, if any)."""
@@ -81,6 +87,8 @@ class NodeReport:
             in_channels=shape[1],
             image_size=shape[2],
             domain=domain,
+            tokens=tokens,
+            vocabulary=vocabulary,
         )
 
     @classmethod
@@ -113,6 +121,8 @@ class NodeReport:
             in_channels=int(node["in_channels"]),  # type: ignore[arg-type]
             image_size=int(node["image_size"]),  # type: ignore[arg-type]
             domain=str(node.get("domain", "")),
+            tokens=bool(node.get("tokens", False)),
+            vocabulary=str(node.get("vocabulary", "")),
         )
 
 

@@ -55,6 +55,7 @@ class NodePart:
     in_channels: int
     image_size: int
     client: ClientData
+    vocabulary: str = ""  # text: a hash of the token ids' words (every node must share them), "" for images
 
     def federation(self) -> FederatedData:
         """A federation holding only this client (what the engine's model and training code read of the data)."""
@@ -100,7 +101,7 @@ def _save(path: Path, part: NodePart) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     c = part.client
     payload: dict[str, Any] = {
-        "meta": [part.name, part.num_classes, part.in_channels, part.image_size, c.cid],
+        "meta": [part.name, part.num_classes, part.in_channels, part.image_size, c.cid, part.vocabulary],
         **{f: getattr(c, f).cpu() for f in _FIELDS if getattr(c, f) is not None},
     }
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
@@ -116,12 +117,12 @@ def _save(path: Path, part: NodePart) -> None:
 def _load(path: Path, device: str) -> NodePart | None:
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
-        name, num_classes, in_channels, image_size, cid = payload["meta"]
+        name, num_classes, in_channels, image_size, cid, vocabulary = payload["meta"]
         tensors = {f: payload.get(f) for f in _FIELDS}
         client = ClientData(int(cid), **tensors)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, whatever is wrong with it
         return None
-    return NodePart(str(name), int(num_classes), int(in_channels), int(image_size), client)
+    return NodePart(str(name), int(num_classes), int(in_channels), int(image_size), client, str(vocabulary))
 
 
 def cached_part(cfg: RunConfig, cid: int, node_config: dict[str, Any] | None = None) -> NodePart:
@@ -136,7 +137,14 @@ def cached_part(cfg: RunConfig, cid: int, node_config: dict[str, Any] | None = N
     data = build_federated(cfg)
     if cid >= data.num_clients:
         raise ConfigError(f"this node is client {cid}, but the federation has clients 0..{data.num_clients - 1}")
-    part = NodePart(data.name, data.num_classes, data.in_channels, data.image_size, data.clients[cid])
+    part = NodePart(
+        data.name,
+        data.num_classes,
+        data.in_channels,
+        data.image_size,
+        data.clients[cid],
+        vocabulary_hash(data.vocabulary),
+    )
     del data
     if path is not None:
         try:
@@ -196,5 +204,13 @@ def own_part(cfg: RunConfig, cid: int) -> NodePart:
     client = ClientData(
         cid, to_float(x, dev), torch.from_numpy(y).to(dev), x_test_t, y_test_t, x_val=x_val, y_val=y_val
     )
-    in_channels, image_size = input_shape(x)
-    return NodePart(src.name, src.num_classes, in_channels, image_size, client)  # type: ignore[arg-type]
+    vocabulary = tuple(getattr(src, "vocabulary", ()) or ())
+    in_channels, image_size = input_shape(x, len(vocabulary))
+    return NodePart(src.name, src.num_classes, in_channels, image_size, client, vocabulary_hash(vocabulary))  # type: ignore[arg-type]
+
+
+def vocabulary_hash(vocabulary: tuple[str, ...]) -> str:
+    """A short hash of a text dataset's vocabulary (the word of every token id); "" for images."""
+    if not vocabulary:
+        return ""
+    return hashlib.sha256("\n".join(vocabulary).encode()).hexdigest()[:16]

@@ -112,12 +112,18 @@ class GridLink:
             raise FederationError(
                 f"the federation needs clients 0..{num_clients - 1} once each; connected: {sorted(self.nodes)}"
             )
-        shapes = {(r.num_classes, r.in_channels, r.image_size) for r in reports.values()}
+        shapes = {(r.num_classes, r.in_channels, r.image_size, r.tokens) for r in reports.values()}
         if len(shapes) > 1:
             seen = {cid: (r.num_classes, r.in_channels, r.image_size) for cid, r in sorted(reports.items())}
             raise FederationError(
-                f"the clients' data disagree on (classes, channels, image size): {seen}; every node's data must have "
-                "the same classes and input shape (an .npz can store num_classes)"
+                f"the clients' data disagree on (classes, channels or vocabulary size, image size or sequence length): "
+                f"{seen}; every node's data must have the same classes and input shape (an .npz can store num_classes)"
+            )
+        if len({r.vocabulary for r in reports.values()}) > 1:
+            seen_v = {cid: r.vocabulary for cid, r in sorted(reports.items())}
+            raise FederationError(
+                f"the clients' text vocabularies differ (hashes {seen_v}): each node built its own from its training "
+                "file, so the same id means different words; give every node the same vocabulary"
             )
         return reports
 

@@ -28,7 +28,10 @@ def server_view(full: FederatedData | None, reports: dict[int, NodeReport], cfg:
         x_test, y_test, name, domains = full.x_test, full.y_test, full.name, full
     else:
         dev = torch.device(cfg.device)
-        if test is None:
+        if test is None and first.tokens:  # text: token ids [N, L]
+            x_test = torch.zeros((0, first.image_size), dtype=torch.long, device=dev)
+            y_test = torch.zeros(0, dtype=torch.long, device=dev)
+        elif test is None:
             x_test = torch.zeros((0, first.in_channels, first.image_size, first.image_size), device=dev)
             y_test = torch.zeros(0, dtype=torch.long, device=dev)
         else:

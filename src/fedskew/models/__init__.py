@@ -4,6 +4,10 @@ State-dict names therefore start with ``body.`` or ``head.``, which is what pers
 FedRep: local head), and :func:`norm_keys` names the normalization layers' entries (FedBN). No model uses dropout,
 so forward passes are deterministic given the weights (the engine relies on it for reproducibility).
 
+Text: ``textcnn`` reads int64 token ids ``[B, L]``; ``build_model`` then takes the vocabulary size as
+``in_channels`` and the sequence length as ``image_size`` (what :func:`fedskew.data.federated.input_shape` gives for
+token ids).
+
 ``build_model(..., projection=D)`` appends MOON's projection head to the body (``body.proj``: Linear d→d, ReLU,
 Linear d→D) and makes the classifier read its D-dimensional output, as the official MOON model (``ModelFedCon``:
 base → projection MLP → classifier); the body's output is then the projected representation MOON contrasts.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 MODELS: dict[str, str] = {
@@ -24,6 +29,7 @@ MODELS: dict[str, str] = {
     "resnet10": "CIFAR ResNet-10: 3x3 stem 64, four stages of one basic block (64/128/256/512)",
     "resnet18": "CIFAR ResNet-18: 3x3 stem 64, no max-pool, basic blocks [2,2,2,2]",
     "resnet34": "CIFAR ResNet-34: 3x3 stem 64, no max-pool, basic blocks [3,4,6,3]",
+    "textcnn": "TextCNN on token ids (FedDisco's AG News model): embedding 128, convs 3/4/5 x 100, max over time",
 }
 
 
@@ -129,6 +135,36 @@ RESNETS = {
 }
 
 
+#: TextCNN (Kim 2014; the baseline of Zhang & Wallace 2015): embedding width, convolution widths, filters per width
+TEXTCNN_EMBED, TEXTCNN_WIDTHS, TEXTCNN_FILTERS = 128, (3, 4, 5), 100
+
+
+class TokenConvs(nn.Module):
+    """TextCNN's feature extractor: token ids ``[B, L]`` -> embedding ``[B, L, E]`` (id 0 pads: its vector stays 0)
+    -> for each width w a ``Conv1d(E, filters, w)`` over the sequence, ReLU, max over time -> the widths' maxima
+    concatenated, ``[B, filters * len(widths)]``."""
+
+    def __init__(self, vocab_size: int, embed_dim: int, widths: tuple[int, ...], filters: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        self.convs = nn.ModuleList(nn.Conv1d(embed_dim, filters, w) for w in widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e = self.embedding(x).transpose(1, 2)  # [B, E, L]
+        return torch.cat([conv(e).relu().amax(dim=2) for conv in self.convs], dim=1)
+
+
+def textcnn(vocab_size: int, seq_len: int, num_classes: int) -> FedModel:
+    """TextCNN on token ids of a ``vocab_size`` vocabulary, ``seq_len`` per sample; the head reads the 300 maxima."""
+    if seq_len < max(TEXTCNN_WIDTHS):
+        raise ValueError(
+            f"model 'textcnn': sequences of {seq_len} tokens are shorter than its widest convolution "
+            f"({max(TEXTCNN_WIDTHS)})"
+        )
+    body = nn.Sequential(TokenConvs(vocab_size, TEXTCNN_EMBED, TEXTCNN_WIDTHS, TEXTCNN_FILTERS))
+    return FedModel(body, nn.Linear(TEXTCNN_FILTERS * len(TEXTCNN_WIDTHS), num_classes))
+
+
 PROJECTION = "body.proj."  # state-dict prefix of MOON's projection head
 
 
@@ -153,8 +189,9 @@ def add_projection(model: FedModel, dim: int) -> FedModel:
 def build_model(
     name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn", projection: int = 0
 ) -> FedModel:
-    """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs;
-    ``projection > 0`` adds MOON's projection head of that width (:func:`add_projection`)."""
+    """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs (``textcnn``:
+    a vocabulary of ``in_channels`` ids, sequences of ``image_size`` tokens); ``projection > 0`` adds MOON's
+    projection head of that width (:func:`add_projection`)."""
     if norm not in ("bn", "gn"):
         raise ValueError(f"norm must be 'bn' or 'gn', got {norm!r}")
     if in_channels < 1 or image_size < 1 or num_classes < 2:
@@ -167,6 +204,8 @@ def build_model(
         model = cnn(in_channels, image_size, num_classes)
     elif name in ("lenet", "lenet_bn"):
         model = lenet(in_channels, image_size, num_classes, bn=name == "lenet_bn")
+    elif name == "textcnn":
+        model = textcnn(in_channels, image_size, num_classes)
     elif name in RESNETS:
         blocks, widths = RESNETS[name]
         model = resnet(blocks, widths, in_channels, num_classes, norm)

@@ -54,12 +54,14 @@ def run_reproduction(
     jobs: int = 1,
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
+    executor: Callable[..., bool] | None = None,
 ) -> Reproduction:
-    """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``."""
+    """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``; ``executor``: see
+    :func:`fedskew.sweep.run_sweep` (the Ray executor)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "sweep.yaml").write_text(dump_spec(plan.spec()))
     runs = planned_runs(plan)
-    outcome = run_sweep(runs, jobs=jobs, on_event=on_event, on_result=on_result)
+    outcome = run_sweep(runs, jobs=jobs, on_event=on_event, on_result=on_result, executor=executor)
     return assemble(plan, runs, outcome)
 
 

@@ -105,6 +105,13 @@ def dataset_status(dataset: str, data_dir: str | None) -> tuple[str | None, list
         if lacking:
             return f"HAM10000 files not found: missing {', '.join(lacking)} (searched {where})", []
         return None, []
+    if dataset == "ag_news":
+        from fedskew.data.readers.ag_news import ag_news_missing
+
+        lacking, where = ag_news_missing(data_dir)
+        if lacking:
+            return f"AG News files not found: missing {', '.join(lacking)} (searched {where})", []
+        return None, []
     if dataset in DOMAIN_DATASETS:
         return None, []
     spec = find_spec(dataset)

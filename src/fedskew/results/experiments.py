@@ -25,7 +25,7 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     """The experiment a stored configuration ran: :meth:`RunConfig.identity` with the method's hyper-parameters
     resolved (defaults included). A configuration from an older version is re-validated (missing keys take their
     defaults); one that no longer validates is compared on its keys, missing ones taken as today's defaults."""
-    from fedskew.config import NOT_IDENTITY, make_config
+    from fedskew.config import ADDED_AT_DEFAULT, NOT_IDENTITY, make_config
     from fedskew.methods import resolve_method
 
     where = {"device": "cpu", "out": None, "db": None, "data_dir": None, "download": False}
@@ -33,6 +33,7 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
         ident = make_config({**config, **where}).identity()
     except Exception:  # noqa: BLE001 - any stored config that cannot be re-validated is compared as stored
         ident = {k: v for k, v in {**_field_defaults(), **config}.items() if k not in NOT_IDENTITY}
+        ident = {k: v for k, v in ident.items() if not (k in ADDED_AT_DEFAULT and v == ADDED_AT_DEFAULT[k])}
     try:
         method = resolve_method(str(ident.get("method")), ident.get("method_args") or {})
         ident["method"], ident["method_args"] = method.name, dict(method.args)

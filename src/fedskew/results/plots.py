@@ -47,6 +47,7 @@ __all__ = ["DPI", "PAGE_WIDTH", "FigureInfo", "accuracy_figures", "read_jsonl", 
 _PARTITION_KEYS = {
     "dir": ("alpha", "min_size"),
     "pat": ("classes_per_client", "pat_scheme"),
+    "biased": ("classes_per_client", "uniform_clients"),
     "dirfixed": ("alpha", "samples_per_client"),
     "quantity": ("alpha",),
     "domain": ("domain_fraction", "image_size"),

@@ -9,6 +9,8 @@ Layout (every name in :data:`OWN_FILES` is fedskew's; nothing else in the direct
     client_metrics.jsonl   one line per evaluated round: every client's accuracy and loss per view
     skew.jsonl             parameter-skew probes
     checkpoint.pt          everything the next round needs (while the run is unfinished)
+    client_state/          per-client state on disk (--state-store disk), which checkpoint.pt references; the
+                           engine's store creates, reopens and removes it (its own files only), not this module
     summary.json           written when the run ends (finished or diverged)
     .lock                  held by the one process writing the directory
 

@@ -14,18 +14,21 @@ Schemes and where they come from:
   FedDisco NIID-1).
 - :func:`dirichlet_fixed` -- per-client Dir(alpha) over classes, fixed samples per client (FedCAC / Fling).
 - :func:`niid2` -- FedDisco NIID-2: biased 2-class clients plus unbiased all-class clients, equal sizes.
+- :func:`biased_uniform` -- FedDisco's AG News split (``biased``): k-class biased clients plus uniform all-class
+  clients, equal sizes (``niid2`` is k = 2).
 - :func:`long_tail` -- exponentially imbalanced subset (CIFAR-LT style), to be partitioned afterwards.
 - :func:`domain_skew` -- FedHEAL: each client a random disjoint fraction of one domain's training set.
 - :func:`train_test_split_clients` -- per-client train/test split (PFLlib 75/25).
 
-The schemes live in this package by responsibility -- :mod:`.label_skew` (``pat``, ``dir``, ``dirfixed``, ``niid2``),
-:mod:`.sizes` (IID, quantity skew, long tail, domain skew), :mod:`.split` (train/test splits and label histograms),
-:mod:`.registry` (:func:`make_partition`), :mod:`.base` (:class:`PartitionError` and the shared checks) -- and are
-all importable from here.
+The schemes live in this package by responsibility -- :mod:`.label_skew` (``pat``, ``dir``, ``dirfixed``, ``niid2``,
+``biased``), :mod:`.sizes` (IID, quantity skew, long tail, domain skew), :mod:`.split` (train/test splits and label
+histograms), :mod:`.registry` (:func:`make_partition`), :mod:`.base` (:class:`PartitionError` and the shared checks)
+-- and are all importable from here.
 """
 
 from fedskew.data.partition.base import PartitionError
 from fedskew.data.partition.label_skew import (
+    biased_uniform,
     client_class_proportions,
     dirichlet,
     dirichlet_fixed,
@@ -40,6 +43,7 @@ from fedskew.data.partition.split import label_histograms, train_test_split_clie
 __all__ = [
     "PARTITIONS",
     "PartitionError",
+    "biased_uniform",
     "client_class_proportions",
     "dirichlet",
     "dirichlet_fixed",

@@ -1,8 +1,9 @@
 """Label-skew partitions: which classes a client holds and how many of each (``pat``, ``dir``, ``dirfixed``,
-``niid2``), and PFLlib's least-samples rule."""
+``niid2``, ``biased``), and PFLlib's least-samples rule."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -301,31 +302,63 @@ def niid2(
     clients hold C*s samples (for odd C: C and 2 shards, 2*C*s samples). The shard size is the largest s every
     class can supply, ``min_c floor(n_c / demand_c)``; for FedDisco's setting (5 biased + 1 unbiased, 10
     balanced classes) that is their ``n / (10 * 6)``, e.g. 833 on CIFAR-10 (8,330 per client). Unused samples
-    are dropped.
+    are dropped. This is :func:`biased_uniform` with 2 classes per biased client.
+    """
+    return biased_uniform(labels, num_biased, num_unbiased, rng, classes_per_biased=2, name="niid2")
+
+
+def biased_uniform(
+    labels: np.ndarray | Sequence[int],
+    num_biased: int,
+    num_uniform: int,
+    rng: np.random.Generator,
+    *,
+    classes_per_biased: int = 2,
+    name: str = "biased",
+) -> list[np.ndarray]:
+    """FedDisco's biased and uniform clients (its AG News split; :func:`niid2` is the case of 2 classes):
+    ``num_biased`` clients holding ``classes_per_biased`` = k classes each, then ``num_uniform`` clients holding every
+    class; every client the same number of samples.
+
+    Classes sorted; biased client i gets classes (k*i + j) mod C, j = 0..k-1. Samples are dealt in shards of s
+    samples: with m = lcm(C, k), a biased client takes m/k shards of each of its classes and a uniform client m/C
+    shards of every class, so every client holds m*s samples, its classes in equal parts. The shard size is the
+    largest s every class can supply, ``min_c floor(n_c / demand_c)``; each class's samples are shuffled once and
+    dealt in client order, so clients are disjoint. Unused samples are dropped.
     """
     y = _as_labels(labels)
     n = len(y)
     b = _check_int("num_biased", num_biased, 0)
-    u = _check_int("num_unbiased", num_unbiased, 0)
+    u = _check_int("num_uniform", num_uniform, 0)
     if b + u < 1:
-        raise PartitionError("niid2 needs at least one client (num_biased + num_unbiased >= 1)")
+        raise PartitionError(f"{name} needs at least one client (biased + uniform clients >= 1)")
     _check_rng(rng)
     classes, pools = _class_pools(y)
     n_cls = len(classes)
     if n_cls < 2:
-        raise PartitionError(f"niid2 needs at least 2 classes, the labels have {n_cls}")
-    per_biased, per_unbiased = (n_cls // 2, 1) if n_cls % 2 == 0 else (n_cls, 2)
-    biased_classes = [((2 * i) % n_cls, (2 * i + 1) % n_cls) for i in range(b)]
-    demand = np.full(n_cls, per_unbiased * u, dtype=np.int64)
-    for pair in biased_classes:
-        demand[list(pair)] += per_biased
+        raise PartitionError(f"{name} needs at least 2 classes, the labels have {n_cls}")
+    k = _check_int("classes_per_client", classes_per_biased, 1)
+    if k > n_cls:
+        raise PartitionError(
+            f"{name}: classes_per_client={k} (per biased client) exceeds the number of classes present in the labels "
+            f"({n_cls})"
+        )
+    m = math.lcm(n_cls, k)
+    per_biased, per_uniform = m // k, m // n_cls
+    biased_classes = [tuple((k * i + j) % n_cls for j in range(k)) for i in range(b)]
+    demand = np.full(n_cls, per_uniform * u, dtype=np.int64)
+    for held in biased_classes:
+        demand[list(held)] += per_biased
     sizes = np.array([len(p) for p in pools])
     used = demand > 0
     shard = int(np.min(sizes[used] // demand[used]))
     if shard < 1:
+        c = int(np.flatnonzero(used & (sizes < demand))[0])
         raise PartitionError(
-            f"niid2: some class cannot supply one shard per demand "
-            f"{_fmt(n_samples=n, num_biased=b, num_unbiased=u, num_classes=n_cls)}"
+            f"{name}: class {int(classes[c])} has {int(sizes[c])} samples but the clients need {int(demand[c])} "
+            f"shards of it (of at least one sample) "
+            f"{_fmt(n_samples=n, num_biased=b, num_uniform=u, classes_per_client=k, num_classes=n_cls)}; "
+            "use fewer clients"
         )
     shuffled = [rng.permutation(p) for p in pools]
     taken = np.zeros(n_cls, dtype=np.int64)
@@ -335,6 +368,6 @@ def niid2(
         taken[c] += count
         return out
 
-    parts = [np.concatenate([take(c, per_biased * shard) for c in pair]) for pair in biased_classes]
-    parts += [np.concatenate([take(c, per_unbiased * shard) for c in range(n_cls)]) for _ in range(u)]
+    parts = [np.concatenate([take(c, per_biased * shard) for c in held]) for held in biased_classes]
+    parts += [np.concatenate([take(c, per_uniform * shard) for c in range(n_cls)]) for _ in range(u)]
     return _finish(parts)

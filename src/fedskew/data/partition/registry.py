@@ -9,7 +9,7 @@ from typing import Literal
 import numpy as np
 
 from fedskew.data.partition.base import PartitionError, _check_int
-from fedskew.data.partition.label_skew import dirichlet, dirichlet_fixed, niid2, pathological
+from fedskew.data.partition.label_skew import biased_uniform, dirichlet, dirichlet_fixed, niid2, pathological
 from fedskew.data.partition.sizes import iid, quantity_skew
 
 # ----------------------------------------------------------------------------------------------- registry
@@ -93,6 +93,21 @@ def _p_niid2(
     return niid2(labels, k - u, u, rng)
 
 
+def _p_biased(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    classes_per_client: int = 2,
+    num_uniform: int = 1,
+) -> list[np.ndarray]:
+    u = _check_int("num_uniform", num_uniform, 0)
+    k = _check_int("num_clients", num_clients, 1)
+    if u > k:
+        raise PartitionError(f"biased: uniform_clients={u} exceeds num_clients={k}")
+    return biased_uniform(labels, k - u, u, rng, classes_per_biased=classes_per_client)
+
+
 def _p_quantity(
     labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, beta: float, min_size: int = 1
 ) -> list[np.ndarray]:
@@ -106,6 +121,7 @@ PARTITIONS: dict[str, Partitioner] = {
     "pat": _p_pat,
     "dirfixed": _p_dirfixed,
     "niid2": _p_niid2,
+    "biased": _p_biased,
     "quantity": _p_quantity,
 }
 
@@ -121,7 +137,9 @@ def make_partition(
 
     Parameters: iid(balanced, sigma); dir(alpha, min_size, balance, max_retries); pat(classes_per_client,
     scheme, balanced, least_samples); dirfixed(alpha, samples_per_client, disjoint, proportions);
-    niid2(num_unbiased=1: the other num_clients - num_unbiased clients are biased); quantity(beta, min_size).
+    niid2(num_unbiased=1: the other num_clients - num_unbiased clients are biased); biased(classes_per_client=2,
+    num_uniform=1: the other num_clients - num_uniform clients hold classes_per_client classes each);
+    quantity(beta, min_size).
     """
     fn = PARTITIONS.get(name)
     if fn is None:

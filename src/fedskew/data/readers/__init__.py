@@ -1,4 +1,5 @@
-"""Readers of dataset files, returning uint8 (or, for user arrays, float) image arrays ``[N, C, H, W]``.
+"""Readers of dataset files, returning uint8 (or, for user arrays, float) image arrays ``[N, C, H, W]`` (text:
+int64 token ids ``[N, L]`` with their vocabulary).
 
 One module per format family, each registering its datasets with :func:`register_reader`
 (:mod:`fedskew.data.readers.registry` describes the registry and where files are looked for):
@@ -13,6 +14,7 @@ One module per format family, each registering its datasets with :func:`register
 ``cinic``                 CINIC-10 image folders (:mod:`.cinic`)
 ``office``                Office-Caltech-10 domain folders (:mod:`.office`)
 ``ham10000``              HAM10000: metadata CSV and the two JPEG folders, uniform test split (:mod:`.ham10000`)
+``ag_news``               AG News: the official CSV pair as token ids and a training vocabulary (:mod:`.ag_news`)
 ``folder``                your images, one sub-folder per class, cached (:mod:`.folder`)
 ``npz``                   your arrays: one .npz, or per-client files incl. PFLlib's format (:mod:`.npz`)
 ``domains``               the Digits domain suite built from the above (:func:`digits_domains`)

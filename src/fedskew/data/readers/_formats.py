@@ -8,7 +8,20 @@ import pkgutil
 from pathlib import Path
 
 PACKAGE = __name__.rpartition(".")[0]
-BUILTIN = ("digits", "idx", "usps", "cifar", "svhn", "tinyimagenet", "cinic", "office", "ham10000", "folder", "npz")
+BUILTIN = (
+    "digits",
+    "idx",
+    "usps",
+    "cifar",
+    "svhn",
+    "tinyimagenet",
+    "cinic",
+    "office",
+    "ham10000",
+    "ag_news",
+    "folder",
+    "npz",
+)
 # modules that hold shared code, not formats
 INFRASTRUCTURE = frozenset({"base", "registry", "download", "images", "domains"})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
 import os
 import pickle
 import tempfile
@@ -39,6 +40,10 @@ class ImageDataset:
     (used as they are: arrays a user gives already normalised, e.g. PFLlib's). ``x_test``/``y_test`` are None when
     the dataset has no official test split (``digits``, an image folder without ``test/``); a seeded ``holdout`` is
     then taken. ``classes`` names the labels where the format has names (image folders), else it is empty.
+
+    Text (``ag_news``): samples are int64 token ids ``[N, L]`` (0 pads, 1 is an unknown word) and ``vocabulary``
+    names every id (``vocabulary[i]`` is the word of id ``i``); the engine keeps the ids as integers and the model
+    zoo's ``textcnn`` embeds them. Empty for every image dataset.
     """
 
     name: str
@@ -48,6 +53,7 @@ class ImageDataset:
     y_test: np.ndarray | None
     num_classes: int
     classes: tuple[str, ...] = ()
+    vocabulary: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.x_train.ndim < 2 or len(self.x_train) != len(self.y_train):
@@ -66,6 +72,17 @@ class ImageDataset:
                 f"{self.name}: x_test must be shaped as x_train with one label per image, "
                 f"got {self.x_test.shape} and {self.y_test.shape}"
             )
+        if self.vocabulary:
+            for x in (self.x_train, self.x_test):
+                if x is None:
+                    continue
+                if x.ndim != 2 or x.dtype.kind not in "iu" or x.dtype == np.uint8:
+                    raise DataError(f"{self.name}: token ids must be an integer array [N, L], got {x.dtype} {x.shape}")
+                if x.size and (x.min() < 0 or x.max() >= len(self.vocabulary)):
+                    raise DataError(
+                        f"{self.name}: token ids must lie in 0..{len(self.vocabulary) - 1} (the vocabulary), "
+                        f"found [{x.min()}, {x.max()}]"
+                    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,3 +208,16 @@ def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+VOCAB_FILE = "vocab.txt"  # a text run's vocabulary in its run directory
+
+
+def vocabulary_text(vocabulary: tuple[str, ...]) -> str:
+    """A vocabulary as ``vocab.txt`` holds it: one word per line, line ``i`` the word of token id ``i``."""
+    return "".join(f"{w}\n" for w in vocabulary)
+
+
+def vocabulary_digest(vocabulary: tuple[str, ...]) -> str:
+    """SHA-1 of :func:`vocabulary_text` (a run's summary records it, a cache key includes it)."""
+    return hashlib.sha1(vocabulary_text(vocabulary).encode()).hexdigest()

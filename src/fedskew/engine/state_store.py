@@ -1,0 +1,591 @@
+"""Where the per-client state of a simulation lives: in RAM (``memory``, plain dicts, the default for small
+federations) or on disk (``disk``), behind one mapping interface per client id.
+
+A simulation keeps three per-client maps (:data:`MAPS`): ``client_states`` (each client's persistent state: SCAFFOLD's
+``c_i``, MOON's previous model, Ditto's and FedAMP's own model, local heads or BatchNorm entries), ``personal`` (the
+model the server sent each client: FedCAC, FedAMP) and ``trained`` (each client's model after its latest training,
+personalized methods). In RAM they grow with every client that ever trained; with ``state_store: disk`` they are
+:class:`DiskMap` s over preallocated arrays on disk (``engine/state_files.py``), and RAM holds only the clients a round
+is working on.
+
+How a :class:`DiskMap` behaves, so that the engine and every client part work unchanged:
+
+* ``states[cid]`` returns the client's state as the plain nested dict of tensors the client code expects (read from
+  disk, tensors on their original device with their dtype, shape and strides, bit for bit). In ``client_states``
+  the value is kept in a write-back cache until :meth:`DiskMap.release` (the loop calls it once the client's upload
+  is taken) or :meth:`DiskMap.commit` (end of every round), so a client part may change it in place, as it does in
+  RAM. ``states[cid] = value`` caches the value the same way. :meth:`DiskMap.peek` and ``get`` read without caching
+  (evaluation reads every client once: nothing stays in RAM).
+* A value is split into *entries* (``client_states``: its top-level keys; ``personal``/``trained``: the whole model);
+  the tensors of an entry are packed into one row of the entry's array (one array per namespace, entry and
+  signature, created when the first client writes that entry); everything else (numbers, strings, ``None``, empty
+  dicts, tensors without elements) is kept in RAM per client and travels in the checkpoint.
+* A trained model that *is* an entry of the client's state (Ditto's, FedAMP's, FedALA's own model: the same object)
+  is stored once, as an alias of that entry; before the entry is overwritten without the trained model (a client
+  whose malformed upload was dropped keeps its trained view), the alias is replaced by the value itself.
+
+Checkpoints and crashes. Each client has two slots in every array. The store remembers for each client the slot
+holding its latest value (``live``) and the slot the last checkpoint references (``pinned``). A write goes to the
+live slot when that is not pinned, otherwise to the other slot, so a slot a checkpoint references is never
+written until the next checkpoint replaces it. :meth:`DiskMap.reference` (what a checkpoint holds instead of the
+tensors) first writes the cache back and fsyncs the arrays, then records the per-client layouts, slots and small
+values, and pins the live slots. A run killed at any point (mid-round, mid-write, mid-checkpoint) therefore resumes
+from its last checkpoint with exactly the state that checkpoint saw: the rows written after it sit in other slots,
+and the checkpoint file itself is replaced by a rename. Only the latest checkpoint of a store is valid.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedskew.client.local import LocalAlgorithm
+from fedskew.engine.state_files import ArraySpec, Signature, StoreDirError, StoreFiles
+from fedskew.sizes import parse_size, physical_memory
+
+__all__ = [
+    "MAPS",
+    "STATE_DIR",
+    "ClientStateStore",
+    "DiskMap",
+    "StoreDirError",
+    "StoreFiles",
+    "StoreRef",
+    "choose_store",
+    "memory_budget",
+    "open_state_store",
+    "peek",
+    "peek_entry",
+    "state_copies",
+]
+
+STATE_DIR = "client_state"  # the store's directory inside a run directory
+MAPS = ("client_states", "personal", "trained")  # the simulation's per-client maps, in checkpoint order
+_DEPTH = {"client_states": 1, "personal": 0, "trained": 0}  # where a value splits into entries (one array each)
+BUDGET_SHARE = 0.25  # state_memory's default: this share of the machine's RAM
+FALLBACK_BUDGET = 4 * 10**9  # where the platform does not say how much RAM it has
+
+
+# ---- the choice of backend ----------------------------------------------------------------------------------------
+def memory_budget(setting: str | int | None) -> int:
+    """Bytes of per-client state a run may keep in RAM: ``state_memory``, else a quarter of this machine's RAM."""
+    if setting is not None:
+        return parse_size(setting)
+    ram = physical_memory()
+    return int(ram * BUDGET_SHARE) if ram else FALLBACK_BUDGET
+
+
+def state_copies(method: Any) -> int:
+    """Model copies a method's clients keep, an upper estimate: 2 for a personalized method (its own or the server's
+    model, and the model its `trained` view evaluates) or a client part with state of its own (MOON, SCAFFOLD,
+    FedDyn, FedDC, ...), 1 for client-kept groups only (FedPer's head, FedBN's norms), else 0."""
+    if method.personalized or type(method.client) is not LocalAlgorithm:
+        return 2
+    return 1 if method.local else 0
+
+
+def choose_store(
+    setting: Literal["auto", "memory", "disk"], budget: int, per_client: int, num_clients: int
+) -> Literal["memory", "disk"]:
+    """``memory`` or ``disk``: as set, or for ``auto`` disk exactly when the estimated state of all clients
+    (``per_client`` bytes each) exceeds ``budget`` bytes."""
+    if setting != "auto":
+        return setting
+    return "disk" if per_client * num_clients > budget else "memory"
+
+
+def peek(mapping: MutableMapping[int, Any], cid: int) -> Any:
+    """``mapping[cid]`` for reading only: a :class:`DiskMap` then neither caches nor writes it back."""
+    return mapping.peek(cid) if isinstance(mapping, DiskMap) else mapping[cid]
+
+
+def peek_entry(mapping: MutableMapping[int, Any], cid: int, key: str) -> Any:
+    """``mapping[cid].get(key)`` for reading only; a :class:`DiskMap` reads that entry alone."""
+    return mapping.peek_entry(cid, key) if isinstance(mapping, DiskMap) else mapping[cid].get(key)
+
+
+# ---- one map on disk -----------------------------------------------------------------------------------------------
+_EMPTY = object()  # an empty dict in a value (kept as such)
+# a layout's leaf: ("t", path, array, index, stride, requires_grad, device, parameter) | ("s", path, i) | ("d", path)
+Leaf = tuple[Any, ...]
+
+
+def _flatten(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` of a nested dict, depth first in insertion order. Dicts with str/int keys are descended (a
+    dict subclass comes back as a plain dict); a dict with other keys is one leaf, kept whole in RAM."""
+    if isinstance(value, dict):
+        if not value:
+            yield path, _EMPTY
+            return
+        if all(isinstance(k, str | int) and not isinstance(k, bool) for k in value):
+            for k, v in value.items():
+                yield from _flatten(v, (*path, k))
+            return
+    yield path, value
+
+
+def _storable(t: Any) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.numel() > 0
+
+
+def _kept_stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides to restore: ``None`` for a contiguous tensor (or one whose elements overlap or leave gaps, which
+    comes back contiguous), else its own (a permuted dense layout, e.g. channels-last)."""
+    if t.is_contiguous():
+        return None
+    expected = 1
+    for i in sorted(range(t.dim()), key=lambda i: t.stride(i)):
+        if t.shape[i] != 1 and t.stride(i) != expected:
+            return None
+        expected *= t.shape[i]
+    return tuple(t.stride())
+
+
+@dataclass(frozen=True)
+class StoreRef:
+    """What a checkpoint holds of a :class:`DiskMap` instead of its tensors: the store and the map it belongs to, each
+    client's layout (the tensors' arrays and the small values) and the slot holding its value."""
+
+    store_id: str
+    directory: str
+    namespace: str
+    num_clients: int
+    layouts: tuple[tuple[Leaf, ...], ...]
+    layout_of: np.ndarray  # int32 [N]: index into layouts, -1: no value stored
+    slot: np.ndarray  # int8 [N]
+    small: dict[int, tuple[Any, ...]]
+
+
+class DiskMap(MutableMapping[int, Any]):
+    """One per-client map on disk (see the module docstring). ``default``: the value of a client never written
+    (``client_states``: a fresh state; the map then holds every client); ``mutable``: values fetched with ``[cid]``
+    are cached and written back (``client_states``), else only assigned values are."""
+
+    def __init__(
+        self,
+        files: StoreFiles,
+        namespace: str,
+        *,
+        depth: int,
+        default: Callable[[], Any] | None = None,
+        mutable: bool = False,
+    ) -> None:
+        n = files.num_clients
+        self.files, self.namespace, self.depth, self.default, self.mutable = files, namespace, depth, default, mutable
+        self._layouts: list[tuple[Leaf, ...]] = []
+        self._layout_ids: dict[tuple[Leaf, ...], int] = {}
+        self._layout_of = np.full(n, -1, dtype=np.int32)
+        self._live = np.full(n, -1, dtype=np.int8)
+        self._pinned = np.full(n, -1, dtype=np.int8)
+        self._small: dict[int, tuple[Any, ...]] = {}
+        self._cache: dict[int, Any] = {}
+        self.source: DiskMap | None = None  # the map an alias points into (trained -> client_states)
+        self.dependents: list[DiskMap] = []  # maps that may hold aliases into this one
+
+    # ---- mapping -------------------------------------------------------------------------------------------------
+    def _check(self, cid: Any) -> int:
+        if isinstance(cid, bool) or not isinstance(cid, int | np.integer) or not 0 <= cid < len(self._layout_of):
+            raise KeyError(cid)
+        return int(cid)
+
+    def __getitem__(self, cid: int) -> Any:
+        cid = self._check(cid)
+        if cid in self._cache:
+            return self._cache[cid]
+        if self._layout_of[cid] >= 0:
+            value = self._load(cid)
+        elif self.default is not None:
+            value = self.default()
+        else:
+            raise KeyError(cid)
+        if self.mutable:
+            self._cache[cid] = value
+        return value
+
+    def peek(self, cid: int, default: Any = None) -> Any:
+        """The client's value without caching it (``default`` when it has none)."""
+        try:
+            cid = self._check(cid)
+        except KeyError:
+            return default
+        if cid in self._cache:
+            return self._cache[cid]
+        if self._layout_of[cid] >= 0:
+            return self._load(cid)
+        return self.default() if self.default is not None else default
+
+    def peek_entry(self, cid: int, key: Any) -> Any:
+        """``self.peek(cid).get(key)``, reading only the leaves under ``key``."""
+        cid = self._check(cid)
+        if cid in self._cache or self._layout_of[cid] < 0:
+            value = self.peek(cid)
+            return value.get(key) if isinstance(value, dict) else None
+        return self._load(cid, key).get(key)
+
+    def get(self, cid: int, default: Any = None) -> Any:  # type: ignore[override]
+        return self.peek(cid, default)
+
+    def __setitem__(self, cid: int, value: Any) -> None:
+        self._cache[self._check(cid)] = value
+
+    def __delitem__(self, cid: int) -> None:
+        cid = self._check(cid)
+        had = self._cache.pop(cid, _EMPTY) is not _EMPTY or self._layout_of[cid] >= 0
+        self._layout_of[cid], self._live[cid] = -1, -1
+        self._small.pop(cid, None)
+        if not had:
+            raise KeyError(cid)
+
+    def __contains__(self, cid: object) -> bool:
+        try:
+            c = self._check(cid)
+        except KeyError:
+            return False
+        return self.default is not None or c in self._cache or bool(self._layout_of[c] >= 0)
+
+    def _ids(self) -> list[int]:
+        if self.default is not None:
+            return list(range(len(self._layout_of)))
+        return sorted(set(self._cache) | {int(c) for c in np.nonzero(self._layout_of >= 0)[0]})
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids())
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+    # ---- write-back ----------------------------------------------------------------------------------------------
+    def release(self, cid: int) -> None:
+        """Write the client's cached value to disk and drop it from RAM (nothing cached: nothing to do)."""
+        value = self._cache.pop(cid, _EMPTY)
+        if value is not _EMPTY:
+            self._write(cid, value)
+
+    def commit(self) -> None:
+        """Write every cached value to disk and empty the cache."""
+        for cid in sorted(self._cache):
+            self.release(cid)
+
+    def write_alias(self, cid: int, key: Any) -> None:
+        """Store client ``cid``'s value as "the entry ``key`` of its value in :attr:`source`", which holds that very
+        object and has just been written (Ditto's trained model *is* its own model: written once, not twice)."""
+        assert self.source is not None
+        self._cache.pop(cid, None)
+        layout = (("a", (), key),)
+        lid = self._layout_ids.get(layout)
+        if lid is None:
+            lid = self._layout_ids[layout] = len(self._layouts)
+            self._layouts.append(layout)
+        self._layout_of[cid], self._live[cid] = lid, -1  # no row: a later real write avoids the pinned slot
+        self._small.pop(cid, None)
+
+    def _is_alias(self, cid: int) -> bool:
+        lid = int(self._layout_of[cid])
+        return lid >= 0 and self._layouts[lid][:1] != () and self._layouts[lid][0][0] == "a"
+
+    def _unalias(self, cid: int) -> None:
+        """Before :attr:`source` overwrites the entry an alias of ``cid`` points to, store the value itself."""
+        if cid not in self._cache and self._is_alias(cid):
+            self._write(cid, self._load(cid))
+
+    def cached(self) -> int:
+        return len(self._cache)
+
+    def reference(self) -> StoreRef:
+        """Write everything back, make it durable, and pin it: the returned reference stays valid (its slots are
+        never written) until the next call."""
+        self.commit()
+        self.files.sync()
+        ref = StoreRef(
+            store_id=self.files.store_id,
+            directory=str(self.files.directory),
+            namespace=self.namespace,
+            num_clients=len(self._layout_of),
+            layouts=tuple(self._layouts),
+            layout_of=self._layout_of.copy(),
+            slot=self._live.copy(),
+            small=dict(self._small),
+        )
+        self._pinned = self._live.copy()
+        return ref
+
+    def restore(self, ref: StoreRef) -> None:
+        """Take the state a reference recorded (the store's files already opened)."""
+        if ref.store_id != self.files.store_id or ref.namespace != self.namespace:
+            raise StoreDirError(f"checkpoint references store {ref.store_id}/{ref.namespace}, not this one")
+        if ref.num_clients != len(self._layout_of):
+            n = len(self._layout_of)
+            raise StoreDirError(f"checkpoint's store holds {ref.num_clients} clients, this run has {n}")
+        arrays = len(self.files.arrays)
+        if any(leaf[0] == "t" and leaf[2] >= arrays for layout in ref.layouts for leaf in layout):
+            raise StoreDirError(f"{self.files.directory}: the checkpoint references arrays its marker does not list")
+        self._layouts = list(ref.layouts)
+        self._layout_ids = {layout: i for i, layout in enumerate(self._layouts)}
+        self._layout_of = ref.layout_of.astype(np.int32).copy()
+        self._live = ref.slot.astype(np.int8).copy()
+        self._pinned = self._live.copy()
+        self._small = dict(ref.small)
+        self._cache.clear()
+
+    # ---- encoding ------------------------------------------------------------------------------------------------
+    def _write(self, cid: int, value: Any) -> None:
+        for dependent in self.dependents:
+            dependent._unalias(cid)
+        leaves = list(_flatten(value))
+        groups: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], torch.Tensor]]] = {}
+        small: list[Any] = []
+        for path, leaf in leaves:
+            if _storable(leaf) and len(path) >= self.depth:
+                groups.setdefault(path[: self.depth], []).append((path[self.depth :], leaf))
+        specs: dict[tuple[Any, ...], ArraySpec] = {}
+        for group, items in groups.items():
+            sig: Signature = tuple((sub, t.dtype, tuple(t.shape)) for sub, t in items)
+            specs[group] = self.files.array(self.namespace, group, sig)
+        index: dict[tuple[Any, ...], int] = {}
+        layout: list[Leaf] = []
+        for path, leaf in leaves:
+            if _storable(leaf) and len(path) >= self.depth:
+                group = path[: self.depth]
+                k = index[group] = index.get(group, -1) + 1
+                stride = _kept_stride(leaf)
+                kind = (specs[group].id, k, stride, leaf.requires_grad, str(leaf.device), type(leaf) is nn.Parameter)
+                layout.append(("t", path, *kind))
+            elif leaf is _EMPTY:
+                layout.append(("d", path))
+            else:
+                layout.append(("s", path, len(small)))
+                small.append(leaf)
+        key = tuple(layout)
+        lid = self._layout_ids.get(key)
+        if lid is None:
+            lid = self._layout_ids[key] = len(self._layouts)
+            self._layouts.append(key)
+        live, pinned = int(self._live[cid]), int(self._pinned[cid])
+        slot = live if live >= 0 and live != pinned else (1 - pinned if pinned >= 0 else 0)
+        for group, items in groups.items():
+            tensors = [t.detach().to("cpu").contiguous() for _, t in items]
+            self.files.write(specs[group], cid, slot, tensors)
+        self._layout_of[cid], self._live[cid] = lid, slot
+        if small:
+            self._small[cid] = tuple(small)
+        else:
+            self._small.pop(cid, None)
+
+    def _load(self, cid: int, only: Any = _EMPTY) -> Any:
+        """The client's value (``only``: just the leaves under that top-level key)."""
+        layout = self._layouts[int(self._layout_of[cid])]
+        if layout[:1] and layout[0][0] == "a":  # an alias: the source's stored entry (not its cache)
+            assert self.source is not None
+            return self.source._load(cid, layout[0][2]).get(layout[0][2])
+        if only is not _EMPTY:
+            layout = tuple(leaf for leaf in layout if leaf[1][:1] == (only,))
+        slot, small = int(self._live[cid]), self._small.get(cid, ())
+        rows: dict[int, torch.Tensor] = {}
+        out: dict[Any, Any] = {}
+        for leaf in layout:
+            if leaf[0] == "t":
+                _, path, aid, k, stride, grad, device, param = leaf
+                spec = self.files.arrays[aid]
+                if aid not in rows:
+                    rows[aid] = self.files.read(spec, cid, slot)
+                _, dtype, shape = spec.signature[k]
+                n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+                t = rows[aid][spec.offsets[k] : spec.offsets[k] + n].view(dtype).reshape(shape)
+                if stride is not None:
+                    t = torch.empty_strided(shape, stride, dtype=dtype).copy_(t)
+                if device != "cpu":
+                    t = t.to(device)
+                if param:
+                    t = nn.Parameter(t, requires_grad=grad)
+                elif grad:
+                    t.requires_grad_(True)
+                value: Any = t
+            elif leaf[0] == "d":
+                path, value = leaf[1], {}
+            else:
+                path, value = leaf[1], small[leaf[2]]
+            if not path:
+                return value
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = value
+        return out
+
+
+# ---- the three maps of a simulation ----------------------------------------------------------------------------------
+class ClientStateStore:
+    """The per-client maps of one simulation (:data:`MAPS`) in RAM or on disk. ``directory``: where a disk store
+    lives (a run's ``client_state/``; ``None``: a temporary directory, removed when the store is closed or
+    collected); ``owner``: the run it belongs to (written in the marker); ``default_state``: a fresh client state."""
+
+    def __init__(
+        self,
+        backend: Literal["memory", "disk"],
+        num_clients: int,
+        directory: Path | None = None,
+        *,
+        default_state: Callable[[], dict[str, Any]] = dict,
+        owner: str = "",
+    ) -> None:
+        self.backend, self.num_clients, self.owner = backend, num_clients, owner
+        self.default_state = default_state
+        self.given_dir = directory is not None
+        self.files: StoreFiles | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self.maps: dict[str, MutableMapping[int, Any]] = {}
+        if backend == "memory":
+            states = {c: default_state() for c in range(num_clients)}
+            self.maps = {"client_states": states, "personal": {}, "trained": {}}
+        else:
+            self._open_files(StoreFiles(directory or self._temp_dir(), num_clients, owner))
+            self.maps = self._disk_maps()
+
+    def _temp_dir(self) -> Path:
+        path = Path(tempfile.mkdtemp(prefix="fedskew-state-"))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, path, True)
+        return path
+
+    def _open_files(self, files: StoreFiles) -> None:
+        if self.files is not None and self.files is not files:
+            self.files.close()
+        self.files = files
+
+    def _disk_maps(self) -> dict[str, MutableMapping[int, Any]]:
+        assert self.files is not None
+        maps = {
+            name: DiskMap(
+                self.files,
+                name,
+                depth=_DEPTH[name],
+                default=self.default_state if name == "client_states" else None,
+                mutable=name == "client_states",
+            )
+            for name in MAPS
+        }
+        maps["trained"].source = maps["client_states"]
+        maps["client_states"].dependents.append(maps["trained"])
+        return dict(maps)
+
+    def create(self) -> None:
+        """Take the store's directory now (disk; refusing one that is not empty), instead of at the first write."""
+        if self.files is not None and self.backend == "disk":
+            self.files.create()
+
+    def release(self, cid: int) -> None:
+        """Write client ``cid``'s values back to disk and out of RAM (its round's work on it is done). A trained
+        model that is an entry of the client's state (Ditto's and FedAMP's own model) is written once, as an alias."""
+        if self.backend != "disk":
+            return
+        states, trained = self.maps["client_states"], self.maps["trained"]
+        assert isinstance(states, DiskMap) and isinstance(trained, DiskMap)
+        state, model = states._cache.get(cid), trained._cache.get(cid)
+        key = None
+        if isinstance(state, dict) and model is not None:
+            key = next((k for k, v in state.items() if v is model), None)
+        states.release(cid)
+        if key is not None and trained.source is states:
+            trained.write_alias(cid, key)
+        for m in self.maps.values():
+            m.release(cid)  # type: ignore[attr-defined]
+
+    def commit(self) -> None:
+        """Write every cached value back (end of a round)."""
+        if self.backend == "disk":
+            cached = set().union(*(m._cache for m in self.maps.values()))  # type: ignore[attr-defined]
+            for cid in sorted(cached):
+                self.release(cid)
+
+    def capture(self, maps: dict[str, MutableMapping[int, Any]] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds of ``maps`` (default: the store's): a dict as it is (shared: save it before the
+        next round), a :class:`DiskMap` as its :class:`StoreRef` (which pins its slots)."""
+        maps = self.maps if maps is None else maps
+        if any(isinstance(m, DiskMap) for m in maps.values()):
+            self.commit()
+        return {name: m.reference() if isinstance(m, DiskMap) else m for name, m in maps.items()}
+
+    def restore(self, saved: dict[str, Any]) -> dict[str, MutableMapping[int, Any]]:
+        """Take a captured state (dicts, or references to a store on disk, reopened in this store's directory or,
+        without one, where the reference says); returns the maps, in this store's backend."""
+        refs = {name: v for name, v in saved.items() if isinstance(v, StoreRef)}
+        disk: dict[str, MutableMapping[int, Any]] = {}
+        if refs:
+            first = next(iter(refs.values()))
+            if self.files is not None and self.files.exists and self.files.store_id != first.store_id:
+                raise StoreDirError("this simulation's store already holds state; restore into a fresh simulation")
+            directory = self.files.directory if self.files is not None and self.given_dir else Path(first.directory)
+            self._open_files(StoreFiles.open(directory, first.store_id, self.num_clients))
+            disk = self._disk_maps()
+            for name, ref in refs.items():
+                disk[name].restore(ref)  # type: ignore[attr-defined]
+        if self.backend == "memory":  # read everything back into RAM; the files stay until the run ends (remove)
+            maps = {n: {c: disk[n].peek(c) for c in disk[n]} if n in refs else saved[n] for n in MAPS}  # type: ignore[attr-defined]
+            if self.files is not None:
+                self.files.close()
+        else:
+            maps = disk or self._disk_maps()
+            self.maps = maps
+            for name in MAPS:
+                if name not in refs:  # a checkpoint from RAM continued on disk: write it there
+                    for cid, value in saved[name].items():
+                        maps[name][cid] = value
+            self.commit()
+        self.maps = maps
+        return maps
+
+    def disk_usage(self) -> int:
+        """Bytes the store's files take on disk (both slots of the rows written; 0 in RAM)."""
+        return self.files.disk_usage() if self.files is not None else 0
+
+    def state_bytes(self) -> int:
+        """Bytes of the clients' latest state on disk (one slot per row written; 0 in RAM)."""
+        if self.files is None or not self.files.exists:
+            return 0
+        total = 0
+        for m in self.maps.values():
+            if isinstance(m, DiskMap):
+                for lid in np.unique(m._layout_of[m._layout_of >= 0]):
+                    aids = {leaf[2] for leaf in m._layouts[lid] if leaf[0] == "t"}
+                    rows = int((m._layout_of == lid).sum())
+                    total += rows * sum(self.files.arrays[a].row_bytes for a in aids)
+        return total
+
+    def close(self) -> None:
+        """Close the files (a temporary directory is removed; a run's stays for a resume until :meth:`remove`)."""
+        if self.files is not None:
+            self.files.close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def remove(self) -> None:
+        """Delete the store's files (the run ended, or is being replaced or discarded)."""
+        if self.files is not None:
+            self.files.remove()
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def open_state_store(
+    cfg: Any,
+    method: Any,
+    template: dict[str, torch.Tensor],
+    num_clients: int,
+    *,
+    default_state: Callable[[], dict[str, Any]] = dict,
+    directory: Path | None = None,
+    owner: str = "",
+) -> ClientStateStore:
+    """The store of a run: ``cfg.state_store`` (``auto``: disk when the model's bytes × :func:`state_copies` × clients
+    exceed :func:`memory_budget` of ``cfg.state_memory``)."""
+    per_client = sum(t.numel() * t.element_size() for t in template.values()) * state_copies(method)
+    backend = choose_store(cfg.state_store, memory_budget(cfg.state_memory), per_client, num_clients)
+    return ClientStateStore(backend, num_clients, directory, default_state=default_state, owner=owner)

@@ -1,0 +1,73 @@
+"""`fedskew sweep --jobs N --device cuda` on a machine with several GPUs (issue 26, item 2): each worker process of
+the local pool takes its own GPU, round-robin, without Ray. Checked without a GPU: the assignment, the count of
+visible GPUs (torch.cuda.device_count monkeypatched) and what a worker hands to its runs."""
+
+import multiprocessing as mp
+import signal
+
+import pytest
+
+from fedskew import sweep
+from fedskew.sweep import Task, worker_device
+
+
+def test_workers_take_the_gpus_round_robin():
+    assert [worker_device("cuda", i, 3) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
+    assert worker_device("cuda", 4, 1) == "cuda"  # one GPU: every worker shares it
+    assert worker_device("cuda", 4, 0) == "cuda"
+    assert worker_device("cuda:1", 0, 4) == "cuda:1"  # a device chosen by the user stays
+    assert worker_device("cpu", 1, 4) == "cpu"
+
+
+def test_gpus_are_counted_only_for_cuda_runs(monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append(1) or 4)
+    cpu = [Task("a", {"device": "cpu"}, "new")]
+    assert sweep._visible_gpus(cpu) == 0 and not calls  # no CUDA call for a CPU sweep
+    assert sweep._visible_gpus([*cpu, Task("b", {"device": "cuda"}, "new")]) == 4
+
+
+def test_each_worker_gets_its_index_and_hands_its_gpu_to_its_runs(monkeypatch):
+    counter = mp.get_context("spawn").Value("i", 0)
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        indices = []
+        for _ in range(3):
+            sweep._init_worker(None, counter, 2)
+            indices.append(sweep._DEVICE)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert indices == [(0, 2), (1, 2), (2, 2)]
+
+    seen = []
+    monkeypatch.setattr(sweep, "execute_run", lambda task, emit: seen.append(task.values["device"]))
+    monkeypatch.setattr(sweep, "_QUEUE", type("Q", (), {"put": staticmethod(lambda ev: None)})())
+    for index, device in [(1, "cuda"), (2, "cuda"), (1, "cpu"), (1, "cuda:0")]:
+        monkeypatch.setattr(sweep, "_DEVICE", (index, 2))
+        sweep._pool_task(Task("r", {"device": device, "out": "x"}, "new"))
+    assert seen == ["cuda:1", "cuda:0", "cpu", "cuda:0"]
+
+
+@pytest.mark.parametrize(
+    "device, gpus, expected",
+    [
+        (None, None, {"num_cpus": 1}),
+        ("cuda", None, {"num_cpus": 1, "num_gpus": 1.0}),
+        ("cuda", 0.25, {"num_cpus": 1, "num_gpus": 0.25}),
+    ],
+)
+def test_a_ray_task_reserves_one_cpu_or_a_gpu_share(device, gpus, expected):
+    from fedskew.ray_executor import RayExecutor
+
+    assert RayExecutor(device=device, gpus_per_run=gpus).resources({"device": "cpu", "threads": 1}) == expected
+
+
+def test_a_ray_task_reserves_its_threads_and_needs_a_gpu_share_for_cuda():
+    from fedskew.config import ConfigError
+    from fedskew.ray_executor import RayExecutor
+
+    assert RayExecutor().resources({"device": "cpu", "threads": 3, "workers": 2}) == {"num_cpus": 3}
+    with pytest.raises(ConfigError, match="gpus-per-run"):
+        RayExecutor(gpus_per_run=0).resources({"device": "cuda"})
