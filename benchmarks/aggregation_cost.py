@@ -105,17 +105,19 @@ def client_round(model: nn.Module, clients: int, seed: int) -> RoundInput:
             params[name] = p
         masks = CriticalMasks(0.5)(glob, params, trainable)  # FedCAC's upload; the other methods ignore it
         updates.append(ClientUpdate(cid, params, int(sizes[cid]), extras=masks))
-    return stack_updates(updates, rnd=1, global_params=glob, trainable=trainable,
-                         label_hists=np.zeros((clients, 10)))
+    return stack_updates(updates, rnd=1, global_params=glob, trainable=trainable, label_hists=np.zeros((clients, 10)))
 
 
 def to_device(rin: RoundInput, device: torch.device) -> RoundInput:
     return RoundInput(
-        round=rin.round, cids=rin.cids,
+        round=rin.round,
+        cids=rin.cids,
         params={k: v.to(device) for k, v in rin.params.items()},
-        num_samples=rin.num_samples, extras={k: v.to(device) for k, v in rin.extras.items()},
+        num_samples=rin.num_samples,
+        extras={k: v.to(device) for k, v in rin.extras.items()},
         global_params={k: v.to(device) for k, v in rin.global_params.items()},
-        trainable=rin.trainable, label_hists=rin.label_hists,
+        trainable=rin.trainable,
+        label_hists=rin.label_hists,
     )
 
 
@@ -150,10 +152,14 @@ def main() -> None:
     repeats, steps = (1, 5) if args.quick else (args.repeats, args.steps)
     device = torch.device(args.device)
     wanted = {m.strip() for m in args.models.split(",")}
-    print(f"device {device}, torch threads {torch.get_num_threads()}, {args.clients} clients, "
-          f"aggregation median of {repeats}, SGD step median of {steps} (batch {args.batch_size}, lr 0.005)")
-    print("local-training round = clients x ceil(samples per client / batch) x median step time; samples per "
-          "client from PFLlib's 75% split over 20 clients (MNIST 2,625; CIFAR-10 Dir(0.1) 2,250)\n")
+    print(
+        f"device {device}, torch threads {torch.get_num_threads()}, {args.clients} clients, "
+        f"aggregation median of {repeats}, SGD step median of {steps} (batch {args.batch_size}, lr 0.005)"
+    )
+    print(
+        "local-training round = clients x ceil(samples per client / batch) x median step time; samples per "
+        "client from PFLlib's 75% split over 20 clients (MNIST 2,625; CIFAR-10 Dir(0.1) 2,250)\n"
+    )
 
     fedavg = Aggregation(SampleWeights(), WeightedMean())
     fedsa = Aggregation(SampleWeights(), FedSACombine())
@@ -164,9 +170,7 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         try:
-            model = build_model(
-                s.model, in_channels=s.in_channels, image_size=s.image_size, num_classes=s.num_classes
-            )
+            model = build_model(s.model, in_channels=s.in_channels, image_size=s.image_size, num_classes=s.num_classes)
         except ValueError as err:  # a model zoo without this architecture
             print(f"skipped: {s.label} ({err})")
             continue
@@ -187,12 +191,16 @@ def main() -> None:
         print(f"done: {s.label}")
 
     print()
-    print("| model | params | layers | high positions (H/M) | FedAvg agg s | FedSA agg s | FedSA/FedAvg "
-          "| SGD step ms | local round s | FedSA % of round | FedSA-FedAvg % of round |")
+    print(
+        "| model | params | layers | high positions (H/M) | FedAvg agg s | FedSA agg s | FedSA/FedAvg "
+        "| SGD step ms | local round s | FedSA % of round | FedSA-FedAvg % of round |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, n, layers, h, frac, ta, ts, st, tr in rows:
-        print(f"| {label} | {n:,} | {layers} | {h} ({100 * frac:.4f}%) | {ta:.3f} | {ts:.3f} | {ts / ta:.2f} "
-              f"| {1e3 * st:.1f} | {tr:.1f} | {100 * ts / tr:.3f}% | {100 * (ts - ta) / tr:.3f}% |")
+        print(
+            f"| {label} | {n:,} | {layers} | {h} ({100 * frac:.4f}%) | {ta:.3f} | {ts:.3f} | {ts / ta:.2f} "
+            f"| {1e3 * st:.1f} | {tr:.1f} | {100 * ts / tr:.3f}% | {100 * (ts - ta) / tr:.3f}% |"
+        )
     print()
     print("| model | personalized server step | FedAvg agg s | its agg s | ratio to FedAvg |")
     print("|---|---|---|---|---|")

@@ -31,6 +31,7 @@ import torch
 from fedskew.config import make_config
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.data.readers import ImageDataset
+from fedskew.engine import batched as batched_module
 from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.loop import Simulation
 from fedskew.protocol import ClientUpdate
@@ -146,7 +147,23 @@ def main() -> None:
         help="also train sequentially from the received models moved by one float32 ulp: how far float rounding "
         "alone moves the sequential loop's result (a reference for the equivalence error)",
     )
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="let cuDNN convolutions use TF32 (torch's default on a GPU); without it both paths run full float32, so "
+        "the equivalence error measures the batching, not TF32's 10-bit mantissa",
+    )
+    p.add_argument(
+        "--path",
+        choices=("auto", "vmap"),
+        default="auto",
+        help="the batched step: auto (the stacked autograd graph for Sequential models, else vmap) or vmap always",
+    )
     args = p.parse_args()
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    if args.path == "vmap":
+        batched_module._step_function = batched_module._vmap_step_function
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -188,7 +205,7 @@ def main() -> None:
         f"{'MNIST ' + data_dir if data_dir else 'random MNIST-shaped data'}: {args.clients} clients, "
         f"{sum(sizes)} training samples (per client {min(sizes)}..{max(sizes)}), model {args.model}, "
         f"method {args.method}, batch {args.batch_size}, {args.epochs} epoch(s), device {device}, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}, TF32 {'on' if args.tf32 else 'off'}, batched step {args.path}"
     )
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
 

@@ -102,8 +102,10 @@ def main() -> None:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", backend]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{args.method}, {args.clients} clients, join ratio {args.join_ratio}, {args.rounds} rounds, {args.model} "
-          f"({results[0]['model_mb']:.2f} MB)")
+    print(
+        f"{args.method}, {args.clients} clients, join ratio {args.join_ratio}, {args.rounds} rounds, {args.model} "
+        f"({results[0]['model_mb']:.2f} MB)"
+    )
     print(f"{'backend':8} {'peak RSS':>10} {'baseline':>10} {'peak-base':>10} {'round':>8} {'state':>10} {'files':>10}")
     for r in results:
         print(

@@ -104,9 +104,7 @@ def main() -> None:
         ours, theirs = [], []
         for _ in range(args.repeats):
             theirs += pfllib_round_times(args.pfllib, args.rounds, args.clients, threads, args.device)
-            ours += fedskew_round_times(
-                data, args.rounds, args.clients, max(threads, 1), workers, args.device, extra
-            )
+            ours += fedskew_round_times(data, args.rounds, args.clients, max(threads, 1), workers, args.device, extra)
         t_p, t_f = statistics.median(theirs), statistics.median(ours)
         label = "whole machine" if threads == 0 else f"{threads} thread(s)"
         print(

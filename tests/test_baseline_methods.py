@@ -39,8 +39,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64
 
 
-
-
 def _tiny(seed=0):
     torch.manual_seed(seed)
     model = Tiny().double()

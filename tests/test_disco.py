@@ -65,9 +65,7 @@ def test_e2_partial_participation_renormalizes_n_and_d():
     assert terms.weights == pytest.approx([0.678571, 0.321429], abs=TOL)
     agg = Aggregation(DiscoWeights(), WeightedMean())
     out, _ = agg.aggregate(rin, agg.init(None))
-    assert out.global_params["w"].tolist() == pytest.approx(
-        [0.678571, 0.321429, 1.678571, -0.357143], abs=TOL
-    )
+    assert out.global_params["w"].tolist() == pytest.approx([0.678571, 0.321429, 1.678571, -0.357143], abs=TOL)
 
 
 def test_e3_l2_is_not_normalized():
@@ -145,13 +143,9 @@ def test_cosine_with_a_proportional_non_uniform_target_is_not_negative():
 def test_only_iid_drops_non_iid_clients_and_falls_back_when_all_dropped():
     # cos to uniform: 1, 0.577, 0.870 -> only client 0 counts as IID
     assert discrepancy(E1_HISTS, None, "only_iid").tolist() == [0.01, np.inf, np.inf]
-    assert _weights(DiscoWeights(metric="only_iid"), _rin(E1_MODELS, E1_HISTS)) == pytest.approx(
-        [1.0, 0.0, 0.0]
-    )
+    assert _weights(DiscoWeights(metric="only_iid"), _rin(E1_MODELS, E1_HISTS)) == pytest.approx([1.0, 0.0, 0.0])
     # a = 0 must not turn 0·inf into NaN
-    assert _weights(DiscoWeights(a=0.0, metric="only_iid"), _rin(E1_MODELS, E1_HISTS)) == pytest.approx(
-        [1.0, 0.0, 0.0]
-    )
+    assert _weights(DiscoWeights(a=0.0, metric="only_iid"), _rin(E1_MODELS, E1_HISTS)) == pytest.approx([1.0, 0.0, 0.0])
     terms = disco_terms(np.array([20.0, 50.0]), np.array([np.inf, np.inf]), metric="only_iid")
     assert terms.fallback and terms.weights == pytest.approx([20 / 70, 50 / 70])
 
@@ -162,9 +156,7 @@ def test_kl_with_non_uniform_target_is_rescaled_to_sum_one():
     )
     expected = [0.382280, 0.0, 0.617720]
     for target in [(0.5, 0.25, 0.25), (2, 1, 1)]:
-        assert _weights(DiscoWeights(target=target), _rin(E1_MODELS, E1_HISTS)) == pytest.approx(
-            expected, abs=TOL
-        )
+        assert _weights(DiscoWeights(target=target), _rin(E1_MODELS, E1_HISTS)) == pytest.approx(expected, abs=TOL)
 
 
 def test_disco_weights_function_matches_the_weighting():

@@ -28,9 +28,7 @@ def test_custom_data_and_model_example(tmp_path):
 
 
 def test_custom_weighting_example_reports_every_method(tmp_path):
-    out = _run(
-        [str(EXAMPLES / "custom_weighting.py"), "--rounds", "2", "--seeds", "2", "--db", "w.db"], tmp_path
-    )
+    out = _run([str(EXAMPLES / "custom_weighting.py"), "--rounds", "2", "--seeds", "2", "--db", "w.db"], tmp_path)
     rows = [line for line in out.splitlines() if line.startswith("| fed")]
     names = [r.split("|")[1].strip() for r in rows]
     assert sorted(names) == ["fedavg (weights=samples)", "fedavg (weights=uniform)", "fedprox+disco", "fedprox+invloss"]
@@ -48,15 +46,28 @@ def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
     info = site / "fedskew_invloss-0.1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['project']['name']}\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[fedskew.methods]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
-    )
+    (info / "entry_points.txt").write_text("[fedskew.methods]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
     paths = [site, pkg / "src"]
     listing = _run(["-m", "fedskew.cli", "methods"], tmp_path, paths)
     assert "invloss_pkg" in listing
     _run(
-        ["-m", "fedskew.cli", "run", "--method", "fedprox+invloss_pkg", "-m", "power=2", "--rounds", "2",
-         "--clients", "4", "--out", "r", "--no-db", "--quiet"],
+        [
+            "-m",
+            "fedskew.cli",
+            "run",
+            "--method",
+            "fedprox+invloss_pkg",
+            "-m",
+            "power=2",
+            "--rounds",
+            "2",
+            "--clients",
+            "4",
+            "--out",
+            "r",
+            "--no-db",
+            "--quiet",
+        ],
         tmp_path,
         paths,
     )

@@ -407,8 +407,12 @@ def test_column_blocks_do_not_change_the_result(monkeypatch):
     monkeypatch.setattr(fedsa_mod, "CHUNK_ELEMENTS", 6 * 7)  # blocks of 7 columns, the last one partial
     out, diag = fedsa_layer(x, low_weights=w)
     stats = column_stats(x, weights=w / w.sum())
-    for a, b in [(stats.mean, full_stats.mean), (stats.var, full_stats.var), (stats.skew, full_stats.skew),
-                 (stats.weighted_mean, full_stats.weighted_mean)]:
+    for a, b in [
+        (stats.mean, full_stats.mean),
+        (stats.var, full_stats.var),
+        (stats.skew, full_stats.skew),
+        (stats.weighted_mean, full_stats.weighted_mean),
+    ]:
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     assert torch.equal(stats.constant, full_stats.constant)
     torch.testing.assert_close(out, full_out, atol=1e-12, rtol=0)
@@ -476,7 +480,10 @@ def test_combine_end_to_end_default_buffers_mean():
     json.dumps(diag)
     assert set(diag["fedsa"]) == TRAINABLE
     assert diag["fedsa"]["0.bias"] == {
-        "M": 5, "H": 3, "macro": 2, "unclustered": 0,
+        "M": 5,
+        "H": 3,
+        "macro": 2,
+        "unclustered": 0,
         "skew": pytest.approx(diag["fedsa"]["0.bias"]["skew"]),
         "skew_signed": pytest.approx(diag["fedsa"]["0.bias"]["skew_signed"]),
     }
@@ -541,5 +548,9 @@ def test_combine_defaults_are_the_paper_cifar10_values():
     c = FedSACombine()
     assert (c.lam, c.delta, c.C, c.S) == (0.2, 0.2, 4, 4)
     assert (c.micro_norm, c.alpha_norm, c.low_weighting, c.buffers, c.cv_norm) == (
-        "layer_minmax", "per_position", "uniform", "mean", "minmax"
+        "layer_minmax",
+        "per_position",
+        "uniform",
+        "mean",
+        "minmax",
     )

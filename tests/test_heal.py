@@ -33,9 +33,7 @@ def _rin(glob, deltas, cids=None, sizes=None, extra=None):
     for cid, delta, n in zip(cids, deltas, sizes, strict=True):
         params = {"w": glob["w"] + torch.tensor(delta, dtype=F64), **(extra(cid) if extra else {})}
         ups.append(ClientUpdate(cid, params, n))
-    return stack_updates(
-        ups, rnd=0, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((len(ups), 2))
-    )
+    return stack_updates(ups, rnd=0, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((len(ups), 2)))
 
 
 def _zeros():
@@ -130,9 +128,7 @@ def test_element_that_nobody_keeps_is_unchanged():
     state = agg.init(_ctx())
     _, state = agg.aggregate(_rin(glob, [[1.0, 1.0, 1.0, 1.0]] * 3), state)
     # every client reverses element 0 and 1 (consistency 0 -> masked), keeps the direction of 2 and 3
-    out, _ = agg.aggregate(
-        _rin(glob, [[-1.0, -2.0, 3.0, 1.0], [-2.0, -1.0, 1.0, 2.0], [-3.0, -1.0, 2.0, 3.0]]), state
-    )
+    out, _ = agg.aggregate(_rin(glob, [[-1.0, -2.0, 3.0, 1.0], [-2.0, -1.0, 1.0, 2.0], [-3.0, -1.0, 2.0, 3.0]]), state)
     w = out.diagnostics["weights"]
     assert out.global_params["w"][:2].tolist() == [0.5, -0.25]
     assert out.global_params["w"][2].item() == pytest.approx(2.0 + w[0] * 3 + w[1] * 1 + w[2] * 2, abs=1e-12)
@@ -248,9 +244,7 @@ def test_absent_client_keeps_its_table_and_momentum():
     assert [fael[0].p, fael[2].p] == pytest.approx([0.717402, 0.735408], abs=TOL)
     assert [fael[0].dp, fael[2].dp] == pytest.approx([0.269657, 0.275147], abs=TOL)
     assert out1.diagnostics["weights"] == pytest.approx([0.493803, 0.506197], abs=TOL)
-    assert out1.global_params["w"].tolist() == pytest.approx(
-        [0.839570, 0.597152, -0.186906, 0.712955], abs=TOL
-    )
+    assert out1.global_params["w"].tolist() == pytest.approx([0.839570, 0.597152, -0.186906, 0.712955], abs=TOL)
 
     # round 2: client 1 returns alone; its mask uses its own one-round table [1,0,0,0], not the round index
     glob2 = out1.global_params
@@ -262,9 +256,7 @@ def test_absent_client_keeps_its_table_and_momentum():
     assert state["masking"][1].proportion("w").tolist() == [0.5, 0, 0.5, 0]
     assert state["weighting"].clients[1].dp == pytest.approx(0.495196, abs=TOL)
     assert state["weighting"].clients[1].p == pytest.approx(0.987190, abs=TOL)
-    assert out2.global_params["w"].tolist() == pytest.approx(
-        [0.839570, 0.097152, -0.186906, 0.612955], abs=TOL
-    )
+    assert out2.global_params["w"].tolist() == pytest.approx([0.839570, 0.097152, -0.186906, 0.612955], abs=TOL)
 
 
 @pytest.mark.parametrize("uniform_over, p0", [("participants", 0.5), ("clients", 0.25)])

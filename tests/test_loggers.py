@@ -35,8 +35,9 @@ def _private_home(tmp_path, monkeypatch):
 
 
 def _run(tmp_path: Path, log: list[str], name: str = "run", **kw):
-    cfg = make_config({**TINY, "out": str(tmp_path / "runs" / name), "db": str(tmp_path / "runs" / "f.db"),
-                       "log": log, **kw})
+    cfg = make_config(
+        {**TINY, "out": str(tmp_path / "runs" / name), "db": str(tmp_path / "runs" / "f.db"), "log": log, **kw}
+    )
     out = run_experiment(cfg)
     metrics = [json.loads(line) for line in (out.run_dir / "metrics.jsonl").read_text().splitlines()]
     return out, metrics
@@ -141,8 +142,9 @@ def test_a_sweeps_runs_share_one_mlflow_experiment(tmp_path):
 
     from fedskew.sweep import SweepSpec, expand, run_sweep, with_log
 
-    spec = SweepSpec(name="tiny", base={k: v for k, v in TINY.items() if k != "method"}, seeds=2,
-                     out=str(tmp_path / "sw"))
+    spec = SweepSpec(
+        name="tiny", base={k: v for k, v in TINY.items() if k != "method"}, seeds=2, out=str(tmp_path / "sw")
+    )
     runs = with_log(expand(spec), "mlflow")
     assert {r.cfg.log_group for r in runs} == {"tiny"} and all(r.cfg.log == ["mlflow"] for r in runs)
     outcome = run_sweep(runs)

@@ -49,9 +49,7 @@ def idx_bytes(arr: np.ndarray, code: int = 0x08) -> bytes:
     return head + np.asarray(arr).astype(dtype).tobytes()
 
 
-def write_mnist(
-    d: Path, n_train: int = 12, n_test: int = 5, seed: int = 0, gz: bool = True
-) -> dict[str, np.ndarray]:
+def write_mnist(d: Path, n_train: int = 12, n_test: int = 5, seed: int = 0, gz: bool = True) -> dict[str, np.ndarray]:
     d.mkdir(parents=True, exist_ok=True)
     r = np.random.default_rng(seed)
     arrays = {
@@ -142,9 +140,7 @@ def test_read_idx_bad_magic(tmp_path):
 def test_mnist_rejects_wrong_magic_and_count_mismatch(tmp_path):
     arrays = write_mnist(tmp_path / "mnist")
     images = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
-    images.write_bytes(
-        gzip.compress(idx_bytes(arrays["train-labels-idx1-ubyte"]))
-    )  # labels where images belong
+    images.write_bytes(gzip.compress(idx_bytes(arrays["train-labels-idx1-ubyte"])))  # labels where images belong
     with pytest.raises(DataError, match="train-images-idx3-ubyte.gz: expected IDX magic 2051"):
         load_dataset("mnist", tmp_path)
     images.write_bytes(gzip.compress(idx_bytes(arrays["train-images-idx3-ubyte"][:-1])))
@@ -377,9 +373,7 @@ def test_tinyimagenet_layout(tmp_path):
     (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
     for w in wnids:
         for i in range(2):
-            write_png(
-                root / "train" / w / "images" / f"{w}_{i}.JPEG", r.integers(0, 256, (64, 64, 3), np.uint8)
-            )
+            write_png(root / "train" / w / "images" / f"{w}_{i}.JPEG", r.integers(0, 256, (64, 64, 3), np.uint8))
     ann = []
     for i, w in enumerate(["n02", "n01", "n02"]):
         write_png(root / "val" / "images" / f"val_{i}.JPEG", r.integers(0, 256, (64, 64, 3), np.uint8))

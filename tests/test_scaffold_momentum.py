@@ -99,8 +99,6 @@ def _sim(method, data=None):
     return Simulation(cfg, data), data
 
 
-
-
 def test_scaffold_with_momentum_trains_as_well_as_fedavg(one_thread):
     fedavg, data = _sim("fedavg")
     ref = fedavg.run()

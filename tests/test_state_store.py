@@ -148,8 +148,9 @@ def test_a_checkpointed_slot_is_never_overwritten(tmp_path):
     assert torch.equal(maps["client_states"][0]["w"], torch.full((3,), 1.0))
     maps["client_states"][0] = {"w": torch.full((3,), 4.0)}  # the resumed run writes the other slot again
     maps["client_states"].commit()
-    assert torch.equal(ClientStateStore("disk", 2, tmp_path / "s").restore(ref)["client_states"][0]["w"],
-                       torch.full((3,), 1.0))
+    assert torch.equal(
+        ClientStateStore("disk", 2, tmp_path / "s").restore(ref)["client_states"][0]["w"], torch.full((3,), 1.0)
+    )
 
 
 def test_a_trained_model_that_is_the_clients_own_is_written_once(tmp_path):
@@ -339,8 +340,11 @@ def test_overwrite_removes_the_replaced_runs_store(tmp_path):
     child.join(120)
     old = json.loads((tmp_path / "run" / STATE_DIR / "store.json").read_text())["store_id"]
     created = []
-    out = run_experiment(make_config(None, killed), overwrite=True,
-                         on_round=lambda r: created.append((tmp_path / "run" / STATE_DIR / "store.json").read_text()))
+    out = run_experiment(
+        make_config(None, killed),
+        overwrite=True,
+        on_round=lambda r: created.append((tmp_path / "run" / STATE_DIR / "store.json").read_text()),
+    )
     assert out.summary["rounds"] == 2 and old not in created[0]
     assert not (tmp_path / "run" / STATE_DIR).exists()
 

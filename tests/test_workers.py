@@ -65,8 +65,10 @@ def test_worker_pool_trains_in_order_and_updates_client_state(one_thread):
     for u, v in zip(expected, got, strict=True):
         assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
     for c in range(4):
-        assert all(torch.equal(seq.client_states[c]["scaffold_ci"][k], par.client_states[c]["scaffold_ci"][k])
-                   for k in seq.client_states[c]["scaffold_ci"])
+        assert all(
+            torch.equal(seq.client_states[c]["scaffold_ci"][k], par.client_states[c]["scaffold_ci"][k])
+            for k in seq.client_states[c]["scaffold_ci"]
+        )
 
 
 def test_workers_refused_where_they_cannot_run():

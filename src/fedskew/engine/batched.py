@@ -3,7 +3,9 @@
 The sequential path (:func:`fedskew.client.local.local_train`, one client after another on one reusable model) pays
 the per-step overhead of a small batch once per client and step; on a GPU a step of one client at batch 10 leaves the
 device almost idle. Here every client of the round gets a row of stacked parameters ``[K, D]`` and one step of all of
-them is one call of ``vmap(grad(loss))`` over ``torch.func.functional_call`` of the one model.
+them is one call of ``vmap(grad(loss))`` over ``torch.func.functional_call`` of the one model, or, for models made
+of standard layers (every ``Sequential`` model of the zoo), the same computation written on the stacked rows as one
+plain autograd graph (:mod:`fedskew.engine.stacked`: no functorch dispatch per operation).
 
 What makes it the sequential path's training, not an approximation of it:
 
@@ -48,6 +50,7 @@ from torch.func import functional_call, grad, vmap
 from fedskew.client.algorithms import FedProx, Scaffold
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
 from fedskew.client.loss_before import LossBefore
+from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.seeding import Purpose, torch_generator
 
@@ -193,8 +196,17 @@ class _Flat:
 
 
 def _step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
-    """``vmap(grad(loss))`` of one client's step: cross-entropy of ``head(body(x))`` (+ FedProx's proximal term),
-    returning the gradient, the loss and the buffers after the forward pass (BatchNorm running statistics)."""
+    """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
+    term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
+    layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
+    as ``vmap(grad(loss))`` of one client's step."""
+    if stackable(model.body) is None and stackable(model.head) is None:
+        return stacked_step_function(model, names, mu)
+    return _vmap_step_function(model, names, mu)
+
+
+def _vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
+    """``vmap(grad(loss))`` of one client's step (any model): the contract of :func:`_step_function`."""
     body_prefix, head_prefix = "body.", "head."
 
     def client_loss(
@@ -258,21 +270,73 @@ class _Stack:
 
     _ROWS = ("params", "loss", "buf", "anchor", "shift")
 
-    def retire(self, active: np.ndarray) -> None:
-        """Keep only the rows of the clients in ``active`` (sorted); the others' final rows go to ``done``."""
-        keep = np.isin(self.live, active)
-        if keep.all():
-            return
+    def retire(self, keep: np.ndarray, sel: Tensor) -> None:
+        """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
+        go to ``done`` (their loss as a 0-d tensor: no device sync per client)."""
         for r in np.nonzero(~keep)[0]:
             row = {k: v[r].clone() for k, v in self.extra.items()}
-            self.done[int(self.live[r])] = (self.params[r].clone(), row, float(self.loss[r]))
-        sel = torch.from_numpy(np.nonzero(keep)[0]).to(self.params.device)
+            self.done[int(self.live[r])] = (self.params[r].clone(), row, self.loss[r].clone())
         for name in self._ROWS:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[sel])
         self.extra = {k: v[sel] for k, v in self.extra.items()}
         self.live = self.live[keep]
+
+
+def _upload(a: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on ``device`` without waiting for the device: a copy from pageable memory would first wait for
+    every queued kernel (a stream sync per step); from pinned memory it is queued like a kernel."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class _Bucket:
+    size: int  # batch size of its clients at this step
+    rows: int  # how many clients
+    sample: slice  # their [rows, size] sample indices, flattened, in the round's index tensor
+    pos: slice | None  # their positions among the live rows (None: all of them, in order)
+
+
+@dataclass
+class _StepPlan:
+    keep: np.ndarray | None  # retire first: which live rows stay (None: all)
+    sel: slice | None  # their positions, in the round's index tensor
+    buckets: list[_Bucket]
+
+
+def _plan(sched: _Schedule, device: torch.device) -> tuple[list[_StepPlan], Tensor]:
+    """Every step's retirements and buckets, computed on the host before training, with all their index arrays in
+    one tensor uploaded once: the step loop then only slices it and never waits for the device."""
+    parts: list[np.ndarray] = []
+    used = 0
+
+    def put(a: np.ndarray) -> slice:
+        nonlocal used
+        parts.append(a.reshape(-1))
+        used += a.size
+        return slice(used - a.size, used)
+
+    steps: list[_StepPlan] = []
+    live = np.arange(sched.n.size)
+    for t in range(int(sched.steps.max(initial=0)) + 1):  # the last "step" retires everyone
+        buckets = sched.at(t)
+        active = np.sort(np.concatenate([rows for _, rows, _ in buckets])) if buckets else np.zeros(0, np.int64)
+        keep = sel = None
+        if active.size < live.size:
+            keep = np.isin(live, active)
+            sel = put(np.nonzero(keep)[0])
+            live = live[keep]
+        planned = []
+        for size, rows, idx in buckets:
+            pos = None if rows.size == live.size else put(np.searchsorted(live, rows))
+            planned.append(_Bucket(size, int(rows.size), put(idx), pos))
+        steps.append(_StepPlan(keep, sel, planned))
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return steps, _upload(flat, device)
 
 
 def _train_group(
@@ -292,9 +356,11 @@ def _train_group(
     # begin: per client, on a real context and the received model in training mode, as local_train calls it
     # (SCAFFOLD initializes c_i and prepares its shift; the loss-before wrapper scores the received model)
     contexts = []
+    own_begin = type(algo).begin is not LocalAlgorithm.begin  # the default begin reads nothing of the model
     for cid in cids:
-        model.load_state_dict(received[cid])
-        model.train()
+        if own_begin:
+            model.load_state_dict(received[cid])
+            model.train()
         client = sim.data.clients[cid]
         ctx = LocalContext(
             cid=cid,
@@ -333,12 +399,13 @@ def _train_group(
             alpha = shifts[0][1]
     step = _step_function(model, names, mu)
 
-    for t in range(int(sched.steps.max(initial=0))):
-        buckets = sched.at(t)
-        stack.retire(np.sort(np.concatenate([rows for _, rows, _ in buckets])))
-        for size, rows, idx in buckets:
-            whole = rows.size == stack.live.size
-            pos = None if whole else torch.from_numpy(np.searchsorted(stack.live, rows)).to(device)
+    plan, index = _plan(sched, device)
+    for t, step_plan in enumerate(plan):
+        if step_plan.keep is not None:
+            stack.retire(step_plan.keep, index[step_plan.sel])
+        for bucket in step_plan.buckets:
+            size = bucket.size
+            pos = None if bucket.pos is None else index[bucket.pos]
 
             def take(v: Tensor, pos: Tensor | None = pos) -> Tensor:
                 return v if pos is None else v[pos]
@@ -348,7 +415,7 @@ def _train_group(
             fixed = {k: v for k, v in e_rows.items() if k not in mutable}
             bufs = {k: v for k, v in e_rows.items() if k in mutable}
             anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
-            sample = torch.from_numpy(idx).to(device)
+            sample = index[bucket.sample].view(bucket.rows, size)
             grads, (loss, new_bufs) = step({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
                 p_list = list(flat.views(p_rows).values())
@@ -378,13 +445,14 @@ def _train_group(
                     stack.loss.index_add_(0, pos, batch_loss)
                     for k, v in new_bufs.items():
                         stack.extra[k] = stack.extra[k].index_copy(0, pos, v)
-    stack.retire(np.zeros(0, dtype=np.int64))
 
     updates = []
     seen = (sched.nb * sched.bs if s.drop_last else sched.n) * s.epochs  # samples per client over all steps
     override_end = type(algo).end is not LocalAlgorithm.end
+    loss_sums = torch.stack([stack.done[k][2] for k in range(len(cids))]).tolist()  # one device sync
     for k, (cid, ctx) in enumerate(zip(cids, contexts, strict=True)):
-        row, rest, loss_sum = stack.done[k]
+        row, rest, _ = stack.done[k]
+        loss_sum = loss_sums[k]
         mine = flat.views(row)
         trained = {key: (mine[key] if key in mine else rest[key]) for key in order}
         ctx.steps = int(sched.steps[k])

@@ -94,7 +94,6 @@ def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {identity_key(g.identity): g.runs for g in group_experiments(runs)}
 
 
-
 # ---- statistics ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stat:

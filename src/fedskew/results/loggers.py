@@ -396,4 +396,3 @@ class Loggers:
         if self.active and self.started:
             self._call("close")
         self.active = {}
-

@@ -187,7 +187,6 @@ def delta_text(cell: Paired, latex: bool = False, seeds: int | None = None) -> s
     return text + (f" (n={c.n})" if seeds is not None and c.n != seeds else "")
 
 
-
 def seeds_cell(cell: Paired, d: float) -> Any:
     if cell.role == "reference":
         return "(reference)"

@@ -278,8 +278,9 @@ def _curves_figure(
     entries = [[entry(lab, host_of(lab)) for lab in members] for _, members in groups]
     nrows = math.ceil(len(groups) / per_row)
     row_h = [
-        max(1.75, 0.16 * max(sum(line_count(t) for t in e) + 1 for e in entries[r * per_row : (r + 1) * per_row])
-            + 0.45)
+        max(
+            1.75, 0.16 * max(sum(line_count(t) for t in e) + 1 for e in entries[r * per_row : (r + 1) * per_row]) + 0.45
+        )
         for r in range(nrows)
     ]
     fig = plt.figure(figsize=(PAGE_WIDTH, head_h + sum(row_h) + 0.3), layout="constrained")
@@ -295,9 +296,7 @@ def _curves_figure(
             shared[j] = shared[j] or ax
             for s in series:
                 if s.label not in members:
-                    ax.plot(
-                        s.rounds, s.mean, color="0.78", lw=0.8, zorder=1, **few_points_style(len(s.rounds), "o", 2)
-                    )
+                    ax.plot(s.rounds, s.mean, color="0.78", lw=0.8, zorder=1, **few_points_style(len(s.rounds), "o", 2))
             for s in series:
                 if s.label in members:
                     k = members.index(s.label)
@@ -518,4 +517,3 @@ def report_figures(
     runs = db.runs()
     records = round_records(db.conn, [r["run_id"] for r in runs])
     return accuracy_figures(runs, records, out_dir, metrics, last_n=last_n, against=against)
-

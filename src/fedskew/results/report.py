@@ -114,8 +114,6 @@ class Report:
         raise ValueError(f"unknown report format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-
-
 def build_report(
     runs: list[dict[str, Any]],
     metrics: Sequence[str] = (DEFAULT_METRIC,),

@@ -175,10 +175,13 @@ def check_update(
                 return Rejection(
                     update.cid, f"extra tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
                 )
-    for kind, tensors in (("tensor", update.params), ("extra tensor", update.extras)):
-        for n, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return Rejection(update.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
+    named = [
+        (kind, n, t) for kind, ts in (("tensor", update.params), ("extra tensor", update.extras)) for n, t in ts.items()
+    ]
+    floats = [(kind, n, t) for kind, n, t in named if t.is_floating_point()]
+    if floats and not bool(torch.stack([torch.isfinite(t).all() for _, _, t in floats]).all()):  # one device sync
+        kind, n, _ = next((kind, n, t) for kind, n, t in floats if not bool(torch.isfinite(t).all()))
+        return Rejection(update.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
     return None
 
 

@@ -369,9 +369,7 @@ def fedsa_layer(
     if low_weights is not None:
         w = torch.as_tensor(low_weights, dtype=torch.float64, device=X.device).reshape(-1)
         if w.numel() != k or bool((w < 0).any()) or not float(w.sum()) > 0:
-            raise ValueError(
-                f"low_weights must be {k} non-negative numbers with a positive sum, got {w.tolist()}"
-            )
+            raise ValueError(f"low_weights must be {k} non-negative numbers with a positive sum, got {w.tolist()}")
         w = w / w.sum()
     stats = column_stats(X, weights=w)
     nonconst = ~stats.constant
@@ -474,9 +472,7 @@ class FedSACombine:
             if value not in allowed:
                 raise ValueError(f"FedSA {fname} must be one of {allowed}, got {value!r}")
 
-    def __call__(
-        self, rin: RoundInput, weights: Tensor, masks: Params | None
-    ) -> tuple[Params, dict[str, Any]]:
+    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
         if masks is not None:
             raise ValueError("FedSACombine does not support element masks (FedSA is not used with masking)")
         k = rin.num_participants

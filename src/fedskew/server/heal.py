@@ -149,8 +149,7 @@ class HealMasks:
                 continue
             if sorted(history.nonneg) != sorted(names):
                 raise ValueError(
-                    f"client {cid}: FedHEAL history covers tensors {sorted(history.nonneg)}, "
-                    f"upload has {sorted(names)}"
+                    f"client {cid}: FedHEAL history covers tensors {sorted(history.nonneg)}, upload has {sorted(names)}"
                 )
             n = history.rounds
             # c > tau  <=>  agree·den > num·n  <=>  agree >= num·n // den + 1  (>= tau: agree >= ceil(num·n / den))
@@ -159,9 +158,7 @@ class HealMasks:
             for name, up in nonneg_now.items():
                 past = history.nonneg[name]
                 if past.shape != up.shape:
-                    raise ValueError(
-                        f"client {cid}: tensor '{name}' changed shape since its last participation"
-                    )
+                    raise ValueError(f"client {cid}: tensor '{name}' changed shape since its last participation")
                 masks[name][i] = consistent(up, past, n, max(need, 0))
                 if n + 1 > torch.iinfo(past.dtype).max:
                     past = past.to(count_dtype(n + 1))
@@ -260,9 +257,7 @@ class FaelWeights:
             return FaelState({}, tuple([1.0 / n] * n))
         sizes = np.asarray(ctx.num_train, dtype=np.float64)
         if sizes.shape != (n,) or not np.all(np.isfinite(sizes)) or np.any(sizes <= 0):
-            raise ValueError(
-                f"fael_init='datasize' needs num_train of {n} positive sizes, got {sizes.tolist()}"
-            )
+            raise ValueError(f"fael_init='datasize' needs num_train of {n} positive sizes, got {sizes.tolist()}")
         return FaelState({}, tuple((sizes / sizes.sum()).tolist()))
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: FaelState) -> tuple[Tensor, FaelState]:

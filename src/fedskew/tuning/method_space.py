@@ -28,8 +28,10 @@ def method_space(method: str, overrides: Mapping[str, Dist | None] | None = None
             space[key if len(owners[key]) == 1 else f"{part.name}.{key}"] = dist
     for key, dist in (overrides or {}).items():
         bare = key.rpartition(".")[2]
-        known = key in RUN_LEVEL or (key in owners and len(owners[key]) == 1) or (
-            "." in key and key.rpartition(".")[0] in owners.get(bare, [])
+        known = (
+            key in RUN_LEVEL
+            or (key in owners and len(owners[key]) == 1)
+            or ("." in key and key.rpartition(".")[0] in owners.get(bare, []))
         )
         if not known:
             if bare in owners and len(owners[bare]) > 1:

@@ -157,14 +157,15 @@ def objective_metric(spec: TuneSpec, cfg_values: dict[str, Any]) -> tuple[str, s
         elif cfg.protocol == "fedcac":
             from fedskew.methods import resolve_method
 
-            metric = "personal_acc_mean" if resolve_method(cfg.method, cfg.method_args).personalized else (
-                "global_local_acc_mean"
+            metric = (
+                "personal_acc_mean"
+                if resolve_method(cfg.method, cfg.method_args).personalized
+                else ("global_local_acc_mean")
             )
         else:
             metric = "global_acc"
     direction = "minimize" if metric.endswith(("_std", "_loss")) else "maximize"
     return metric, direction
-
 
 
 def dump_tune_spec(spec: TuneSpec) -> str:

@@ -139,9 +139,7 @@ def _split_test(ds: ImageDataset, dom: str, index: int) -> ImageDataset:
         test.append(idx[:k])
     te = np.sort(np.concatenate(test)).astype(np.int64)
     tr = np.setdiff1d(np.arange(len(ds.y_train)), te)
-    return ImageDataset(
-        dom, ds.x_train[tr], ds.y_train[tr], ds.x_train[te], ds.y_train[te], ds.num_classes, ds.classes
-    )
+    return ImageDataset(dom, ds.x_train[tr], ds.y_train[tr], ds.x_train[te], ds.y_train[te], ds.num_classes, ds.classes)
 
 
 def office_domains(

@@ -1,0 +1,302 @@
+"""The GPU run book: every GPU figure fedskew quotes, measured in resumable pieces on one device.
+
+Pieces (each a subprocess with its own time limit; its result lands in ``OUT/<piece>.json`` and a piece already
+there is skipped, so running the suite again continues where the last call stopped):
+
+- ``env``: the card, the driver's CUDA, torch and fedskew versions.
+- ``batched-<method>`` for every method family the batched path trains (fedavg, fedprox, scaffold): batched clients
+  against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
+  clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
+  the speedup (median of the timed repeats) and the largest difference between the two paths' uploads;
+  ``batched-fedavg-vmap`` the same with the general ``vmap`` step instead of the stacked autograd graph.
+- ``pfl-batched`` / ``pfl-sequential``: the pfl-research-shaped workload (1,000 users, 50 per round, batch 10,
+  1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
+  (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
+  round times.
+- ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
+- ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
+  left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
+  under ``OUT/reproduce``).
+
+``OUT/suite.md`` collects every finished piece's figures after each call. ``--smoke`` runs every piece at toy size
+on the CPU with the embedded digits (CI runs it), ``--budget`` bounds the whole call: a piece whose estimate does not
+fit is left for the next call.
+
+    python benchmarks/gpu_suite.py --data-dir ../shared/data --out runs/gpu-suite            # on a GPU
+    python benchmarks/gpu_suite.py --smoke --out /tmp/gpu-smoke                               # CI, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BATCHED_METHODS = ("fedavg", "fedprox", "scaffold")
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    argv: list[str]  # the command; empty for an in-process piece (env)
+    estimate_s: float  # what the budget reserves for it
+    limit_s: float  # killed after this long
+    run_dir: Path | None = None  # a fedskew run directory to read summary.json from
+
+
+def fedskew(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedskew", *args]
+
+
+def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
+    smoke = args.smoke
+    device = "cpu" if smoke else args.device
+    mnist = (
+        ["--dataset", "digits"] if smoke else ["--dataset", "mnist", "--data-dir", str(Path(args.data_dir) / "mnist")]
+    )
+    found: list[Piece] = []
+    for m, path in [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")]:
+        argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
+        argv += ["--clients", "10", "--fraction", "0.03", "--repeats", "1"] if smoke else ["--clients", "100"]
+        if not smoke:
+            argv += [
+                "--data-dir",
+                str(Path(args.data_dir) / "mnist"),
+                "--fraction",
+                "1",
+                "--repeats",
+                str(args.repeats),
+            ]
+        found.append(
+            Piece(
+                f"batched-{m}" + ("-vmap" if path == "vmap" else ""), argv, 20 if smoke else 45, 120 if smoke else 240
+            )
+        )
+    pfl = [
+        *mnist,
+        "--partition",
+        "iid",
+        "--clients",
+        "100" if smoke else "1000",
+        "--join-ratio",
+        "0.05",
+        "--batch-size",
+        "10",
+        "--local-epochs",
+        "1",
+        "--lr",
+        "0.05",
+        "--model",
+        "cnn",
+        "--skew-probes",
+        "0",
+        "--device",
+        device,
+        "--no-db",
+        "--quiet",
+        "--overwrite",
+    ]
+    rounds = 3 if smoke else args.pfl_rounds
+    seq_rounds = 2 if smoke else max(1, args.pfl_rounds // 30)
+    for name, extra, r in (("pfl-batched", ["--batched-clients"], rounds), ("pfl-sequential", [], seq_rounds)):
+        run_dir = out / "runs" / name
+        argv = fedskew("run", *pfl, *extra, "--rounds", str(r), "--eval-every", str(r), "--out", str(run_dir))
+        found.append(Piece(name, argv, 20 if smoke else 150, 120 if smoke else 400, run_dir))
+    run100_dir = out / "runs" / "run100"
+    r100 = 2 if smoke else args.run_rounds
+    argv = fedskew(
+        "run",
+        *mnist,
+        "--protocol",
+        "pfllib",
+        "--partition",
+        "dir",
+        "--alpha",
+        "0.1",
+        "--clients",
+        "10" if smoke else "100",
+        "--batch-size",
+        "10",
+        "--lr",
+        "0.005",
+        "--model",
+        "cnn",
+        "--skew-probes",
+        "0",
+        "--device",
+        device,
+        "--batched-clients",
+        "--rounds",
+        str(r100),
+        "--eval-every",
+        str(r100),
+        "--no-db",
+        "--quiet",
+        "--overwrite",
+        "--out",
+        str(run100_dir),
+    )
+    found.append(Piece("run100", argv, 20 if smoke else 120, 120 if smoke else 400, run100_dir))
+    for paper in args.papers:
+        argv = fedskew("reproduce", paper, "--scale", "smoke" if smoke else "small", "--device", device)
+        argv += ["--out", str(out / "reproduce" / paper), "--jobs", str(args.jobs), "--quiet"]
+        if not smoke:
+            argv += ["--data-dir", args.data_dir, "--seeds", args.seeds]
+        if args.rows:
+            argv += ["--rows", args.rows]
+        found.append(Piece(f"reproduce-{paper}", argv, 60 if smoke else 120, 600, None))
+    return found
+
+
+def env_info() -> dict:
+    import torch
+
+    import fedskew
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fedskew": getattr(fedskew, "__version__", "?"),
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count
+        )
+    return info
+
+
+def figures(piece: Piece, stdout: str) -> dict:
+    """The numbers a piece's docs quote, read from its output."""
+    got: dict = {}
+    if piece.name.startswith("batched-"):
+        for key, pattern in (
+            ("speedup", r"speedup batched/sequential: ([\d.]+)x \(median; sequential ([\d.]+)s, batched ([\d.]+)s\)"),
+            ("max_error", r"max equivalence error: ([\d.e+-]+)"),
+            ("utilization", r"GPU utilization \(batched\) (mean [^\n|]*)"),
+            ("workload", r"^(.*clients, \d+ training samples.*)$"),
+        ):
+            m = re.search(pattern, stdout, re.M)
+            if m and key == "speedup":
+                got.update(speedup=float(m[1]), sequential_s=float(m[2]), batched_s=float(m[3]))
+            elif m:
+                got[key] = float(m[1]) if key == "max_error" else m[1].strip()
+    if piece.run_dir is not None:
+        s = json.loads((piece.run_dir / "summary.json").read_text())
+        got.update({k: s.get(k) for k in ("rounds", "wall_time", "mean_time_round", "mean_time_train", "method")})
+        got["global_acc"] = s.get("global_acc")
+    if piece.name.startswith("reproduce-"):
+        got["tail"] = stdout[-1500:]
+    return got
+
+
+def run_piece(piece: Piece, out: Path) -> dict:
+    t0 = time.perf_counter()
+    if not piece.argv:
+        return {"piece": piece.name, "ok": True, **env_info(), "seconds": time.perf_counter() - t0}
+    try:
+        proc = subprocess.run(piece.argv, capture_output=True, text=True, timeout=piece.limit_s, check=False)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"")[-2000:]
+        return {"piece": piece.name, "ok": False, "error": f"timed out after {piece.limit_s:.0f}s", "tail": str(tail)}
+    seconds = time.perf_counter() - t0
+    (out / f"{piece.name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        return {"piece": piece.name, "ok": False, "error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
+    return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout)}
+
+
+def report(out: Path, order: list[str]) -> str:
+    lines = ["# fedskew GPU suite", ""]
+    for name in order:
+        f = out / f"{name}.json"
+        if not f.exists():
+            lines.append(f"- **{name}**: not run yet")
+            continue
+        r = json.loads(f.read_text())
+        shown = {k: v for k, v in r.items() if k not in ("piece", "tail")}
+        lines.append(f"- **{name}**: {json.dumps(shown)}")
+    pb, ps = (out / "pfl-batched.json", out / "pfl-sequential.json")
+    if pb.exists() and ps.exists():
+        b, s = json.loads(pb.read_text()), json.loads(ps.read_text())
+        if b.get("ok") and s.get("ok"):
+            lines.append(
+                f"- pfl-research workload: {b['rounds']} rounds batched in {b['wall_time']:.1f}s; round time "
+                f"sequential/batched {s['mean_time_round'] / b['mean_time_round']:.2f}x"
+            )
+    text = "\n".join(lines) + "\n"
+    (out / "suite.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results folder; pieces already there are skipped")
+    p.add_argument("--data-dir", default="../shared/data", help="folder with mnist/ (and the papers' datasets)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--budget", type=float, default=540, help="seconds this call may spend (pieces that fit start)")
+    p.add_argument("--only", default="", help="comma-separated piece names (default: all)")
+    p.add_argument("--order", default="", help="comma-separated piece names to run first, in this order")
+    p.add_argument("--pfl-rounds", type=int, default=1500)
+    p.add_argument("--run-rounds", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=2, help="batched-<method>: timed repeats after a warm-up")
+    p.add_argument("--papers", default="", help="comma-separated papers for reproduce-<paper> pieces")
+    p.add_argument("--rows", default="", help="reproduce: only these rows")
+    p.add_argument("--seeds", default="0", help="reproduce: seeds")
+    p.add_argument("--jobs", type=int, default=4, help="reproduce: runs at a time on the device")
+    p.add_argument("--smoke", action="store_true", help="every piece at toy size on the CPU (digits)")
+    p.add_argument("--redo", action="store_true", help="run pieces again even when their result exists")
+    args = p.parse_args(argv)
+    args.papers = [x for x in args.papers.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [Piece("env", [], 1, 60), *pieces(args, out)]
+    if args.order:
+        first = [n for n in args.order.split(",") if n]
+        todo.sort(key=lambda pc: first.index(pc.name) if pc.name in first else len(first))
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {pc.name for pc in todo}
+        if unknown:
+            p.error(f"unknown pieces {sorted(unknown)}; known: {[pc.name for pc in todo]}")
+        todo = [pc for pc in todo if pc.name in wanted]
+    start = time.perf_counter()
+    for piece in todo:
+        result_file = out / f"{piece.name}.json"
+        if result_file.exists() and not args.redo and json.loads(result_file.read_text()).get("ok"):
+            print(f"{piece.name}: done earlier, skipped", flush=True)
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if piece.estimate_s > left:
+            print(f"{piece.name}: needs ~{piece.estimate_s:.0f}s, {left:.0f}s left: run the suite again", flush=True)
+            continue
+        piece = Piece(piece.name, piece.argv, piece.estimate_s, min(piece.limit_s, max(left, 1)), piece.run_dir)
+        print(f"{piece.name}: running (limit {piece.limit_s:.0f}s)", flush=True)
+        result = run_piece(piece, out)
+        result_file.write_text(json.dumps(result, indent=1))
+        status = "ok" if result["ok"] else f"FAILED: {result['error']}"
+        print(f"{piece.name}: {status} {json.dumps({k: v for k, v in result.items() if k != 'tail'})}", flush=True)
+    print(report(out, [pc.name for pc in todo]))
+    return (
+        0
+        if all(
+            json.loads((out / f"{pc.name}.json").read_text()).get("ok")
+            for pc in todo
+            if (out / f"{pc.name}.json").exists()
+        )
+        else 1
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

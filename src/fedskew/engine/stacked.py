@@ -1,0 +1,148 @@
+"""K clients' forward passes as one ordinary autograd graph over stacked parameters (no ``vmap``).
+
+:mod:`fedskew.engine.batched` trains a round's clients together. Its general step is ``vmap(grad(loss))`` over
+``functional_call`` of the model, which works for any model but pays the functorch transforms' dispatch on every
+operation of every step: on a GPU the small CNNs of the papers' tables then spend most of a step in the CPU, not in
+the device. For models built from the layers below (every ``Sequential`` model of fedskew's zoo: ``mlp``, ``cnn``,
+``lenet``, ``lenet_bn``) this module writes the same computation directly on stacked tensors, the way ``vmap``'s
+own batching rules do, so that one step is one forward and one backward of plain PyTorch:
+
+* ``Linear``: ``x [K, B, in] @ W[K]ᵀ + b[K]`` (``baddbmm``);
+* ``Conv2d``: the K clients' channels side by side, ``[B, K·C, H, W]``, convolved with ``groups = K·groups``
+  (each client's filters see only its own channels);
+* ``BatchNorm1d/2d`` (training): the same channel layout, so every client's statistics are over its own batch, and
+  its running statistics and ``num_batches_tracked`` are updated in its own rows;
+* ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``.
+
+The clients' losses are independent, so the gradient of their sum with respect to client k's row is client k's own
+gradient. Anything else (a residual block, an embedding, a custom ``forward``) makes :func:`stackable` say why, and
+the caller uses ``vmap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
+
+
+def stackable(module: nn.Module, prefix: str = "") -> str | None:
+    """Why ``module`` cannot be run by :func:`stacked_forward`; ``None`` when it can."""
+    name = prefix or type(module).__name__
+    if type(module) is nn.Sequential:
+        for child_name, child in module.named_children():
+            why = stackable(child, f"{prefix}{child_name}.")
+            if why is not None:
+                return why
+        return None
+    if type(module) in (nn.Linear, *_PER_SAMPLE):
+        return None
+    if type(module) is nn.Flatten:
+        return None if (module.start_dim, module.end_dim) == (1, -1) else f"{name}: Flatten other than (1, -1)"
+    if type(module) is nn.Conv2d:
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return f"{name}: Conv2d with padding {module.padding!r} / mode {module.padding_mode!r}"
+        return None
+    if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d):
+        return None if module.momentum is not None else f"{name}: BatchNorm with a cumulative average"
+    return f"{name.rstrip('.')}: {type(module).__name__} has no stacked form"
+
+
+def stacked_forward(
+    module: nn.Module, state: dict[str, Tensor], x: Tensor, prefix: str = "", training: bool = True
+) -> Tensor:
+    """``module``'s forward for K clients at once: ``x [K, B, ...]`` → ``[K, B, ...]``, with ``state[prefix + name]``
+    the clients' stacked tensors (``[K, *shape]``). BatchNorm running statistics in ``state`` are updated in place
+    in training mode (pass copies)."""
+    kind = type(module)
+    if kind is nn.Sequential:
+        for child_name, child in module.named_children():
+            x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training)
+        return x
+    k, b = x.shape[0], x.shape[1]
+    if kind is nn.Linear:
+        w = state[prefix + "weight"]  # [K, out, in]
+        bias = state.get(prefix + "bias")
+        xs = x.reshape(k, -1, x.shape[-1])  # [K, B·..., in]
+        out = (
+            torch.bmm(xs, w.transpose(1, 2))
+            if bias is None
+            else torch.baddbmm(bias.unsqueeze(1), xs, w.transpose(1, 2))
+        )
+        return out.view(*x.shape[:-1], w.shape[1])
+    if kind is nn.Conv2d:
+        m: nn.Conv2d = module  # type: ignore[assignment]
+        w = state[prefix + "weight"]  # [K, O, C/g, kh, kw]
+        bias = state.get(prefix + "bias")
+        xs = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])  # [B, K·C, H, W]
+        out = F.conv2d(
+            xs,
+            w.reshape(k * w.shape[1], *w.shape[2:]),
+            None if bias is None else bias.reshape(-1),
+            m.stride,
+            m.padding,
+            m.dilation,
+            m.groups * k,
+        )
+        return out.view(b, k, -1, *out.shape[2:]).transpose(0, 1)
+    if kind in (nn.BatchNorm1d, nn.BatchNorm2d):
+        bn: nn.modules.batchnorm._BatchNorm = module  # type: ignore[assignment]
+        c = x.shape[2]
+        xs = x.transpose(0, 1).reshape(b, k * c, *x.shape[3:])
+        rm, rv = state.get(prefix + "running_mean"), state.get(prefix + "running_var")
+        use_batch = training or rm is None
+        if training and bn.track_running_stats and prefix + "num_batches_tracked" in state:
+            state[prefix + "num_batches_tracked"].add_(1)
+        weight, bias = state.get(prefix + "weight"), state.get(prefix + "bias")
+        out = F.batch_norm(
+            xs,
+            None if rm is None else rm.view(-1),
+            None if rv is None else rv.view(-1),
+            None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1),
+            use_batch,
+            bn.momentum if bn.momentum is not None else 0.0,
+            bn.eps,
+        )
+        return out.view(b, k, c, *out.shape[2:]).transpose(0, 1)
+    if kind is nn.Flatten:
+        return x.flatten(2)
+    # per-sample layers: on [K·B, ...]
+    out = module(x.reshape(k * b, *x.shape[2:]))
+    return out.view(k, b, *out.shape[1:])
+
+
+def stacked_step_function(
+    model: nn.Module, names: list[str], mu: float
+) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
+    """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
+    ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers))``:
+    each client's gradient of its cross-entropy (+ FedProx's proximal term), its loss, and its buffers after the
+    forward pass. ``params`` holds the trained parameters (``names``) and the frozen ones."""
+    body, head = model.body, model.head
+
+    def step(
+        params: dict[str, Tensor], buffers: dict[str, Tensor], anchor: dict[str, Tensor], x: Tensor, y: Tensor
+    ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
+        leaves = {n: params[n].detach().requires_grad_() for n in names}
+        new_buffers = {n: v.clone() for n, v in buffers.items()}
+        state = {**params, **leaves, **new_buffers}
+        body_state = {n[5:]: v for n, v in state.items() if n.startswith("body.")}
+        head_state = {n[5:]: v for n, v in state.items() if n.startswith("head.")}
+        with torch.enable_grad():
+            feats = stacked_forward(body, body_state, x)
+            logits = stacked_forward(head, head_state, feats)
+            k, b = logits.shape[0], logits.shape[1]
+            loss = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b).mean(1)
+            if mu != 0:
+                loss = loss + 0.5 * mu * torch.stack(
+                    [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1
+                ).sum(1)
+            grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
+        return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers)
+
+    return step

@@ -1,0 +1,45 @@
+"""benchmarks/gpu_suite.py, the GPU run book, at toy size on the CPU (--smoke): every piece runs and reports its
+figures, a second call skips what is done, and a call whose budget is spent leaves the rest for the next one."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+
+
+def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SUITE), "--smoke", "--out", str(out), *args],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_smoke_suite_runs_every_piece_then_resumes(tmp_path):
+    out = tmp_path / "suite"
+    # a budget that fits nothing but the environment piece: the others are left for the next call
+    first = _suite(out, "--budget", "5", "--papers", "feddisco", "--rows", "fedavg")
+    assert first.returncode == 0, first.stderr
+    assert "run the suite again" in first.stdout
+    assert (out / "env.json").exists() and not (out / "batched-fedavg.json").exists()
+
+    second = _suite(out, "--papers", "feddisco", "--rows", "fedavg")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "env: done earlier, skipped" in second.stdout
+    names = ["batched-fedavg", "batched-fedprox", "batched-scaffold", "batched-fedavg-vmap", "pfl-batched"]
+    names += ["pfl-sequential", "run100", "reproduce-feddisco"]
+    for name in names:
+        result = json.loads((out / f"{name}.json").read_text())
+        assert result["ok"], (name, result)
+    batched = json.loads((out / "batched-fedavg.json").read_text())
+    assert batched["speedup"] > 0 and batched["max_error"] < 1e-3
+    assert "batched step vmap" in json.loads((out / "batched-fedavg-vmap.json").read_text())["workload"]
+    pfl = json.loads((out / "pfl-batched.json").read_text())
+    assert pfl["rounds"] == 3 and 0 <= pfl["global_acc"]["final"] <= 1
+    assert (out / "reproduce" / "feddisco" / "table.md").exists()
+    report = (out / "suite.md").read_text()
+    assert "pfl-research workload: 3 rounds batched" in report and "not run yet" not in report
+
+    third = _suite(out, "--only", "env,run100")
+    assert third.returncode == 0 and third.stdout.count("done earlier, skipped") == 2

@@ -1,0 +1,89 @@
+"""engine/stacked.py: K clients' forward and backward as one autograd graph equals vmap(grad(...)) per client."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedskew.engine.batched import _step_function, _vmap_step_function
+from fedskew.engine.stacked import stackable, stacked_forward, stacked_step_function
+from fedskew.models import build_model
+
+
+def stacked_state(model: nn.Module, k: int, seed: int) -> dict[str, torch.Tensor]:
+    """K different clients: the model's state dict perturbed per client (integer buffers repeated)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, v in model.state_dict().items():
+        rows = v.unsqueeze(0).repeat(k, *[1] * v.dim()).clone()
+        if rows.is_floating_point():
+            rows += 0.05 * torch.randn(rows.shape, generator=g)
+            if "running_var" in n:
+                rows = rows.abs() + 0.5
+        out[n] = rows
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "side", "mu"),
+    [("mlp", 8, 0.0), ("cnn", 28, 0.0), ("lenet", 16, 0.3), ("lenet_bn", 16, 0.0), ("lenet_bn", 8, 0.1)],
+)
+def test_stacked_step_equals_vmap(name: str, side: int, mu: float) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, in_channels=1, image_size=side, num_classes=10)
+    model.train()
+    k, b = 3, 5
+    state = stacked_state(model, k, seed=1)
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: state[n] for n in names}
+    buffers = {n: v for n, v in state.items() if n not in params}
+    anchor = {n: v + 0.01 for n, v in params.items()} if mu else {}
+    x = torch.randn(k, b, 1, side, side, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 10, (k, b), generator=torch.Generator().manual_seed(3))
+    g1, (l1, b1) = _vmap_step_function(model, names, mu)(params, buffers, anchor, x, y)
+    g2, (l2, b2) = stacked_step_function(model, names, mu)(params, buffers, anchor, x, y)
+    for n in names:
+        assert torch.allclose(g1[n], g2[n], atol=1e-6, rtol=1e-5), n
+    assert torch.allclose(l1, l2, atol=1e-6)
+    assert set(b1) == set(b2) == set(buffers)
+    for n in buffers:
+        assert torch.allclose(b1[n].double(), b2[n].double(), atol=1e-6), n
+    if name == "lenet_bn":  # the forward updated copies, never the inputs, and counted one batch per client
+        assert not torch.equal(b2["body.1.running_mean"], buffers["body.1.running_mean"])
+        assert b2["body.1.num_batches_tracked"].tolist() == (buffers["body.1.num_batches_tracked"] + 1).tolist()
+
+
+def test_stacked_forward_is_each_clients_own_forward() -> None:
+    """Client k's rows of the stacked forward are the module's forward with client k's tensors."""
+    torch.manual_seed(0)
+    model = build_model("lenet", in_channels=3, image_size=16, num_classes=4)
+    k = 4
+    state = stacked_state(model, k, seed=5)
+    x = torch.randn(k, 6, 3, 16, 16)
+    body = {n[5:]: v for n, v in state.items() if n.startswith("body.")}
+    out = stacked_forward(model.body, body, x, training=False)
+    for c in range(k):
+        model.load_state_dict({n: v[c] for n, v in state.items()})
+        model.eval()
+        with torch.no_grad():
+            assert torch.allclose(out[c], model.body(x[c]), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lenet", "lenet_bn"])
+def test_zoo_sequential_models_are_stackable(name: str) -> None:
+    model = build_model(name, in_channels=1, image_size=16, num_classes=10)
+    assert stackable(model.body) is None and stackable(model.head) is None
+    names = [n for n, _ in model.named_parameters()]
+    assert _step_function(model, names, 0.0).__qualname__.startswith("stacked_step_function")
+
+
+def test_unstackable_models_say_why_and_use_vmap() -> None:
+    resnet = build_model("resnet8", in_channels=3, image_size=16, num_classes=10)
+    why = stackable(resnet.body)
+    assert why is not None and "has no stacked form" in why
+    names = [n for n, _ in resnet.named_parameters()]
+    assert not _step_function(resnet, names, 0.0).__qualname__.startswith("stacked_step_function")
+    assert "Flatten other than" in stackable(nn.Sequential(nn.Flatten(0)))
+    assert "cumulative average" in stackable(nn.Sequential(nn.BatchNorm1d(3, momentum=None)))
+    assert "padding" in stackable(nn.Conv2d(1, 2, 3, padding="same"))
