@@ -47,6 +47,11 @@ RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--validation": ("validation", float, "share of every client's training split held out as validation (0: none)"),
     "--evaluate-on": ("evaluate_on", str, "test | validation: what every evaluation view scores"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds"),
+    "--eval-clients": (
+        "eval_clients",
+        int,
+        "score per-client models on a seeded sample of N clients per evaluated round (all at the last round)",
+    ),
     "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
     "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
     "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),

@@ -177,6 +177,12 @@ class RunConfig(StrictSettings):
         description="evaluation batch (auto: on CPU the largest whose biggest layer output stays under 16 MiB, "
         "so no memory is re-mapped every batch; 2048 on a GPU)",
     )
+    eval_clients: int | None = Field(
+        None,
+        ge=1,
+        description="views of per-client models (personalized, trained, local entries): score a seeded sample of "
+        "this many clients per evaluated round, every client at the last round (default: all, every time)",
+    )
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
     skew_probes: int = Field(
         4, ge=0, description="per layer, positions whose client values are recorded for `fedskew skew` (0: off)"

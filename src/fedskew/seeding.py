@@ -22,6 +22,7 @@ class Purpose(IntEnum):
     DATA = 6
     DROPOUT = 7
     FEDGEN = 8  # FedGen's server-side generator: its initial weights and each round's training draws
+    EVAL_SAMPLE = 9  # the clients whose per-client models an evaluated round scores (eval_clients)
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

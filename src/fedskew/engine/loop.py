@@ -70,6 +70,7 @@ from fedskew.protocol import (
     ServerContext,
     client_reports,
 )
+from fedskew.seeding import Purpose, numpy_rng
 from fedskew.server.api import UploadStack, check_model
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
@@ -312,7 +313,7 @@ class Simulation:
         evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
         probe = None
         if evaluated:
-            record_eval, scores = self.evaluate()
+            record_eval, scores = self.evaluate(rnd)
             record.update(record_eval)
         t3 = time.perf_counter()
         if evaluated and cfg.skew_probes and rin is not None:
@@ -421,13 +422,23 @@ class Simulation:
             out.append(batch_scores(self.model, *self.eval_tensors(source), self.eval_batch))
         return out
 
-    def _per_client_scores(self, params_of: Callable[[int], Params]) -> ClientScores:
-        """Each client's model on its test split, ``EVAL_CHUNK`` clients' models in RAM at a time (a disk store
-        reads them one by one)."""
+    def eval_sample(self, rnd: int) -> list[int] | None:
+        """The clients whose per-client models round ``rnd`` scores: ``None`` (all) unless ``eval_clients`` is set
+        and this is not the last round; else a sorted sample of that many, drawn from the run seed and the round
+        (its own stream: no other draw moves)."""
+        n, k = self.data.num_clients, self.cfg.eval_clients
+        if k is None or k >= n or rnd >= self.cfg.rounds:
+            return None
+        return sorted(int(c) for c in numpy_rng(self.cfg.seed, Purpose.EVAL_SAMPLE, rnd).choice(n, k, replace=False))
+
+    def _per_client_scores(self, params_of: Callable[[int], Params], cids: list[int] | None = None) -> ClientScores:
+        """Each client's model (of ``cids``, default all; the others count 0 samples, so no statistic sees them) on
+        its test split, ``EVAL_CHUNK`` clients' models in RAM at a time (a disk store reads them one by one)."""
         data = self.data
         correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
-        for i in range(0, len(data.clients), EVAL_CHUNK):
-            chunk = data.clients[i : i + EVAL_CHUNK]
+        clients = data.clients if cids is None else [data.clients[c] for c in cids]
+        for i in range(0, len(clients), EVAL_CHUNK):
+            chunk = clients[i : i + EVAL_CHUNK]
             passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), ("client", c.cid)) for c in chunk]
             for c, batches in zip(chunk, self.batch_scores_of(passes), strict=True):
                 owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
@@ -435,12 +446,18 @@ class Simulation:
                 correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
         return ClientScores(correct, loss, count)
 
-    def evaluate(self) -> tuple[dict[str, float], dict[str, ClientScores]]:
-        """Every view once: each distinct (model, sample) pair is scored at most once."""
+    def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:
+        """Every view once: each distinct (model, sample) pair is scored at most once. Views of per-client models
+        score the clients of :meth:`eval_sample` (``rnd``; default all), and the record says how many."""
         data = self.data
-        rec: dict[str, float] = global_views(self, self.global_params)
+        sample = None if rnd is None else self.eval_sample(rnd)
+        rec: dict[str, Any] = global_views(self, self.global_params)
+        if sample is not None and (self.local_names or self.method.personalized):
+            rec["eval_clients"] = len(sample)
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
-            scores = {"global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params))}
+            scores = {
+                "global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params), sample)
+            }
         else:  # one pass over all clients' test sets
             (batches,) = self.batch_scores_of([(self.global_params, "local")])
             scores = {"global_local": accumulate(batches, data.local_owner, data.num_clients)}
@@ -448,8 +465,8 @@ class Simulation:
                 rec.update(pooled("global", scores["global_local"]))
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
-            scores["personal"] = self._per_client_scores(self.personal_params)
-            scores["trained"] = self._per_client_scores(self.trained_params)
+            scores["personal"] = self._per_client_scores(self.personal_params, sample)
+            scores["trained"] = self._per_client_scores(self.trained_params, sample)
             rec.update(summarize("personal", scores["personal"]))
             rec.update(summarize("trained", scores["trained"]))
         return rec, scores

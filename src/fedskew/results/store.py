@@ -118,6 +118,14 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
     def mean(key: str) -> float | None:  # None when no round finished (a run that diverged in round 1)
         return float(np.mean([r[key] for r in records])) if records else None
 
+    sampled = [r for r in evaluated if "eval_clients" in r]
+    if sampled:  # eval_clients: the per-client views of these rounds scored a seeded sample of the clients
+        out["sampled_evaluation"] = {
+            "clients": sampled[0]["eval_clients"],
+            "rounds": len(sampled),
+            "note": "views of per-client models scored on a seeded sample of clients in these evaluated rounds "
+            "(every client in the rounds without eval_clients in metrics.jsonl, the last round always)",
+        }
     for key in TIMING_KEYS:
         out[f"mean_{key}"] = mean(key)
     out["bytes_up_per_round"] = mean("bytes_up")
