@@ -28,6 +28,7 @@ from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.backends import batched_trainer, worker_pool
+from fedskew.engine.buffers import BufferPool
 from fedskew.engine.evaluate import (
     ClientScores,
     accumulate,
@@ -206,6 +207,7 @@ class Simulation:
         self.server_state = self.method.server.init(self.ctx)
         self.client_server_state = self.method.client.server_init(self.ctx)
         self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
+        self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
         self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
         self.batched = self._batched is not None
@@ -256,7 +258,8 @@ class Simulation:
         sampled = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
         gone = set(dropped_out(cfg.seed, rnd, sampled, data.num_clients, cfg.client_dropout))
         broadcast = method.client.broadcast(self.client_server_state)
-        plan = RoundPlan(rnd, sampled, gone, broadcast, UploadStack(len(sampled) - len(gone), self.global_params), t0)
+        stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
+        plan = RoundPlan(rnd, sampled, gone, broadcast, stack, t0)
         plan.bytes_down = sum(self.wire_bytes(self.params_for(cid)) + payload_bytes(broadcast) for cid in sampled)
         return plan
 

@@ -23,7 +23,7 @@ holds its uploads twice; :func:`stack_updates` does the same for a list.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -178,11 +178,24 @@ def check_update(
     named = [
         (kind, n, t) for kind, ts in (("tensor", update.params), ("extra tensor", update.extras)) for n, t in ts.items()
     ]
-    floats = [(kind, n, t) for kind, n, t in named if t.is_floating_point()]
-    if floats and not bool(torch.stack([torch.isfinite(t).all() for _, _, t in floats]).all()):  # one device sync
-        kind, n, _ = next((kind, n, t) for kind, n, t in floats if not bool(torch.isfinite(t).all()))
+    bad = nonfinite([t for _, _, t in named])
+    if bad:
+        kind, n, _ = named[bad[0]]
         return Rejection(update.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
     return None
+
+
+def nonfinite(tensors: Sequence[Tensor]) -> list[int]:
+    """The positions of the floating tensors holding NaN or Inf, exactly, in one device sync. Each tensor's sum is
+    finite when all its elements are (NaN and Inf propagate through a sum); only a tensor whose sum is not finite
+    (a bad element, or finite elements that overflow the sum) is checked element by element. A sum reads the tensor
+    once without allocating: ``isfinite(t).all()`` costs about 15 times as much on a CPU."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+    if not floats:
+        return []
+    sums = torch.stack([tensors[i].sum().float() for i in floats])
+    suspect = [i for i, ok in zip(floats, torch.isfinite(sums).tolist(), strict=True) if not ok]
+    return [i for i in suspect if not bool(torch.isfinite(tensors[i]).all())]
 
 
 def validate_updates(
@@ -201,6 +214,11 @@ def validate_updates(
     return valid, rejected
 
 
+# (key, shape, dtype, device) -> an uninitialized tensor: where an upload stack gets its buffers (the engine's
+# engine/buffers.py pool reuses the last round's; default a new one each time)
+Allocator = Callable[[str, tuple[int, ...], torch.dtype, torch.device], Tensor]
+
+
 class UploadStack:
     """Uploads validated into preallocated ``[capacity, ...]`` buffers one at a time, as they arrive.
 
@@ -210,11 +228,14 @@ class UploadStack:
     first one fixes the extra tensors every later one must match.
     """
 
-    def __init__(self, capacity: int, global_params: Params) -> None:
+    def __init__(self, capacity: int, global_params: Params, alloc: Allocator | None = None) -> None:
         self.global_params = global_params
         self.capacity = capacity
+        self._alloc: Allocator = alloc or (
+            lambda key, shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
+        )
         self.params: Params = {
-            n: torch.empty((capacity, *t.shape), dtype=t.dtype, device=t.device) for n, t in global_params.items()
+            n: self._alloc(n, (capacity, *t.shape), t.dtype, t.device) for n, t in global_params.items()
         }
         self.extras: Params | None = None  # allocated from the first accepted upload
         self.cids: list[int] = []
@@ -236,7 +257,7 @@ class UploadStack:
             raise ValueError(f"UploadStack holds {self.capacity} uploads; client {update.cid} is one too many")
         if self.extras is None:
             self.extras = {
-                n: torch.empty((self.capacity, *t.shape), dtype=t.dtype, device=t.device)
+                n: self._alloc(f"extra:{n}", (self.capacity, *t.shape), t.dtype, t.device)
                 for n, t in sorted(update.extras.items())
             }
         row = self.count
@@ -340,11 +361,9 @@ def check_model(params: Params, template: Params, what: str) -> list[str]:
     if set(params) != set(template):
         missing, extra = sorted(set(template) - set(params)), sorted(set(params) - set(template))
         raise TypeError(f"{what}: missing tensors {missing} / unknown tensors {extra}")
-    bad = []
     for n, ref in template.items():
         t = params[n]
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise TypeError(f"{what}: tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad.append(n)
-    return bad
+    names = list(template)
+    return [names[i] for i in nonfinite([params[n] for n in names])]
