@@ -56,6 +56,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_resource_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-cpus", type=float, default=None, help="simulation: CPUs per simulated client (default 1; Flower's is 2)"
+    )
+    p.add_argument(
+        "--num-gpus",
+        type=float,
+        default=None,
+        help="simulation: GPUs per simulated client (default 0; 0.25 when the configuration's device is cuda)",
+    )
+
+
 def add_parsers(sub: Any) -> None:
     fl = sub.add_parser(
         "flower",
@@ -71,8 +83,27 @@ def add_parsers(sub: Any) -> None:
         "the whole resolved configuration, so that `flwr run --run-config` can override any key) and DIR/README.md.",
     )
     new.add_argument("dir", metavar="DIR", help="the app folder (created; must not hold a pyproject.toml)")
+    new.add_argument(
+        "--simulation",
+        action="store_true",
+        help="also write DIR/simulation.toml: a local-simulation federation for Flower's Simulation Engine (Ray), one "
+        "simulated SuperNode per client (partition-id = client id); run it with `fedskew flower simulate DIR`",
+    )
+    _add_resource_flags(new)
     _add_config_flags(new)
     _add_engine_flags(new)
+
+    sim = fsub.add_parser(
+        "simulate",
+        help="run app folder DIR on Flower's Simulation Engine (Ray): one simulated SuperNode per client, then stop it",
+        description="flwr run DIR on a local-simulation federation in a throwaway FLWR_HOME (DIR/simulation.toml's "
+        "resources when present), bounded by --timeout; stops the local SuperLink and Ray processes flwr leaves "
+        'behind. Needs the extra: pip install -e ".[flower-sim]".',
+    )
+    sim.add_argument("dir", metavar="DIR", help="an app folder written by `fedskew flower new`")
+    sim.add_argument("--run-config", default=None, metavar="'K=V ...'", help="overrides, as flwr run --run-config")
+    sim.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take (default 1800)")
+    _add_resource_flags(sim)
 
     loc = fsub.add_parser(
         "local",
@@ -140,10 +171,24 @@ def cmd_new(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     folder = Path(args.dir)
-    written = write_app(folder, cfg, _settings(args))
+    simulation = None
+    if args.simulation:
+        from fedskew.flower.simulation import connection
+
+        num_gpus = args.num_gpus if args.num_gpus is not None else (0.25 if cfg.device.startswith("cuda") else 0.0)
+        simulation = connection(cfg.clients, args.num_cpus or 1.0, num_gpus)
+    elif args.num_cpus is not None or args.num_gpus is not None:
+        from fedskew.config import ConfigError
+
+        raise ConfigError("--num-cpus and --num-gpus are the simulated clients' resources: they need --simulation")
+    written = write_app(folder, cfg, _settings(args), simulation=simulation)
     print(f"Flower app for fedskew {cfg.method} on {cfg.dataset} ({cfg.clients} clients, {cfg.rounds} rounds):")
     for path in written:
         print(f"  {path}")
+    if simulation is not None:
+        print(
+            f'\nOn Flower\'s Simulation Engine (Ray; pip install -e ".[flower-sim]"): fedskew flower simulate {folder}'
+        )
     print(
         "\nRun it (docs/flower.md):\n"
         "  flower-superlink --host 0.0.0.0 --port 8000 --disable-runtime-dependency-installation \\\n"
@@ -212,6 +257,46 @@ def cmd_loopback(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import tempfile
+    import tomllib
+
+    from fedskew.flower import require_flwr
+
+    require_flwr()
+    from fedskew.flower.simulation import LocalSimulation
+
+    app_dir = Path(args.dir)
+    project = app_dir / "pyproject.toml"
+    if not project.is_file():
+        print(f"error: {project} not found (write an app folder with `fedskew flower new`)", file=sys.stderr)
+        return 2
+    config = tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]
+    overrides = dict(kv.split("=", 1) for kv in (args.run_config or "").split()) if args.run_config else {}
+    clients = int(overrides.get("clients", config["clients"]))
+    resources = {"num_cpus": 1.0, "num_gpus": 0.25 if str(config.get("device", "cpu")).startswith("cuda") else 0.0}
+    written = app_dir / "simulation.toml"
+    if written.is_file():  # the resources `fedskew flower new --simulation` wrote
+        options = tomllib.loads(written.read_text())["superlink"]["local-simulation"]["options"]
+        resources = {f"num_{k[4:]}": float(v) for k, v in options["backend"]["client-resources"].items()}
+    if args.num_cpus is not None:
+        resources["num_cpus"] = args.num_cpus
+    if args.num_gpus is not None:
+        resources["num_gpus"] = args.num_gpus
+    with tempfile.TemporaryDirectory(prefix="fedskew-flower-sim-") as home:
+        t0 = time.perf_counter()
+        with LocalSimulation(Path(home), clients, **resources) as sim:
+            argv = ["--run-config", args.run_config] if args.run_config else []
+            out, _ = sim.run_app(app_dir, timeout=args.timeout, extra_args=argv)
+            print(out)
+            print(f"flwr run on {clients} simulated SuperNodes took {time.perf_counter() - t0:.1f} s")
+        left = sim.leftovers()
+    if left:
+        print(f"warning: processes left behind: {left}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def valid_compositions() -> list[str]:
     """Every valid composition, canonical names, as ``fedskew methods`` lists them (each client part alone and with
     each plug-in, and each pair of plug-ins)."""
@@ -267,7 +352,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_flower(args: argparse.Namespace) -> int:
     from fedskew.flower import FlowerMissingError
 
-    handler = {"new": cmd_new, "local": cmd_local, "check": cmd_check, "loopback": cmd_loopback}[args.flower_command]
+    handlers = {"new": cmd_new, "local": cmd_local, "check": cmd_check, "loopback": cmd_loopback}
+    handler = {**handlers, "simulate": cmd_simulate}[args.flower_command]
     try:
         return handler(args)
     except FlowerMissingError as exc:

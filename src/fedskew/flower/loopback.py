@@ -219,6 +219,25 @@ def override_string(values: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def processes_with_home(home: Path) -> dict[int, list[str]]:
+    """pid -> command line of every live process (not a zombie, not this one) whose environment has
+    ``FLWR_HOME=home`` (Linux ``/proc``): what a federation in that home started."""
+    marker = f"FLWR_HOME={home}".encode()
+    found: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"\0" + marker + b"\0" in b"\0" + env and stat.split(")")[-1].split()[0] != "Z":
+            found[int(entry.name)] = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+    return found
+
+
 class Loopback:
     """SuperLink + ``num_nodes`` SuperNodes (``cid=0..num_nodes-1``) on 127.0.0.1; a context manager.
 
@@ -486,20 +505,7 @@ class Loopback:
 
     def processes(self) -> dict[int, list[str]]:
         """pid -> command line of every live process carrying this federation's ``FLWR_HOME`` (Linux ``/proc``)."""
-        marker = f"FLWR_HOME={self.home}".encode()
-        found: dict[int, list[str]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                env = (entry / "environ").read_bytes()
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"\0" + marker + b"\0" in b"\0" + env and stat.split(")")[-1].split()[0] != "Z":
-                found[int(entry.name)] = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
-        return found
+        return processes_with_home(self.home)
 
     def __enter__(self) -> Loopback:
         try:

@@ -294,15 +294,20 @@ class FlowerServer(Simulation):
     def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
         """Nothing: the client keeps its local entries and the model it trained in its own ``context.state``."""
 
-    def evaluate(self) -> tuple[dict[str, Any], dict[str, ClientScores]]:
+    def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:
         """The simulator's views: the global model on the global test set here, every client's views on its test
-        split there (its replies are the per-client scores the simulator computes)."""
+        split there (its replies are the per-client scores the simulator computes). With ``eval_clients`` only the
+        round's seeded sample of clients is asked (every view the clients compute is then over the sample)."""
         data, bs, n = self.data, self.eval_batch, self.data.num_clients
+        sample = None if rnd is None else self.eval_sample(rnd)
         rec: dict[str, Any] = global_views(self, self.global_params)
+        if sample is not None:
+            rec["eval_clients"] = len(sample)
         views = ["global_local"] + (["personal", "trained"] if self.method.personalized else [])
         glob = to_record(self._wire(self.global_params))
         contents = {}
-        for cid in (c for c in range(n) if c not in self.unreachable):
+        asked = range(n) if sample is None else sample
+        for cid in (c for c in asked if c not in self.unreachable):
             content = RecordDict({"global": glob, "config": self._config(cid, views=views, eval_batch=bs)})
             if cid in self.personal:
                 content["personal"] = to_record(self._wire(self.personal[cid]))

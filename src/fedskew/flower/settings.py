@@ -235,9 +235,12 @@ clientapp = "{CLIENT_APP}"
 {app_config(cfg, settings)}"""
 
 
-def write_app(folder: Path, cfg: RunConfig, settings: FlowerSettings | None = None) -> list[Path]:
+def write_app(
+    folder: Path, cfg: RunConfig, settings: FlowerSettings | None = None, simulation: str | None = None
+) -> list[Path]:
     """Write a ready-to-run Flower app for ``cfg`` into ``folder`` (created; an existing ``pyproject.toml`` is never
-    replaced). Returns the files written."""
+    replaced). ``simulation``: a local-simulation connection block (``flower.simulation.connection``), written as
+    ``simulation.toml``. Returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "pyproject.toml"
     if target.exists():
@@ -245,6 +248,15 @@ def write_app(folder: Path, cfg: RunConfig, settings: FlowerSettings | None = No
     target.write_text(pyproject(cfg, project_name(folder), settings))
     readme = folder / "README.md"
     written = [target]
+    if simulation is not None:
+        sim = folder / "simulation.toml"
+        sim.write_text(
+            "# Flower's Simulation Engine: one simulated SuperNode per client (partition-id = client id).\n"
+            "# Run it with `fedskew flower simulate .`, or add this block to $FLWR_HOME/config.toml and\n"
+            "# `flwr run . local-simulation --stream` (then stop the local SuperLink flwr leaves running).\n"
+            + simulation
+        )
+        written.append(sim)
     if not readme.exists():
         readme.write_text(
             f"# fedskew {cfg.method} on Flower\n\n"
