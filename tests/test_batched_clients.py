@@ -89,6 +89,12 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("scaffold", None, {**BN, "batch_size": 32, "local_epochs": 2}),  # last batches mid-training
         ("fedavg+amp", None, {}),  # a personalized server: each client is sent its own model
         ("fedprox+qffl", None, {}),  # the loss-before wrapper: begin on the received model, metrics reported
+        ("feddyn", {"alpha": 0.1, "clip": 0.5}, {}),  # a pull and g_k after the backward pass, clipping active
+        # no clip, momentum and weight decay; lr 0.005: at 0.01 one client's 11th step in round 2 crosses a ReLU
+        # boundary the sequential loop does not (1.6e-4 apart, while every step agrees to 2e-7: see docs/design.md)
+        ("feddyn", {"clip": 0.0}, {**BN, "batch_size": 32, "lr": 0.005}),
+        ("feddc", {"alpha": 0.1, "clip": 0.5}, {"momentum": 0.5}),  # drift pull, clip, and c/ω_i − c_i shift
+        ("feddc+disco", {"correction": False}, {}),  # FedDisco's FedDC: no correction, no shift
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -115,6 +121,12 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert int(u.params["body.1.num_batches_tracked"]) == u.metrics["steps"]
     if "qffl" in method:
         assert all("loss_before" in u.metrics for u in rounds[0][3])
+    if method == "feddyn":  # the linear term g_k is non-zero from round 2 on, in every client's state
+        assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
+    if method.startswith("feddc"):
+        assert all(any(t.abs().max() > 0 for t in s["feddc_drift"].values()) for s in bat.client_states.values())
+        if (args or {}).get("correction", True) is not False:
+            assert any(t.abs().max() > 0 for t in rounds[1][1].values() if t.dim())  # c is non-zero in round 2
 
 
 def test_batch_buckets_cover_last_batches():
@@ -175,6 +187,9 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedavg+fedsa",
         "fedavg+local",
         "fedprox+afl",
+        "feddyn",
+        "feddc+disco",
+        "feddyn+heal",
     ],
 )
 def test_batchable_methods(method):
@@ -187,7 +202,7 @@ def test_batchable_methods(method):
         ("moon", "Moon and overrides begin, loss, end"),
         ("fedrep", "FedRep and overrides phases"),
         ("ditto", "personal_model"),
-        ("feddyn", "after_backward"),
+        ("fedntd", "FedNTD and overrides begin, loss"),
         ("fedavg+fedcac", "upload tensors computed per client after training (CriticalMasks)"),
         ("fedamp", "AmpClient"),
     ],
@@ -223,3 +238,40 @@ def test_batched_runs_are_reproducible(one_thread):
     for u, v in zip(*ups, strict=True):
         assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
         assert u.metrics == v.metrics
+
+
+@pytest.mark.parametrize("method", ["feddyn+disco", "feddc"])
+def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
+    """FedDyn and FedDC batched, with partial participation, drop-outs and ``on_bad_update: drop``: interrupted after
+    round 2 and resumed gives the uninterrupted batched run's records, and both follow the sequential run."""
+    import json
+
+    from fedskew.config import make_config
+    from fedskew.protocol import TIMING_KEYS
+    from fedskew.runner import run_experiment
+
+    base = {"clients": 6, "rounds": 4, "method": method, "db": None, "seed": 4, "skew_probes": 0}
+    base |= {"join_ratio": 0.67, "client_dropout": 0.2, "on_bad_update": "drop", "batched_clients": True}
+
+    def records(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(result):
+        if result.record["round"] == 2:
+            raise Stop
+
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "whole")}))
+    cfg = make_config(None, {**base, "out": str(tmp_path / "cut"), "checkpoint_every": 1})
+    with pytest.raises(Stop):
+        run_experiment(cfg, on_round=stop_after_two)
+    run_experiment(cfg, resume=True)
+    assert records(tmp_path / "cut") == records(tmp_path / "whole")
+    seq = records(tmp_path / "whole")
+    run_experiment(make_config(None, {**base, "out": str(tmp_path / "seq"), "batched_clients": False}))
+    for a, b in zip(records(tmp_path / "seq"), seq, strict=True):
+        assert a["participants"] == b["participants"] and a.get("dropped_out") == b.get("dropped_out")
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)

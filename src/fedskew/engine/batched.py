@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from fedskew.client.algorithms import FedProx, Scaffold
+from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
 from fedskew.client.loss_before import LossBefore
 from fedskew.engine.stacked import stackable, stacked_step_function
@@ -67,11 +68,17 @@ class BatchedStep:
     """How one client part's per-step hooks are computed on stacked clients.
 
     ``prox_mu``: the weight of FedProx's proximal term ``(mu/2)·Σ‖w − w_received‖²`` added to the cross-entropy
-    (0: none). ``shift``: from the client's context after ``begin``, the tensors added to its trainable parameters
-    after every optimizer step and their scale (SCAFFOLD: ``c − c_i`` and ``−lr``), or ``None``."""
+    (0: none). ``pull``: from the client's context after ``begin``, ``(α_k, anchor, linear)`` whose gradient
+    ``α_k(θ − anchor) − linear`` is added to the loss's gradient after the backward pass (FedDyn, FedDC:
+    ``client.drift.add_pull``; ``linear`` may be ``None``), and ``clip``: the client's total gradient-norm clip applied
+    then (0: none; ``clip_grad_norm_``'s formula, per client). ``shift``: the tensors added to its trainable parameters
+    after every optimizer step and their scale (SCAFFOLD: ``c − c_i`` and ``−lr``; FedDC: ``c/ω_i − c_i``), or
+    ``None`` (for a client part that has none in this configuration too)."""
 
     prox_mu: Callable[[LocalAlgorithm], float]
-    shift: Callable[[LocalContext], tuple[list[Tensor], float]] | None = None
+    shift: Callable[[LocalContext], tuple[list[Tensor], float] | None] | None = None
+    pull: Callable[[LocalContext], tuple[float, list[Tensor], list[Tensor] | None]] | None = None
+    clip: Callable[[LocalAlgorithm], float] | None = None
 
 
 def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
@@ -80,11 +87,36 @@ def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
     return list(corr), float(alpha)
 
 
+def _feddyn_pull(ctx: LocalContext) -> tuple[float, list[Tensor], list[Tensor] | None]:
+    # what FedDyn.begin prepared for its after_backward: (parameters, received w^t, α_k, g_k per parameter)
+    _, anchors, alpha, g = ctx.scratch["feddyn"]
+    return float(alpha), list(anchors), list(g)
+
+
+def _feddc_pull(ctx: LocalContext) -> tuple[float, list[Tensor], list[Tensor] | None]:
+    # FedDC.begin: (parameters, w^t − h_i, α_i)
+    _, anchors, alpha = ctx.scratch["feddc"]
+    return float(alpha), list(anchors), None
+
+
+def _feddc_shift(ctx: LocalContext) -> tuple[list[Tensor], float] | None:
+    # FedDC.after_step with correction: θ ← θ − lr·(c/ω_i − c_i)
+    shift = ctx.scratch.get("feddc_shift")
+    return None if shift is None else (list(shift), -float(ctx.settings.lr))
+
+
 # the client parts whose local step is batched (exact types: a subclass may override any hook)
 BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     LocalAlgorithm: BatchedStep(prox_mu=lambda algo: 0.0),
     FedProx: BatchedStep(prox_mu=lambda algo: float(algo.mu)),  # type: ignore[attr-defined]
     Scaffold: BatchedStep(prox_mu=lambda algo: 0.0, shift=_scaffold_shift),
+    FedDyn: BatchedStep(prox_mu=lambda algo: 0.0, pull=_feddyn_pull, clip=lambda algo: float(algo.clip)),  # type: ignore[attr-defined]
+    FedDC: BatchedStep(
+        prox_mu=lambda algo: 0.0,
+        pull=_feddc_pull,
+        clip=lambda algo: float(algo.clip),  # type: ignore[attr-defined]
+        shift=_feddc_shift,
+    ),
 }
 
 # wrappers that add work in ``begin`` only (on the received model, before training) and hand every other hook to the
@@ -105,13 +137,13 @@ _RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alpha
 def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
-    Batched: the plain local SGD client (``fedavg``), ``fedprox`` and ``scaffold``, with any server plug-in that only
-    aggregates (disco, heal, fedsa, ...) or keeps state-dict groups on the clients (fedper, fedbn, local), since those
-    change only what each client receives, or that wrap the client part in :data:`WRAPPERS` (the loss before training
-    that AFL, q-FFL and FedFV read). Refused, with the reason: any other client part (its hooks run per step of the
-    sequential loop: MOON's contrastive loss, FedRep's and Ditto's phases, FedDyn's gradient correction, a personal
-    model), per-client uploads computed after training (FedCAC's masks), a model with random layers (dropout) or a
-    cumulative-average BatchNorm (``momentum=None``)."""
+    Batched: the plain local SGD client (``fedavg``), ``fedprox``, ``scaffold``, ``feddyn`` and ``feddc``, with any
+    server plug-in that only aggregates (disco, heal, fedsa, ...) or keeps state-dict groups on the clients (fedper,
+    fedbn, local), since those change only what each client receives, or that wrap the client part in
+    :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV read). Refused, with the reason: any other
+    client part (its hooks run per step of the sequential loop: MOON's contrastive loss, FedRep's and Ditto's phases,
+    a personal model), per-client uploads computed after training (FedCAC's masks), a model with random layers
+    (dropout) or a cumulative-average BatchNorm (``momentum=None``)."""
     algo = _unwrapped(method.client)
     if type(algo) not in BATCHED_STEPS:
         hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
@@ -265,10 +297,13 @@ class _Stack:
     loss: Tensor  # [R] float64 sum of batch loss x batch size, as local_train sums it
     buf: Tensor | None = None  # [R, D] SGD momentum buffers
     anchor: Tensor | None = None  # [R, D] received parameters (FedProx's proximal term)
-    shift: Tensor | None = None  # [R, D] SCAFFOLD's c - c_i
-    done: dict[int, tuple[Tensor, dict[str, Tensor], float]] = field(default_factory=dict)
+    shift: Tensor | None = None  # [R, D] SCAFFOLD's c - c_i (FedDC's c/ω_i - c_i)
+    pull_alpha: Tensor | None = None  # [R] α_k of a pull after the backward pass (FedDyn, FedDC)
+    pull_anchor: Tensor | None = None  # [R, D] its anchor
+    pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
+    done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
-    _ROWS = ("params", "loss", "buf", "anchor", "shift")
+    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear")
 
     def retire(self, keep: np.ndarray, sel: Tensor) -> None:
         """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
@@ -393,10 +428,17 @@ def _train_group(
         stack.buf = torch.zeros_like(params) if s.momentum != 0 else None
         stack.anchor = params.clone() if mu != 0 else None
         alpha = 0.0
-        if rule.shift is not None:
-            shifts = [rule.shift(ctx) for ctx in contexts]
-            stack.shift = flat.stack([corr for corr, _ in shifts]).to(device)
-            alpha = shifts[0][1]
+        shifts = [rule.shift(ctx) for ctx in contexts] if rule.shift is not None else []
+        if shifts and shifts[0] is not None:
+            stack.shift = flat.stack([corr for corr, _ in shifts]).to(device)  # type: ignore[misc]
+            alpha = shifts[0][1]  # type: ignore[index]
+        if rule.pull is not None:
+            pulls = [rule.pull(ctx) for ctx in contexts]
+            stack.pull_alpha = torch.tensor([a for a, _, _ in pulls], dtype=params.dtype, device=device)
+            stack.pull_anchor = flat.stack([anchor for _, anchor, _ in pulls]).to(device)
+            if pulls and pulls[0][2] is not None:
+                stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
+        clip = rule.clip(inner) if rule.clip is not None else 0.0
     step = _step_function(model, names, mu)
 
     plan, index = _plan(sched, device)
@@ -420,6 +462,16 @@ def _train_group(
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
                 p_list = list(flat.views(p_rows).values())
                 g = [grads[n] for n in names]
+                if stack.pull_anchor is not None:  # after_backward: grad += α_k(θ − anchor) − linear, then clip
+                    g = _pull(
+                        g,
+                        p_list,
+                        take(stack.pull_alpha),
+                        flat.views(take(stack.pull_anchor)).values(),
+                        (flat.views(take(stack.pull_linear)).values() if stack.pull_linear is not None else None),
+                    )
+                    if clip > 0:
+                        g = _clip_rows(g, clip)
                 if s.weight_decay != 0:
                     g = torch._foreach_add(g, p_list, alpha=s.weight_decay)
                 if stack.buf is not None:  # buf = g on a client's first step (step 0 for all), then buf·β + g
@@ -470,6 +522,25 @@ def _train_group(
             )
         )
     return updates
+
+
+def _pull(grads: list[Tensor], params: list[Tensor], alpha: Tensor, anchors: Any, linear: Any | None) -> list[Tensor]:
+    """``client.drift.add_pull`` on stacked rows: ``g + α_k·(θ − anchor) − linear`` per parameter tensor."""
+    out = []
+    lin = list(linear) if linear is not None else [None] * len(grads)
+    for g, p, a, li in zip(grads, params, list(anchors), lin, strict=True):
+        scale = alpha.view(-1, *([1] * (g.dim() - 1)))
+        g = g + scale * (p - a)
+        out.append(g if li is None else g - li)
+    return out
+
+
+def _clip_rows(grads: list[Tensor], clip: float) -> list[Tensor]:
+    """``torch.nn.utils.clip_grad_norm_(params, clip)`` per client row: each client's gradients scaled by
+    ``min(1, clip / (‖g‖ + 1e-6))``, ``‖g‖`` the 2-norm over all its parameter tensors."""
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
+    coef = (clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6)).clamp(max=1.0)
+    return [g * coef.view(-1, *([1] * (g.dim() - 1))) for g in grads]
 
 
 def round_batched(sim: RoundHost, rnd: int, max_clients: int | None = None) -> RoundResult:
