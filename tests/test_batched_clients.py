@@ -14,6 +14,7 @@ import torch
 from conftest import digits_simulation
 
 from fedskew.engine.batched import batchable, round_batched, train_batched
+from fedskew.engine.rounds import sample_clients
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
 
@@ -95,6 +96,8 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("feddyn", {"clip": 0.0}, {**BN, "batch_size": 32, "lr": 0.005}),
         ("feddc", {"alpha": 0.1, "clip": 0.5}, {"momentum": 0.5}),  # drift pull, clip, and c/ω_i − c_i shift
         ("feddc+disco", {"correction": False}, {}),  # FedDisco's FedDC: no correction, no shift
+        ("moon", None, {}),  # round 1: no previous model (plain CE); round 2: the contrastive term, projection head
+        ("moon", {"mu": 5.0, "tau": 0.5, "projection": 0}, {**BN, "batch_size": 32}),  # BN: frozen copies in eval
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -127,6 +130,35 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all(any(t.abs().max() > 0 for t in s["feddc_drift"].values()) for s in bat.client_states.values())
         if (args or {}).get("correction", True) is not False:
             assert any(t.abs().max() > 0 for t in rounds[1][1].values() if t.dim())  # c is non-zero in round 2
+
+
+def test_moon_with_partial_participation_mixes_first_and_later_clients(one_thread):
+    """join ratio 0.5 over 3 rounds: some rounds train clients with a previous model (the contrastive term) beside
+    clients on their first participation (none); batched rounds give the sequential rounds' records and states."""
+    over = {"join_ratio": 0.5, "rounds": 3}
+    seq, bat = digits_simulation("moon", **over), digits_simulation("moon", **over)
+    mixed = False
+    for rnd in (1, 2, 3):
+        before = {c for c, s in seq.client_states.items() if "moon_prev" in s}
+        a, b = seq.round(rnd).record, round_batched(bat, rnd).record
+        sampled = set(sample_clients(5, rnd, 4, 0.5))
+        mixed |= bool(sampled & before) and bool(sampled - before)
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL
+        assert abs(a["global_acc"] - b["global_acc"]) <= 1e-9
+    assert mixed  # the case the test is named for happened
+    for k in seq.global_params:
+        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+    _same_states(seq.client_states, bat.client_states)
+
+
+def test_moon_refuses_a_model_without_a_stacked_form():
+    from fedskew.models import build_model
+
+    method = resolve_method("moon", {"projection": 0})
+    model = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
+    reason = batchable(method, model)
+    assert reason is not None and "MOON's contrastive term" in reason
+    assert batchable(resolve_method("fedavg", {}), model) is None  # vmap handles any model for the others
 
 
 def test_batch_buckets_cover_last_batches():
@@ -190,6 +222,8 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "feddyn",
         "feddc+disco",
         "feddyn+heal",
+        "moon",
+        "moon+heal",
     ],
 )
 def test_batchable_methods(method):
@@ -199,7 +233,7 @@ def test_batchable_methods(method):
 @pytest.mark.parametrize(
     ("method", "says"),
     [
-        ("moon", "Moon and overrides begin, loss, end"),
+        ("fedproto", "FedProto and overrides begin, loss, end"),
         ("fedrep", "FedRep and overrides phases"),
         ("ditto", "personal_model"),
         ("fedntd", "FedNTD and overrides begin, loss"),
@@ -224,8 +258,8 @@ def test_batchable_refuses_random_and_cumulative_models():
 
 
 def test_train_batched_refuses_an_unbatchable_method():
-    sim = digits_simulation("moon", {"projection": 0})
-    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'moon'"):
+    sim = digits_simulation("fedproto")
+    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'fedproto'"):
         train_batched(sim, 1, [0], {0: sim.params_for(0)}, {})
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.algorithms import FedProx, Scaffold
+from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
 from fedskew.client.loss_before import LossBefore
@@ -79,6 +79,10 @@ class BatchedStep:
     shift: Callable[[LocalContext], tuple[list[Tensor], float] | None] | None = None
     pull: Callable[[LocalContext], tuple[float, list[Tensor], list[Tensor] | None]] | None = None
     clip: Callable[[LocalAlgorithm], float] | None = None
+    # MOON: (mu, tau) of the model-contrastive term, and per client the previous model it contrasts with (None: the
+    # term is absent, as on a first participation); the stacked graph only (engine/stacked.py)
+    contrast: Callable[[LocalAlgorithm], tuple[float, float] | None] | None = None
+    previous: Callable[[LocalContext], Params | None] | None = None
 
 
 def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
@@ -105,12 +109,23 @@ def _feddc_shift(ctx: LocalContext) -> tuple[list[Tensor], float] | None:
     return None if shift is None else (list(shift), -float(ctx.settings.lr))
 
 
+def _moon_contrast(algo: LocalAlgorithm) -> tuple[float, float] | None:
+    mu = float(algo.mu)  # type: ignore[attr-defined]
+    return None if mu == 0 else (mu, float(algo.tau))  # type: ignore[attr-defined]
+
+
+def _moon_previous(ctx: LocalContext) -> Params | None:
+    # Moon.begin decided: the contrastive term only with a previous local model
+    return ctx.client_state.get("moon_prev") if ctx.scratch.get("moon_contrast") else None
+
+
 # the client parts whose local step is batched (exact types: a subclass may override any hook)
 BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     LocalAlgorithm: BatchedStep(prox_mu=lambda algo: 0.0),
     FedProx: BatchedStep(prox_mu=lambda algo: float(algo.mu)),  # type: ignore[attr-defined]
     Scaffold: BatchedStep(prox_mu=lambda algo: 0.0, shift=_scaffold_shift),
     FedDyn: BatchedStep(prox_mu=lambda algo: 0.0, pull=_feddyn_pull, clip=lambda algo: float(algo.clip)),  # type: ignore[attr-defined]
+    Moon: BatchedStep(prox_mu=lambda algo: 0.0, contrast=_moon_contrast, previous=_moon_previous),
     FedDC: BatchedStep(
         prox_mu=lambda algo: 0.0,
         pull=_feddc_pull,
@@ -161,6 +176,10 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
                 return f"the model's BatchNorm {name} uses a cumulative average (momentum=None)"
         if not (hasattr(model, "body") and hasattr(model, "head")):
             return "the model has no body/head split"
+        if BATCHED_STEPS[type(algo)].contrast is not None:
+            why = stackable(model.body) or stackable(model.head)
+            if why is not None:
+                return f"MOON's contrastive term is batched for models of standard layers only ({why})"
     return None
 
 
@@ -227,13 +246,17 @@ class _Flat:
         return {n: p.view(*flat.shape[:-1], *s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
 
 
-def _step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
+def _step_function(
+    model: nn.Module, names: list[str], mu: float, contrast: tuple[float, float] | None = None
+) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
     layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
     as ``vmap(grad(loss))`` of one client's step."""
     if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu)
+        return stacked_step_function(model, names, mu, contrast)
+    if contrast is not None:
+        raise ValueError("MOON's contrastive term is batched for models of standard layers only (batchable says why)")
     return _vmap_step_function(model, names, mu)
 
 
@@ -301,9 +324,11 @@ class _Stack:
     pull_alpha: Tensor | None = None  # [R] α_k of a pull after the backward pass (FedDyn, FedDC)
     pull_anchor: Tensor | None = None  # [R, D] its anchor
     pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
+    contrast_mask: Tensor | None = None  # [R] 1 where MOON's term applies
+    contrast_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "global"/"previous" -> [R, ...]
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
-    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear")
+    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "contrast_mask")
 
     def retire(self, keep: np.ndarray, sel: Tensor) -> None:
         """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
@@ -316,6 +341,7 @@ class _Stack:
             if value is not None:
                 setattr(self, name, value[sel])
         self.extra = {k: v[sel] for k, v in self.extra.items()}
+        self.contrast_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.contrast_models.items()}
         self.live = self.live[keep]
 
 
@@ -439,7 +465,21 @@ def _train_group(
             if pulls and pulls[0][2] is not None:
                 stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
         clip = rule.clip(inner) if rule.clip is not None else 0.0
-    step = _step_function(model, names, mu)
+        contrast = rule.contrast(inner) if rule.contrast is not None else None
+        if contrast is not None and rule.previous is not None:
+            previous = [rule.previous(ctx) for ctx in contexts]
+            stack.contrast_mask = torch.tensor([p is not None for p in previous], dtype=params.dtype, device=device)
+            glob = [received[c] for c in cids]
+            stack.contrast_models = {
+                "global": {k: torch.stack([g[k] for g in glob]).to(device) for k in order},
+                "previous": {
+                    k: torch.stack([(p if p is not None else g)[k] for p, g in zip(previous, glob, strict=True)]).to(
+                        device
+                    )
+                    for k in order
+                },
+            }
+    step = _step_function(model, names, mu, contrast)
 
     plan, index = _plan(sched, device)
     for t, step_plan in enumerate(plan):
@@ -458,7 +498,16 @@ def _train_group(
             bufs = {k: v for k, v in e_rows.items() if k in mutable}
             anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
             sample = index[bucket.sample].view(bucket.rows, size)
-            grads, (loss, new_bufs) = step({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
+            rows = None
+            if stack.contrast_mask is not None:
+                models = stack.contrast_models
+                rows = (
+                    {k: take(v) for k, v in models["global"].items()},
+                    {k: take(v) for k, v in models["previous"].items()},
+                    take(stack.contrast_mask),
+                )
+            args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
+            grads, (loss, new_bufs) = step(*args, rows) if rows is not None else step(*args)
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
                 p_list = list(flat.views(p_rows).values())
                 g = [grads[n] for n in names]
