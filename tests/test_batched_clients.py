@@ -98,6 +98,8 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("feddc+disco", {"correction": False}, {}),  # FedDisco's FedDC: no correction, no shift
         ("moon", None, {}),  # round 1: no previous model (plain CE); round 2: the contrastive term, projection head
         ("moon", {"mu": 5.0, "tau": 0.5, "projection": 0}, {**BN, "batch_size": 32}),  # BN: frozen copies in eval
+        ("fedntd", {"beta": 2.0, "tau": 2.0}, {}),  # not-true distillation from the received model's logits
+        ("fedntd+disco", None, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -157,7 +159,7 @@ def test_moon_refuses_a_model_without_a_stacked_form():
     method = resolve_method("moon", {"projection": 0})
     model = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
     reason = batchable(method, model)
-    assert reason is not None and "MOON's contrastive term" in reason
+    assert reason is not None and "moon's term against frozen models" in reason
     assert batchable(resolve_method("fedavg", {}), model) is None  # vmap handles any model for the others
 
 
@@ -224,6 +226,7 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "feddyn+heal",
         "moon",
         "moon+heal",
+        "fedntd",
     ],
 )
 def test_batchable_methods(method):
@@ -236,7 +239,7 @@ def test_batchable_methods(method):
         ("fedproto", "FedProto and overrides begin, loss, end"),
         ("fedrep", "FedRep and overrides phases"),
         ("ditto", "personal_model"),
-        ("fedntd", "FedNTD and overrides begin, loss"),
+        ("fedgen", "FedGen"),
         ("fedavg+fedcac", "upload tensors computed per client after training (CriticalMasks)"),
         ("fedamp", "AmpClient"),
     ],

@@ -48,10 +48,11 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
+from fedskew.client.baselines import FedNTD, not_true_logits
 from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
 from fedskew.client.loss_before import LossBefore
-from fedskew.engine.stacked import stackable, stacked_step_function
+from fedskew.engine.stacked import FrozenTermFn, stackable, stacked_step_function
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.seeding import Purpose, torch_generator
 
@@ -79,9 +80,11 @@ class BatchedStep:
     shift: Callable[[LocalContext], tuple[list[Tensor], float] | None] | None = None
     pull: Callable[[LocalContext], tuple[float, list[Tensor], list[Tensor] | None]] | None = None
     clip: Callable[[LocalAlgorithm], float] | None = None
-    # MOON: (mu, tau) of the model-contrastive term, and per client the previous model it contrasts with (None: the
-    # term is absent, as on a first participation); the stacked graph only (engine/stacked.py)
-    contrast: Callable[[LocalAlgorithm], tuple[float, float] | None] | None = None
+    # a loss term against frozen models on the same batch (stacked graph only, engine/stacked.py): the term for the
+    # client part (None: off), the frozen models it reads ("received"; "previous": the client's previous model), and
+    # per client that previous model (None: the term is absent for the client, as MOON's on a first participation)
+    term: Callable[[LocalAlgorithm], FrozenTermFn | None] | None = None
+    frozen: tuple[str, ...] = ()
     previous: Callable[[LocalContext], Params | None] | None = None
 
 
@@ -109,14 +112,42 @@ def _feddc_shift(ctx: LocalContext) -> tuple[list[Tensor], float] | None:
     return None if shift is None else (list(shift), -float(ctx.settings.lr))
 
 
-def _moon_contrast(algo: LocalAlgorithm) -> tuple[float, float] | None:
-    mu = float(algo.mu)  # type: ignore[attr-defined]
-    return None if mu == 0 else (mu, float(algo.tau))  # type: ignore[attr-defined]
+def _moon_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
+    """``Moon.loss``'s model-contrastive term per client: ``mu · mean_b(−pos + logsumexp(pos, neg))``, cosine
+    similarities over ``tau`` of the trained body's output with the received and the previous model's."""
+    mu, tau = float(algo.mu), float(algo.tau)  # type: ignore[attr-defined]
+    if mu == 0:
+        return None
+
+    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        pos = F.cosine_similarity(feats, outs["received"][0], dim=2) / tau
+        neg = F.cosine_similarity(feats, outs["previous"][0], dim=2) / tau
+        return mu * (-pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2)).mean(1)
+
+    return term
 
 
 def _moon_previous(ctx: LocalContext) -> Params | None:
     # Moon.begin decided: the contrastive term only with a previous local model
     return ctx.client_state.get("moon_prev") if ctx.scratch.get("moon_contrast") else None
+
+
+def _ntd_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
+    """``FedNTD.loss``'s not-true distillation per client: ``beta · ntd_loss`` with the received model's logits,
+    its batch mean taken per client."""
+    beta, tau = float(algo.beta), float(algo.tau)  # type: ignore[attr-defined]
+    if beta == 0:
+        return None
+
+    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        k, b, c = logits.shape
+        flat_y = y.reshape(k * b)
+        log_p = F.log_softmax(not_true_logits(logits.reshape(k * b, c), flat_y) / tau, dim=1)
+        q = F.softmax(not_true_logits(outs["received"][1].reshape(k * b, c), flat_y) / tau, dim=1)
+        kl = F.kl_div(log_p, q, reduction="none").view(k, b, -1).sum(dim=(1, 2)) / b
+        return beta * tau**2 * kl
+
+    return term
 
 
 # the client parts whose local step is batched (exact types: a subclass may override any hook)
@@ -125,7 +156,10 @@ BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     FedProx: BatchedStep(prox_mu=lambda algo: float(algo.mu)),  # type: ignore[attr-defined]
     Scaffold: BatchedStep(prox_mu=lambda algo: 0.0, shift=_scaffold_shift),
     FedDyn: BatchedStep(prox_mu=lambda algo: 0.0, pull=_feddyn_pull, clip=lambda algo: float(algo.clip)),  # type: ignore[attr-defined]
-    Moon: BatchedStep(prox_mu=lambda algo: 0.0, contrast=_moon_contrast, previous=_moon_previous),
+    Moon: BatchedStep(
+        prox_mu=lambda algo: 0.0, term=_moon_term, frozen=("received", "previous"), previous=_moon_previous
+    ),
+    FedNTD: BatchedStep(prox_mu=lambda algo: 0.0, term=_ntd_term, frozen=("received",)),
     FedDC: BatchedStep(
         prox_mu=lambda algo: 0.0,
         pull=_feddc_pull,
@@ -176,10 +210,10 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
                 return f"the model's BatchNorm {name} uses a cumulative average (momentum=None)"
         if not (hasattr(model, "body") and hasattr(model, "head")):
             return "the model has no body/head split"
-        if BATCHED_STEPS[type(algo)].contrast is not None:
+        if BATCHED_STEPS[type(algo)].term is not None:
             why = stackable(model.body) or stackable(model.head)
             if why is not None:
-                return f"MOON's contrastive term is batched for models of standard layers only ({why})"
+                return f"{algo.name}'s term against frozen models is batched for standard-layer models only ({why})"
     return None
 
 
@@ -247,16 +281,16 @@ class _Flat:
 
 
 def _step_function(
-    model: nn.Module, names: list[str], mu: float, contrast: tuple[float, float] | None = None
+    model: nn.Module, names: list[str], mu: float, term: FrozenTermFn | None = None
 ) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
     layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
     as ``vmap(grad(loss))`` of one client's step."""
     if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu, contrast)
-    if contrast is not None:
-        raise ValueError("MOON's contrastive term is batched for models of standard layers only (batchable says why)")
+        return stacked_step_function(model, names, mu, term)
+    if term is not None:
+        raise ValueError("a loss term against frozen models is batched for models of standard layers only")
     return _vmap_step_function(model, names, mu)
 
 
@@ -324,11 +358,11 @@ class _Stack:
     pull_alpha: Tensor | None = None  # [R] α_k of a pull after the backward pass (FedDyn, FedDC)
     pull_anchor: Tensor | None = None  # [R, D] its anchor
     pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
-    contrast_mask: Tensor | None = None  # [R] 1 where MOON's term applies
-    contrast_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "global"/"previous" -> [R, ...]
+    term_mask: Tensor | None = None  # [R] 1 where the frozen-model term applies (MOON), None: everywhere
+    frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
-    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "contrast_mask")
+    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "term_mask")
 
     def retire(self, keep: np.ndarray, sel: Tensor) -> None:
         """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
@@ -341,7 +375,7 @@ class _Stack:
             if value is not None:
                 setattr(self, name, value[sel])
         self.extra = {k: v[sel] for k, v in self.extra.items()}
-        self.contrast_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.contrast_models.items()}
+        self.frozen_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.frozen_models.items()}
         self.live = self.live[keep]
 
 
@@ -465,21 +499,20 @@ def _train_group(
             if pulls and pulls[0][2] is not None:
                 stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
         clip = rule.clip(inner) if rule.clip is not None else 0.0
-        contrast = rule.contrast(inner) if rule.contrast is not None else None
-        if contrast is not None and rule.previous is not None:
-            previous = [rule.previous(ctx) for ctx in contexts]
-            stack.contrast_mask = torch.tensor([p is not None for p in previous], dtype=params.dtype, device=device)
+        term = rule.term(inner) if rule.term is not None else None
+        if term is not None:
             glob = [received[c] for c in cids]
-            stack.contrast_models = {
-                "global": {k: torch.stack([g[k] for g in glob]).to(device) for k in order},
-                "previous": {
-                    k: torch.stack([(p if p is not None else g)[k] for p, g in zip(previous, glob, strict=True)]).to(
-                        device
-                    )
-                    for k in order
-                },
+            models = {"received": glob}
+            if "previous" in rule.frozen and rule.previous is not None:
+                previous = [rule.previous(ctx) for ctx in contexts]
+                stack.term_mask = torch.tensor([p is not None for p in previous], dtype=params.dtype, device=device)
+                models["previous"] = [p if p is not None else g for p, g in zip(previous, glob, strict=True)]
+            stack.frozen_models = {
+                m: {k: torch.stack([state[k] for state in states]).to(device) for k in order}
+                for m, states in models.items()
+                if m in rule.frozen
             }
-    step = _step_function(model, names, mu, contrast)
+    step = _step_function(model, names, mu, term)
 
     plan, index = _plan(sched, device)
     for t, step_plan in enumerate(plan):
@@ -499,13 +532,9 @@ def _train_group(
             anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
             sample = index[bucket.sample].view(bucket.rows, size)
             rows = None
-            if stack.contrast_mask is not None:
-                models = stack.contrast_models
-                rows = (
-                    {k: take(v) for k, v in models["global"].items()},
-                    {k: take(v) for k, v in models["previous"].items()},
-                    take(stack.contrast_mask),
-                )
+            if stack.frozen_models:
+                frozen = {m: {k: take(v) for k, v in st.items()} for m, st in stack.frozen_models.items()}
+                rows = (frozen, None if stack.term_mask is None else take(stack.term_mask))
             args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
             grads, (loss, new_bufs) = step(*args, rows) if rows is not None else step(*args)
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows

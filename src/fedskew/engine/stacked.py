@@ -116,22 +116,27 @@ def stacked_forward(
     return out.view(k, b, *out.shape[1:])
 
 
+# an extra loss term against frozen models: (trained body output [K, B, d], logits [K, B, C], labels [K, B],
+# {model name: its (body output, logits)}) -> the term per client [K]
+FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
+
+
 def stacked_step_function(
-    model: nn.Module, names: list[str], mu: float, contrast: tuple[float, float] | None = None
+    model: nn.Module, names: list[str], mu: float, term: FrozenTermFn | None = None
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
     ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers))``:
     each client's gradient of its cross-entropy (+ FedProx's proximal term), its loss, and its buffers after the
     forward pass. ``params`` holds the trained parameters (``names``) and the frozen ones.
 
-    ``contrast = (mu, tau)``: MOON's model-contrastive term (``client.algorithms.Moon.loss``), for which ``step``
-    takes ``rows = (global_state, previous_state, mask)``: per client the received and its previous model (full
-    state dicts, run in eval mode as MOON's frozen copies are) and 1 where the client has a previous model, 0 where
-    the term is absent (first participation: the loss is then exactly the cross-entropy)."""
+    ``term``: a loss term against frozen models on the same batch (MOON's model-contrastive term, FedNTD's not-true
+    distillation), for which ``step`` takes ``rows = (models, mask)``: per model name the clients' full state dicts
+    (run in eval mode, without gradient, as the client parts' frozen copies are) and a ``[K]`` 0/1 mask of the
+    clients the term applies to (``None``: all; a masked client's loss is exactly the cross-entropy)."""
     body, head = model.body, model.head
 
-    def body_of(state: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n[5:]: v for n, v in state.items() if n.startswith("body.")}
+    def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+        return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}
 
     def step(
         params: dict[str, Tensor],
@@ -139,31 +144,29 @@ def stacked_step_function(
         anchor: dict[str, Tensor],
         x: Tensor,
         y: Tensor,
-        rows: tuple[dict[str, Tensor], dict[str, Tensor], Tensor] | None = None,
+        rows: tuple[dict[str, dict[str, Tensor]], Tensor | None] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
-        head_state = {n[5:]: v for n, v in state.items() if n.startswith("head.")}
         with torch.enable_grad():
-            feats = stacked_forward(body, body_of(state), x)
-            logits = stacked_forward(head, head_state, feats)
+            feats = stacked_forward(body, part(state, "body."), x)
+            logits = stacked_forward(head, part(state, "head."), feats)
             k, b = logits.shape[0], logits.shape[1]
             loss = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b).mean(1)
             if mu != 0:
                 loss = loss + 0.5 * mu * torch.stack(
                     [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1
                 ).sum(1)
-            if contrast is not None and rows is not None:
-                c_mu, tau = contrast
-                glob, prev, mask = rows
+            if term is not None and rows is not None:
+                models, mask = rows
+                outs = {}
                 with torch.no_grad():
-                    z_glob = stacked_forward(body, body_of(glob), x, training=False)
-                    z_prev = stacked_forward(body, body_of(prev), x, training=False)
-                pos = F.cosine_similarity(feats, z_glob, dim=2) / tau
-                neg = F.cosine_similarity(feats, z_prev, dim=2) / tau
-                term = -pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2)
-                loss = loss + c_mu * mask * term.mean(1)
+                    for name, frozen in models.items():
+                        f = stacked_forward(body, part(frozen, "body."), x, training=False)
+                        outs[name] = (f, stacked_forward(head, part(frozen, "head."), f, training=False))
+                extra = term(feats, logits, y, outs)
+                loss = loss + (extra if mask is None else mask * extra)
             grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
         return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers)
 
