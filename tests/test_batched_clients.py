@@ -100,6 +100,12 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("moon", {"mu": 5.0, "tau": 0.5, "projection": 0}, {**BN, "batch_size": 32}),  # BN: frozen copies in eval
         ("fedntd", {"beta": 2.0, "tau": 2.0}, {}),  # not-true distillation from the received model's logits
         ("fedntd+disco", None, {**BN, "batch_size": 32}),
+        # phases: each its own schedule, optimizer (momentum restarts) and trained parameters
+        ("ditto", {"lam": 0.5}, {"momentum": 0.5}),  # personal phase (proximal, from the kept model), global phase
+        ("fedrep", {"head_epochs": 2}, {**BN, "batch_size": 32}),  # head only, then body only; the head stays local
+        ("fedbabu", {"fine_tuning_epochs": 1}, {}),  # body phase (head frozen) kept as the upload, then fine-tuning
+        ("fedbabu", {"fine_tuning_epochs": 1, "fine_tune_from": "global", "fine_tune": "head"}, {}),
+        ("fedamp", None, {}),  # its own model persists (start), proximal towards the received cloud model
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -126,6 +132,8 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert int(u.params["body.1.num_batches_tracked"]) == u.metrics["steps"]
     if "qffl" in method:
         assert all("loss_before" in u.metrics for u in rounds[0][3])
+    if method in ("ditto", "fedamp", "fedbabu"):  # the kept personal models equal the sequential ones (above)
+        assert all("personal_model" in s for s in bat.client_states.values())
     if method == "feddyn":  # the linear term g_k is non-zero from round 2 on, in every client's state
         assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
     if method.startswith("feddc"):
@@ -237,11 +245,10 @@ def test_batchable_methods(method):
     ("method", "says"),
     [
         ("fedproto", "FedProto and overrides begin, loss, end"),
-        ("fedrep", "FedRep and overrides phases"),
-        ("ditto", "personal_model"),
+        ("fedala", "FedALA and overrides begin, end, personal_model"),
         ("fedgen", "FedGen"),
         ("fedavg+fedcac", "upload tensors computed per client after training (CriticalMasks)"),
-        ("fedamp", "AmpClient"),
+        ("fedproc", "FedProc"),
     ],
 )
 def test_batchable_refuses_with_the_reason(method, says):

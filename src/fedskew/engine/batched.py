@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,11 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.algorithms import FedProx, Moon, Scaffold
-from fedskew.client.baselines import FedNTD, not_true_logits
-from fedskew.client.drift import FedDC, FedDyn
-from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings
-from fedskew.client.loss_before import LossBefore
+from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, snapshot
+from fedskew.engine.batched_steps import BATCHED_STEPS, batchable, clip_rows, pull_rows, unwrapped
 from fedskew.engine.stacked import FrozenTermFn, stackable, stacked_step_function
 from fedskew.protocol import ClientUpdate, Params
 from fedskew.seeding import Purpose, torch_generator
@@ -59,162 +56,6 @@ from fedskew.seeding import Purpose, torch_generator
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
     from fedskew.engine.rounds import RoundResult
-    from fedskew.methods import Method
-
-HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
-
-
-@dataclass(frozen=True)
-class BatchedStep:
-    """How one client part's per-step hooks are computed on stacked clients.
-
-    ``prox_mu``: the weight of FedProx's proximal term ``(mu/2)·Σ‖w − w_received‖²`` added to the cross-entropy
-    (0: none). ``pull``: from the client's context after ``begin``, ``(α_k, anchor, linear)`` whose gradient
-    ``α_k(θ − anchor) − linear`` is added to the loss's gradient after the backward pass (FedDyn, FedDC:
-    ``client.drift.add_pull``; ``linear`` may be ``None``), and ``clip``: the client's total gradient-norm clip applied
-    then (0: none; ``clip_grad_norm_``'s formula, per client). ``shift``: the tensors added to its trainable parameters
-    after every optimizer step and their scale (SCAFFOLD: ``c − c_i`` and ``−lr``; FedDC: ``c/ω_i − c_i``), or
-    ``None`` (for a client part that has none in this configuration too)."""
-
-    prox_mu: Callable[[LocalAlgorithm], float]
-    shift: Callable[[LocalContext], tuple[list[Tensor], float] | None] | None = None
-    pull: Callable[[LocalContext], tuple[float, list[Tensor], list[Tensor] | None]] | None = None
-    clip: Callable[[LocalAlgorithm], float] | None = None
-    # a loss term against frozen models on the same batch (stacked graph only, engine/stacked.py): the term for the
-    # client part (None: off), the frozen models it reads ("received"; "previous": the client's previous model), and
-    # per client that previous model (None: the term is absent for the client, as MOON's on a first participation)
-    term: Callable[[LocalAlgorithm], FrozenTermFn | None] | None = None
-    frozen: tuple[str, ...] = ()
-    previous: Callable[[LocalContext], Params | None] | None = None
-
-
-def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
-    # what Scaffold.begin prepared for its after_step: (the model's parameters, c − c_i per parameter, −lr)
-    _, corr, alpha = ctx.scratch["scaffold_shift"]
-    return list(corr), float(alpha)
-
-
-def _feddyn_pull(ctx: LocalContext) -> tuple[float, list[Tensor], list[Tensor] | None]:
-    # what FedDyn.begin prepared for its after_backward: (parameters, received w^t, α_k, g_k per parameter)
-    _, anchors, alpha, g = ctx.scratch["feddyn"]
-    return float(alpha), list(anchors), list(g)
-
-
-def _feddc_pull(ctx: LocalContext) -> tuple[float, list[Tensor], list[Tensor] | None]:
-    # FedDC.begin: (parameters, w^t − h_i, α_i)
-    _, anchors, alpha = ctx.scratch["feddc"]
-    return float(alpha), list(anchors), None
-
-
-def _feddc_shift(ctx: LocalContext) -> tuple[list[Tensor], float] | None:
-    # FedDC.after_step with correction: θ ← θ − lr·(c/ω_i − c_i)
-    shift = ctx.scratch.get("feddc_shift")
-    return None if shift is None else (list(shift), -float(ctx.settings.lr))
-
-
-def _moon_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
-    """``Moon.loss``'s model-contrastive term per client: ``mu · mean_b(−pos + logsumexp(pos, neg))``, cosine
-    similarities over ``tau`` of the trained body's output with the received and the previous model's."""
-    mu, tau = float(algo.mu), float(algo.tau)  # type: ignore[attr-defined]
-    if mu == 0:
-        return None
-
-    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
-        pos = F.cosine_similarity(feats, outs["received"][0], dim=2) / tau
-        neg = F.cosine_similarity(feats, outs["previous"][0], dim=2) / tau
-        return mu * (-pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2)).mean(1)
-
-    return term
-
-
-def _moon_previous(ctx: LocalContext) -> Params | None:
-    # Moon.begin decided: the contrastive term only with a previous local model
-    return ctx.client_state.get("moon_prev") if ctx.scratch.get("moon_contrast") else None
-
-
-def _ntd_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
-    """``FedNTD.loss``'s not-true distillation per client: ``beta · ntd_loss`` with the received model's logits,
-    its batch mean taken per client."""
-    beta, tau = float(algo.beta), float(algo.tau)  # type: ignore[attr-defined]
-    if beta == 0:
-        return None
-
-    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
-        k, b, c = logits.shape
-        flat_y = y.reshape(k * b)
-        log_p = F.log_softmax(not_true_logits(logits.reshape(k * b, c), flat_y) / tau, dim=1)
-        q = F.softmax(not_true_logits(outs["received"][1].reshape(k * b, c), flat_y) / tau, dim=1)
-        kl = F.kl_div(log_p, q, reduction="none").view(k, b, -1).sum(dim=(1, 2)) / b
-        return beta * tau**2 * kl
-
-    return term
-
-
-# the client parts whose local step is batched (exact types: a subclass may override any hook)
-BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
-    LocalAlgorithm: BatchedStep(prox_mu=lambda algo: 0.0),
-    FedProx: BatchedStep(prox_mu=lambda algo: float(algo.mu)),  # type: ignore[attr-defined]
-    Scaffold: BatchedStep(prox_mu=lambda algo: 0.0, shift=_scaffold_shift),
-    FedDyn: BatchedStep(prox_mu=lambda algo: 0.0, pull=_feddyn_pull, clip=lambda algo: float(algo.clip)),  # type: ignore[attr-defined]
-    Moon: BatchedStep(
-        prox_mu=lambda algo: 0.0, term=_moon_term, frozen=("received", "previous"), previous=_moon_previous
-    ),
-    FedNTD: BatchedStep(prox_mu=lambda algo: 0.0, term=_ntd_term, frozen=("received",)),
-    FedDC: BatchedStep(
-        prox_mu=lambda algo: 0.0,
-        pull=_feddc_pull,
-        clip=lambda algo: float(algo.clip),  # type: ignore[attr-defined]
-        shift=_feddc_shift,
-    ),
-}
-
-# wrappers that add work in ``begin`` only (on the received model, before training) and hand every other hook to the
-# client part they wrap: the loss before training that AFL, q-FFL and FedFV read
-WRAPPERS: tuple[type[LocalAlgorithm], ...] = (LossBefore,)
-
-
-def _unwrapped(algo: LocalAlgorithm) -> LocalAlgorithm:
-    """The client part whose local step runs: ``algo``, or the one a :data:`WRAPPERS` wrapper hands its hooks to."""
-    while type(algo) in WRAPPERS:
-        algo = algo.inner  # type: ignore[attr-defined]
-    return algo
-
-
-_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def batchable(method: Method, model: nn.Module | None = None) -> str | None:
-    """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
-
-    Batched: the plain local SGD client (``fedavg``), ``fedprox``, ``scaffold``, ``feddyn`` and ``feddc``, with any
-    server plug-in that only aggregates (disco, heal, fedsa, ...) or keeps state-dict groups on the clients (fedper,
-    fedbn, local), since those change only what each client receives, or that wrap the client part in
-    :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV read). Refused, with the reason: any other
-    client part (its hooks run per step of the sequential loop: MOON's contrastive loss, FedRep's and Ditto's phases,
-    a personal model), per-client uploads computed after training (FedCAC's masks), a model with random layers
-    (dropout) or a cumulative-average BatchNorm (``momentum=None``)."""
-    algo = _unwrapped(method.client)
-    if type(algo) not in BATCHED_STEPS:
-        hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
-        known = ", ".join(sorted(a.__name__ for a in BATCHED_STEPS))
-        detail = f" and overrides {', '.join(hooks)}" if hooks else ""
-        return f"its client part {algo.name!r} is {type(algo).__name__}{detail}; only {known} have a batched local step"
-    if method.uploads:
-        kinds = ", ".join(type(u).__name__ for u in method.uploads)
-        return f"its clients upload tensors computed per client after training ({kinds})"
-    if model is not None:
-        for name, module in model.named_modules():
-            if isinstance(module, _RANDOM_LAYERS):
-                return f"the model has a random layer ({name}: {type(module).__name__}); batched draws would differ"
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
-                return f"the model's BatchNorm {name} uses a cumulative average (momentum=None)"
-        if not (hasattr(model, "body") and hasattr(model, "head")):
-            return "the model has no body/head split"
-        if BATCHED_STEPS[type(algo)].term is not None:
-            why = stackable(model.body) or stackable(model.head)
-            if why is not None:
-                return f"{algo.name}'s term against frozen models is batched for standard-layer models only ({why})"
-    return None
 
 
 @dataclass
@@ -434,19 +275,45 @@ def _plan(sched: _Schedule, device: torch.device) -> tuple[list[_StepPlan], Tens
     return steps, _upload(flat, device)
 
 
+@dataclass
+class _PhasePlan:
+    """One phase of every client's local training (``LocalAlgorithm.phases``): the same name, epochs, trained
+    parameters and ``keep`` for all of them; each client's own start (``None``: continue from where it is)."""
+
+    name: str
+    epochs: int
+    trains: list[str]
+    keep: str | None
+    starts: list[Params | None]
+
+
+def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: list[str]) -> list[_PhasePlan]:
+    """The clients' phases, which must agree in everything but their starts (else ``ValueError``, naming both)."""
+    plans: list[_PhasePlan] = []
+    per_client = [algo.phases(ctx) for ctx in contexts]
+    for k, phases in enumerate(per_client):
+        shape = [
+            (ph.name, ph.epochs, [n for n in trainable if ph.trains is None or ph.trains(n)], ph.keep) for ph in phases
+        ]
+        if k == 0:
+            plans = [_PhasePlan(name, ep, tr, keep, []) for name, ep, tr, keep in shape]
+        elif shape != [(p.name, p.epochs, p.trains, p.keep) for p in plans]:
+            raise ValueError(
+                f"batched clients need the same phases on every client: client {contexts[k].cid} has "
+                f"{[(n, e) for n, e, _, _ in shape]}, client {contexts[0].cid} {[(p.name, p.epochs) for p in plans]}"
+            )
+        for plan, ph in zip(plans, phases, strict=True):
+            plan.starts.append(ph.start)
+    return plans
+
+
 def _train_group(
     sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
 ) -> list[ClientUpdate]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
-    inner = _unwrapped(algo)
-    rule = BATCHED_STEPS[type(inner)]
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names = [n for n, _ in named]
-    flat = _Flat(names, [p.shape for _, p in named])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     order = list(model.state_dict())
-    others = [k for k in order if k not in set(names)]  # buffers and frozen parameters, carried per client
-    mutable = {n for n, _ in model.named_buffers()}
 
     # begin: per client, on a real context and the received model in training mode, as local_train calls it
     # (SCAFFOLD initializes c_i and prepares its shift; the loss-before wrapper scores the received model)
@@ -476,17 +343,80 @@ def _train_group(
     ys = [sim.data.clients[c].y_train for c in cids]
     ns = [x.shape[0] for x in xs]
     offsets = np.concatenate([[0], np.cumsum(ns[:-1])]).astype(np.int64).tolist()
-    sched = _schedule(ns, offsets, s, [ctx.generator for ctx in contexts])  # type: ignore[misc]
     x_all, y_all = torch.cat(xs), torch.cat(ys)
+    k_all = len(cids)
+    states: list[Params] = [received[c] for c in cids]  # each client's model, phase after phase
+    loss_sums = torch.zeros(k_all, dtype=torch.float64, device=x_all.device)
+    seen = np.zeros(k_all, dtype=np.int64)
+    steps = np.zeros(k_all, dtype=np.int64)
+    for phase in _phase_plans(algo, contexts, trainable):
+        for ctx in contexts:
+            ctx.phase = phase.name
+        starts = [st if st is not None else states[k] for k, st in enumerate(phase.starts)]
+        # each phase draws its epochs' permutations from the client's generator after the previous phase's, as the
+        # sequential loop does
+        sched = _schedule(ns, offsets, replace(s, epochs=phase.epochs), [ctx.generator for ctx in contexts])  # type: ignore[misc]
+        states, phase_loss = _run_phase(sim, contexts, cids, received, starts, phase, sched, x_all, y_all, order)
+        loss_sums += phase_loss
+        seen += (sched.nb * sched.bs if s.drop_last else sched.n) * phase.epochs
+        steps += sched.steps
+        if phase.keep is not None:
+            for ctx, state in zip(contexts, states, strict=True):
+                ctx.client_state[phase.keep] = {k: v.clone() for k, v in state.items()}
+
+    updates = []
+    override_end = type(algo).end is not LocalAlgorithm.end
+    losses = loss_sums.tolist()  # one device sync
+    for k, (cid, ctx) in enumerate(zip(cids, contexts, strict=True)):
+        trained = states[k]
+        ctx.steps = int(steps[k])
+        extras: Params = {}
+        if override_end:  # the client part's own end on the trained model (SCAFFOLD: c_i⁺ and Δc_i); what it leaves
+            model.load_state_dict(trained)  # in the model is the upload (FedBABU reloads its body-trained model)
+            extras = algo.end(ctx)
+            trained = snapshot(model)
+        updates.append(
+            ClientUpdate(
+                cid=cid,
+                params=trained,
+                num_samples=ns[k],
+                extras=extras,
+                metrics={**ctx.metrics, "train_loss": losses[k] / max(int(seen[k]), 1), "steps": float(ctx.steps)},
+            )
+        )
+    return updates
+
+
+def _run_phase(
+    sim: ClientHost,
+    contexts: list[LocalContext],
+    cids: list[int],
+    received: dict[int, Params],
+    starts: list[Params],
+    phase: _PhasePlan,
+    sched: _Schedule,
+    x_all: Tensor,
+    y_all: Tensor,
+    order: list[str],
+) -> tuple[list[Params], Tensor]:
+    """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
+    ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
+    model, s = sim.model, sim.settings
+    inner = unwrapped(sim.method.client)
+    rule = BATCHED_STEPS[type(inner)]
+    names = phase.trains  # this phase's trained parameters; every other entry is carried per client
+    flat = _Flat(names, [starts[0][n].shape for n in names])
+    others = [k for k in order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen parameters
+    mutable = {n for n, _ in model.named_buffers()}
     device = x_all.device
-    mu = rule.prox_mu(inner)
+    mu = rule.prox_mu(inner, phase.name) if rule.prox_mu is not None else 0.0
 
     with torch.no_grad():
-        params = flat.stack([[received[c][n] for n in names] for c in cids]).to(device)
-        extra = {k: torch.stack([received[c][k] for c in cids]).to(device) for k in others}
+        params = flat.stack([[st[n] for n in names] for st in starts]).to(device)
+        extra = {k: torch.stack([st[k] for st in starts]).to(device) for k in others}
         stack = _Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
-        stack.buf = torch.zeros_like(params) if s.momentum != 0 else None
-        stack.anchor = params.clone() if mu != 0 else None
+        stack.buf = torch.zeros_like(params) if s.momentum != 0 else None  # a new optimizer per phase
+        stack.anchor = flat.stack([[received[c][n] for n in names] for c in cids]).to(device) if mu != 0 else None
         alpha = 0.0
         shifts = [rule.shift(ctx) for ctx in contexts] if rule.shift is not None else []
         if shifts and shifts[0] is not None:
@@ -541,7 +471,7 @@ def _train_group(
                 p_list = list(flat.views(p_rows).values())
                 g = [grads[n] for n in names]
                 if stack.pull_anchor is not None:  # after_backward: grad += α_k(θ − anchor) − linear, then clip
-                    g = _pull(
+                    g = pull_rows(
                         g,
                         p_list,
                         take(stack.pull_alpha),
@@ -549,7 +479,7 @@ def _train_group(
                         (flat.views(take(stack.pull_linear)).values() if stack.pull_linear is not None else None),
                     )
                     if clip > 0:
-                        g = _clip_rows(g, clip)
+                        g = clip_rows(g, clip)
                 if s.weight_decay != 0:
                     g = torch._foreach_add(g, p_list, alpha=s.weight_decay)
                 if stack.buf is not None:  # buf = g on a client's first step (step 0 for all), then buf·β + g
@@ -576,49 +506,12 @@ def _train_group(
                     for k, v in new_bufs.items():
                         stack.extra[k] = stack.extra[k].index_copy(0, pos, v)
 
-    updates = []
-    seen = (sched.nb * sched.bs if s.drop_last else sched.n) * s.epochs  # samples per client over all steps
-    override_end = type(algo).end is not LocalAlgorithm.end
-    loss_sums = torch.stack([stack.done[k][2] for k in range(len(cids))]).tolist()  # one device sync
-    for k, (cid, ctx) in enumerate(zip(cids, contexts, strict=True)):
-        row, rest, _ = stack.done[k]
-        loss_sum = loss_sums[k]
-        mine = flat.views(row)
-        trained = {key: (mine[key] if key in mine else rest[key]) for key in order}
-        ctx.steps = int(sched.steps[k])
-        extras: Params = {}
-        if override_end:  # the client part's own end on the trained model (SCAFFOLD: c_i⁺ and Δc_i)
-            model.load_state_dict(trained)
-            extras = algo.end(ctx)
-        updates.append(
-            ClientUpdate(
-                cid=cid,
-                params=trained,
-                num_samples=ns[k],
-                extras=extras,
-                metrics={**ctx.metrics, "train_loss": loss_sum / max(int(seen[k]), 1), "steps": float(ctx.steps)},
-            )
-        )
-    return updates
-
-
-def _pull(grads: list[Tensor], params: list[Tensor], alpha: Tensor, anchors: Any, linear: Any | None) -> list[Tensor]:
-    """``client.drift.add_pull`` on stacked rows: ``g + α_k·(θ − anchor) − linear`` per parameter tensor."""
     out = []
-    lin = list(linear) if linear is not None else [None] * len(grads)
-    for g, p, a, li in zip(grads, params, list(anchors), lin, strict=True):
-        scale = alpha.view(-1, *([1] * (g.dim() - 1)))
-        g = g + scale * (p - a)
-        out.append(g if li is None else g - li)
-    return out
-
-
-def _clip_rows(grads: list[Tensor], clip: float) -> list[Tensor]:
-    """``torch.nn.utils.clip_grad_norm_(params, clip)`` per client row: each client's gradients scaled by
-    ``min(1, clip / (‖g‖ + 1e-6))``, ``‖g‖`` the 2-norm over all its parameter tensors."""
-    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
-    coef = (clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6)).clamp(max=1.0)
-    return [g * coef.view(-1, *([1] * (g.dim() - 1))) for g in grads]
+    for k in range(len(cids)):
+        row, rest, _ = stack.done[k]
+        mine = flat.views(row)
+        out.append({key: (mine[key] if key in mine else rest[key]) for key in order})
+    return out, torch.stack([stack.done[k][2] for k in range(len(cids))])
 
 
 def round_batched(sim: RoundHost, rnd: int, max_clients: int | None = None) -> RoundResult:
