@@ -106,6 +106,8 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("fedbabu", {"fine_tuning_epochs": 1}, {}),  # body phase (head frozen) kept as the upload, then fine-tuning
         ("fedbabu", {"fine_tuning_epochs": 1, "fine_tune_from": "global", "fine_tune": "head"}, {}),
         ("fedamp", None, {}),  # its own model persists (start), proximal towards the received cloud model
+        ("fedcac", None, {}),  # critical masks uploaded, computed per client from the received and trained model
+        ("fedavg+fedcac", {"tau": 0.3}, BN),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -235,6 +237,11 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "moon",
         "moon+heal",
         "fedntd",
+        "fedcac",
+        "ditto",
+        "fedrep",
+        "fedbabu",
+        "fedamp",
     ],
 )
 def test_batchable_methods(method):
@@ -247,7 +254,6 @@ def test_batchable_methods(method):
         ("fedproto", "FedProto and overrides begin, loss, end"),
         ("fedala", "FedALA and overrides begin, end, personal_model"),
         ("fedgen", "FedGen"),
-        ("fedavg+fedcac", "upload tensors computed per client after training (CriticalMasks)"),
         ("fedproc", "FedProc"),
     ],
 )

@@ -366,6 +366,7 @@ def _train_group(
 
     updates = []
     override_end = type(algo).end is not LocalAlgorithm.end
+    trainable_set = frozenset(trainable)
     losses = loss_sums.tolist()  # one device sync
     for k, (cid, ctx) in enumerate(zip(cids, contexts, strict=True)):
         trained = states[k]
@@ -375,6 +376,8 @@ def _train_group(
             model.load_state_dict(trained)  # in the model is the upload (FedBABU reloads its body-trained model)
             extras = algo.end(ctx)
             trained = snapshot(model)
+        for up in method.uploads:  # tensors computed from the received and the trained model (FedCAC's masks)
+            extras = {**extras, **up(ctx.received, trained, trainable_set)}
         updates.append(
             ClientUpdate(
                 cid=cid,

@@ -167,9 +167,6 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
         known = ", ".join(sorted(a.__name__ for a in BATCHED_STEPS))
         detail = f" and overrides {', '.join(hooks)}" if hooks else ""
         return f"its client part {algo.name!r} is {type(algo).__name__}{detail}; only {known} have a batched local step"
-    if method.uploads:
-        kinds = ", ".join(type(u).__name__ for u in method.uploads)
-        return f"its clients upload tensors computed per client after training ({kinds})"
     if model is not None:
         for name, module in model.named_modules():
             if isinstance(module, _RANDOM_LAYERS):
