@@ -154,13 +154,13 @@ _RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alpha
 def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
-    Batched: the plain local SGD client (``fedavg``), ``fedprox``, ``scaffold``, ``feddyn`` and ``feddc``, with any
-    server plug-in that only aggregates (disco, heal, fedsa, ...) or keeps state-dict groups on the clients (fedper,
-    fedbn, local), since those change only what each client receives, or that wrap the client part in
-    :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV read). Refused, with the reason: any other
-    client part (its hooks run per step of the sequential loop: MOON's contrastive loss, FedRep's and Ditto's phases,
-    a personal model), per-client uploads computed after training (FedCAC's masks), a model with random layers
-    (dropout) or a cumulative-average BatchNorm (``momentum=None``)."""
+    Batched: the client parts of :data:`BATCHED_STEPS` (FedAvg's plain SGD, FedProx, SCAFFOLD, FedDyn, FedDC, MOON,
+    FedNTD, Ditto, FedRep, FedBABU, FedAMP's client), with their uploads (FedCAC's masks) and any server plug-in
+    (disco, heal, fedsa, fedper, fedbn, local, ...), since those change only what each client receives or how the
+    server aggregates, or wrapped in :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV read).
+    Refused, with the reason: any other client part (FedALA, FedProto, FedProc, FedGen), MOON's or FedNTD's term on a
+    model without a stacked form, a model with random layers (dropout) or a cumulative-average BatchNorm
+    (``momentum=None``)."""
     algo = unwrapped(method.client)
     if type(algo) not in BATCHED_STEPS:
         hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
