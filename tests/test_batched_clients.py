@@ -108,6 +108,9 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("fedamp", None, {}),  # its own model persists (start), proximal towards the received cloud model
         ("fedcac", None, {}),  # critical masks uploaded, computed per client from the received and trained model
         ("fedavg+fedcac", {"tau": 0.3}, BN),
+        # prototypes: round 1 plain CE, round 2 the prototype term; each client's last-epoch prototypes uploaded
+        ("fedproto", {"lam": 2.0}, {"local_epochs": 2}),
+        ("fedproc", {"curriculum_rounds": 4}, {**BN, "batch_size": 32}),  # round 2: α = 2/3
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -242,6 +245,8 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedrep",
         "fedbabu",
         "fedamp",
+        "fedproto",
+        "fedproc",
     ],
 )
 def test_batchable_methods(method):
@@ -251,10 +256,8 @@ def test_batchable_methods(method):
 @pytest.mark.parametrize(
     ("method", "says"),
     [
-        ("fedproto", "FedProto and overrides begin, loss, end"),
         ("fedala", "FedALA and overrides begin, end, personal_model"),
         ("fedgen", "FedGen"),
-        ("fedproc", "FedProc"),
     ],
 )
 def test_batchable_refuses_with_the_reason(method, says):
@@ -274,8 +277,8 @@ def test_batchable_refuses_random_and_cumulative_models():
 
 
 def test_train_batched_refuses_an_unbatchable_method():
-    sim = digits_simulation("fedproto")
-    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'fedproto'"):
+    sim = digits_simulation("fedgen")
+    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'fedgen'"):
         train_batched(sim, 1, [0], {0: sim.params_for(0)}, {})
 
 

@@ -42,10 +42,12 @@ def test_stacked_step_equals_vmap(name: str, side: int, mu: float) -> None:
     x = torch.randn(k, b, 1, side, side, generator=torch.Generator().manual_seed(2))
     y = torch.randint(0, 10, (k, b), generator=torch.Generator().manual_seed(3))
     g1, (l1, b1) = _vmap_step_function(model, names, mu)(params, buffers, anchor, x, y)
-    g2, (l2, b2) = stacked_step_function(model, names, mu)(params, buffers, anchor, x, y)
+    g2, (l2, b2, feats) = stacked_step_function(model, names, mu)(params, buffers, anchor, x, y)
     for n in names:
         assert torch.allclose(g1[n], g2[n], atol=1e-6, rtol=1e-5), n
     assert torch.allclose(l1, l2, atol=1e-6)
+    body = {n[5:]: v for n, v in {**params, **buffers}.items() if n.startswith("body.")}
+    assert torch.allclose(feats, stacked_forward(model.body, {k: v.clone() for k, v in body.items()}, x), atol=1e-6)
     assert set(b1) == set(b2) == set(buffers)
     for n in buffers:
         assert torch.allclose(b1[n].double(), b2[n].double(), atol=1e-6), n

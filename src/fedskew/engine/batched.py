@@ -233,6 +233,7 @@ def _upload(a: np.ndarray, device: torch.device) -> Tensor:
 class _Bucket:
     size: int  # batch size of its clients at this step
     rows: int  # how many clients
+    members: slice  # their positions in the group (client order), in the round's index tensor
     sample: slice  # their [rows, size] sample indices, flattened, in the round's index tensor
     pos: slice | None  # their positions among the live rows (None: all of them, in order)
 
@@ -269,7 +270,7 @@ def _plan(sched: _Schedule, device: torch.device) -> tuple[list[_StepPlan], Tens
         planned = []
         for size, rows, idx in buckets:
             pos = None if rows.size == live.size else put(np.searchsorted(live, rows))
-            planned.append(_Bucket(size, int(rows.size), put(idx), pos))
+            planned.append(_Bucket(size, int(rows.size), put(rows), put(idx), pos))
         steps.append(_StepPlan(keep, sel, planned))
     flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return steps, _upload(flat, device)
@@ -390,6 +391,32 @@ def _train_group(
     return updates
 
 
+class _Collect:
+    """FedProto's and FedProc's ``collect`` on stacked clients: from the step given by each client's
+    ``proto_collect_from`` (its last epoch) on, the per-class float64 sums and counts of its body's outputs; handed
+    to the clients' contexts as the sequential loop leaves them for ``end``."""
+
+    def __init__(self, contexts: list[LocalContext], num_classes: int, device: torch.device) -> None:
+        self.start = torch.tensor([ctx.scratch["proto_collect_from"] for ctx in contexts], device=device)
+        self.num_classes = num_classes
+        self.sums: Tensor | None = None
+        self.counts = torch.zeros((len(contexts), self.num_classes), dtype=torch.float64, device=device)
+
+    def add(self, t: int, members: Tensor, feats: Tensor, y: Tensor) -> None:
+        if self.sums is None:
+            shape = (self.counts.shape[0], self.num_classes, feats.shape[-1])
+            self.sums = torch.zeros(shape, dtype=torch.float64, device=feats.device)
+        on = (self.start[members] <= t).to(torch.float64)  # [R]: which of these clients are in their last epoch
+        onehot = F.one_hot(y, self.num_classes).to(torch.float64) * on.view(-1, 1, 1)  # [R, B, C]
+        self.sums.index_add_(0, members, torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64)))
+        self.counts.index_add_(0, members, onehot.sum(1))
+
+    def hand_over(self, contexts: list[LocalContext]) -> None:
+        for k, ctx in enumerate(contexts):
+            ctx.scratch["proto_sums"] = None if self.sums is None else self.sums[k]
+            ctx.scratch["proto_counts"] = None if self.sums is None else self.counts[k]
+
+
 def _run_phase(
     sim: ClientHost,
     contexts: list[LocalContext],
@@ -432,7 +459,7 @@ def _run_phase(
             if pulls and pulls[0][2] is not None:
                 stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
         clip = rule.clip(inner) if rule.clip is not None else 0.0
-        term = rule.term(inner) if rule.term is not None else None
+        term = rule.term(inner, contexts[0]) if rule.term is not None else None
         if term is not None:
             glob = [received[c] for c in cids]
             models = {"received": glob}
@@ -446,6 +473,7 @@ def _run_phase(
                 if m in rule.frozen
             }
     step = _step_function(model, names, mu, term)
+    collect = _Collect(contexts, sim.data.num_classes, device) if rule.collect else None
 
     plan, index = _plan(sched, device)
     for t, step_plan in enumerate(plan):
@@ -465,11 +493,13 @@ def _run_phase(
             anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
             sample = index[bucket.sample].view(bucket.rows, size)
             rows = None
-            if stack.frozen_models:
+            if term is not None:
                 frozen = {m: {k: take(v) for k, v in st.items()} for m, st in stack.frozen_models.items()}
                 rows = (frozen, None if stack.term_mask is None else take(stack.term_mask))
             args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
-            grads, (loss, new_bufs) = step(*args, rows) if rows is not None else step(*args)
+            grads, (loss, new_bufs, *feats) = step(*args, rows) if rows is not None else step(*args)
+            if collect is not None:  # FedProto/FedProc: the last epoch's class sums of the features, per client
+                collect.add(t, index[bucket.members], feats[0], y_all[sample])
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
                 p_list = list(flat.views(p_rows).values())
                 g = [grads[n] for n in names]
@@ -509,6 +539,8 @@ def _run_phase(
                     for k, v in new_bufs.items():
                         stack.extra[k] = stack.extra[k].index_copy(0, pos, v)
 
+    if collect is not None:
+        collect.hand_over(contexts)
     out = []
     for k in range(len(cids)):
         row, rest, _ = stack.done[k]

@@ -23,6 +23,7 @@ from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.client.loss_before import LossBefore
 from fedskew.client.personal import AmpClient, Ditto, FedRep
+from fedskew.client.prototypes import FedProc, FedProto, prototypical_contrastive
 from fedskew.engine.stacked import FrozenTermFn, stackable
 from fedskew.protocol import Params
 
@@ -53,9 +54,12 @@ class BatchedStep:
     # a loss term against frozen models on the same batch (stacked graph only, engine/stacked.py): the term for the
     # client part (None: off), the frozen models it reads ("received"; "previous": the client's previous model), and
     # per client that previous model (None: the term is absent for the client, as MOON's on a first participation)
-    term: Callable[[LocalAlgorithm], FrozenTermFn | None] | None = None
+    term: Callable[[LocalAlgorithm, LocalContext], FrozenTermFn | None] | None = None
     frozen: tuple[str, ...] = ()
     previous: Callable[[LocalContext], Params | None] | None = None
+    # FedProto/FedProc: each client's last-epoch class sums of its features, handed to its own `end` (the prototypes
+    # it uploads) in ``ctx.scratch`` as the sequential loop's ``collect`` leaves them
+    collect: bool = False
 
 
 def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
@@ -82,7 +86,7 @@ def _feddc_shift(ctx: LocalContext) -> tuple[list[Tensor], float] | None:
     return None if shift is None else (list(shift), -float(ctx.settings.lr))
 
 
-def _moon_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
+def _moon_term(algo: LocalAlgorithm, ctx: LocalContext) -> FrozenTermFn | None:
     """``Moon.loss``'s model-contrastive term per client: ``mu · mean_b(−pos + logsumexp(pos, neg))``, cosine
     similarities over ``tau`` of the trained body's output with the received and the previous model's."""
     mu, tau = float(algo.mu), float(algo.tau)  # type: ignore[attr-defined]
@@ -102,7 +106,7 @@ def _moon_previous(ctx: LocalContext) -> Params | None:
     return ctx.client_state.get("moon_prev") if ctx.scratch.get("moon_contrast") else None
 
 
-def _ntd_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
+def _ntd_term(algo: LocalAlgorithm, ctx: LocalContext) -> FrozenTermFn | None:
     """``FedNTD.loss``'s not-true distillation per client: ``beta · ntd_loss`` with the received model's logits,
     its batch mean taken per client."""
     beta, tau = float(algo.beta), float(algo.tau)  # type: ignore[attr-defined]
@@ -120,6 +124,41 @@ def _ntd_term(algo: LocalAlgorithm) -> FrozenTermFn | None:
     return term
 
 
+def _proto_term(algo: LocalAlgorithm, ctx: LocalContext) -> FrozenTermFn | None:
+    """``FedProto.loss``'s term per client: ``lam ·`` the MSE between each feature and its class's global prototype
+    (the feature itself where the class has none); none before the first global prototypes (broadcast: the same for
+    every client of the round)."""
+    lam = float(algo.lam)  # type: ignore[attr-defined]
+    if ctx.scratch.get("protos") is None or lam == 0:
+        return None
+    protos, present = ctx.scratch["protos"]
+
+    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        target = torch.where(present[y].unsqueeze(-1), protos[y], feats.detach())
+        return lam * ((feats - target) ** 2).mean(dim=(1, 2))
+
+    return term
+
+
+def _proc_term(algo: LocalAlgorithm, ctx: LocalContext) -> FrozenTermFn | None:
+    """``FedProc.loss`` = ``α·L_pc + (1 − α)·CE`` as the cross-entropy plus ``α·(L_pc − CE)`` per client (α the
+    round's curriculum weight); none before the first global prototypes."""
+    if ctx.scratch.get("protos") is None:
+        return None
+    protos, present = ctx.scratch["protos"]
+    a = algo.alpha(ctx.round, ctx.settings.rounds)  # type: ignore[attr-defined]
+    temperature = float(algo.temperature)  # type: ignore[attr-defined]
+
+    def term(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        k, b, c = logits.shape
+        flat_y = y.reshape(k * b)
+        ce = F.cross_entropy(logits.reshape(k * b, c), flat_y, reduction="none").view(k, b).mean(1)
+        pc = prototypical_contrastive(feats.reshape(k * b, -1), flat_y, protos, present, temperature)
+        return a * (pc.view(k, b).mean(1) - ce)
+
+    return term
+
+
 # the client parts whose local step is batched (exact types: a subclass may override any hook)
 BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     LocalAlgorithm: BatchedStep(),
@@ -129,6 +168,8 @@ BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     FedDC: BatchedStep(pull=_feddc_pull, clip=lambda algo: float(algo.clip), shift=_feddc_shift),  # type: ignore[attr-defined]
     Moon: BatchedStep(term=_moon_term, frozen=("received", "previous"), previous=_moon_previous),
     FedNTD: BatchedStep(term=_ntd_term, frozen=("received",)),
+    FedProto: BatchedStep(term=_proto_term, collect=True),
+    FedProc: BatchedStep(term=_proc_term, collect=True),
     # phases (engine: each its own schedule, optimizer and trained parameters; `keep` stored per client)
     Ditto: BatchedStep(prox_mu=lambda algo, phase: float(algo.lam) if phase == "personal" else 0.0),  # type: ignore[attr-defined]
     AmpClient: BatchedStep(prox_mu=lambda algo, phase: float(algo.mu)),  # type: ignore[attr-defined]
@@ -155,12 +196,12 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
     Batched: the client parts of :data:`BATCHED_STEPS` (FedAvg's plain SGD, FedProx, SCAFFOLD, FedDyn, FedDC, MOON,
-    FedNTD, Ditto, FedRep, FedBABU, FedAMP's client), with their uploads (FedCAC's masks) and any server plug-in
-    (disco, heal, fedsa, fedper, fedbn, local, ...), since those change only what each client receives or how the
-    server aggregates, or wrapped in :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV read).
-    Refused, with the reason: any other client part (FedALA, FedProto, FedProc, FedGen), MOON's or FedNTD's term on a
-    model without a stacked form, a model with random layers (dropout) or a cumulative-average BatchNorm
-    (``momentum=None``)."""
+    FedNTD, Ditto, FedRep, FedBABU, FedAMP's client, FedProto, FedProc), with their uploads (FedCAC's masks) and any
+    server plug-in (disco, heal, fedsa, fedper, fedbn, local, ...), since those change only what each client receives
+    or how the server aggregates, or wrapped in :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV
+    read). Refused, with the reason: any other client part (FedALA, FedGen), MOON's, FedNTD's, FedProto's or
+    FedProc's term on a model without a stacked form, a model with random layers (dropout) or a cumulative-average
+    BatchNorm (``momentum=None``)."""
     algo = unwrapped(method.client)
     if type(algo) not in BATCHED_STEPS:
         hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
@@ -175,7 +216,8 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
                 return f"the model's BatchNorm {name} uses a cumulative average (momentum=None)"
         if not (hasattr(model, "body") and hasattr(model, "head")):
             return "the model has no body/head split"
-        if BATCHED_STEPS[type(algo)].term is not None:
+        rule = BATCHED_STEPS[type(algo)]
+        if rule.term is not None or rule.collect:
             why = stackable(model.body) or stackable(model.head)
             if why is not None:
                 return f"{algo.name}'s term against frozen models is batched for standard-layer models only ({why})"

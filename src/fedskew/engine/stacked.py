@@ -125,9 +125,10 @@ def stacked_step_function(
     model: nn.Module, names: list[str], mu: float, term: FrozenTermFn | None = None
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
-    ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers))``:
-    each client's gradient of its cross-entropy (+ FedProx's proximal term), its loss, and its buffers after the
-    forward pass. ``params`` holds the trained parameters (``names``) and the frozen ones.
+    ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers,
+    features))``: each client's gradient of its cross-entropy (+ FedProx's proximal term), its loss, its buffers after
+    the forward pass and its body's output (detached; FedProto's prototypes are collected from it). ``params`` holds
+    the trained parameters (``names``) and the frozen ones.
 
     ``term``: a loss term against frozen models on the same batch (MOON's model-contrastive term, FedNTD's not-true
     distillation), for which ``step`` takes ``rows = (models, mask)``: per model name the clients' full state dicts
@@ -168,6 +169,6 @@ def stacked_step_function(
                 extra = term(feats, logits, y, outs)
                 loss = loss + (extra if mask is None else mask * extra)
             grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
-        return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers)
+        return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers, feats.detach())
 
     return step
