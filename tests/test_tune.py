@@ -3,6 +3,7 @@ after a kill, and sweeps that apply the tuned arguments."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -311,3 +312,24 @@ def test_two_processes_tune_one_study(tmp_path):
     assert numbers == list(range(done))
     pids = {t.user_attrs["pid"] for t in optuna.load_study(study_name="tune:fedprox", storage=spec.storage_url).trials}
     assert len(pids) == 2 and os.getpid() not in pids
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (extra [ray])")
+def test_ray_tasks_tune_one_study(tmp_path):
+    """--executor ray: the two workers of the study run as Ray tasks (a local Ray instance of 2 CPUs): the budget is
+    met, every trial recorded once, and the trials ran in the tasks' processes, not here."""
+    from fedskew.ray_executor import RayExecutor
+
+    spec = _spec(tmp_path, ["fedprox"], trials=3, jobs=2)
+    (result,) = tune_study.tune(spec, executor=RayExecutor(jobs=2))
+    done = result.counts["complete"] + result.counts["pruned"]
+    assert 3 <= done <= 4 and result.counts["fail"] == 0 and result.best is not None
+    assert spec.tuned_path.exists()
+    with sqlite3.connect(spec.db_path) as conn:
+        numbers = [n for (n,) in conn.execute("SELECT number FROM trials ORDER BY number")]
+    assert numbers == list(range(done))
+    pids = {t.user_attrs["pid"] for t in optuna.load_study(study_name="tune:fedprox", storage=spec.storage_url).trials}
+    assert len(pids) == 2 and os.getpid() not in pids
+    # a finished study: the same call runs nothing more
+    (again,) = tune_study.tune(spec, executor=RayExecutor(jobs=2))
+    assert again.counts == result.counts

@@ -289,6 +289,33 @@ class RayExecutor:
             if owned:
                 ray.shutdown()
 
+    def run_calls(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*args)`` for each ``args`` as a Ray task of one CPU (``fedskew tune --executor ray``: the ``--jobs``
+        workers of one study), on the cluster or a local instance as for a sweep; their results in order. A failed
+        task raises :class:`~fedskew.config.ConfigError` naming it, after the others have ended."""
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        with self._local():
+            ray = import_ray()
+            owned = not ray.is_initialized()
+            if owned:
+                self._connect(ray)
+        try:
+            remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+            refs = [remote.remote(*args) for args in calls]
+            out, errors = [], []
+            for i, ref in enumerate(refs):
+                try:
+                    out.append(ray.get(ref))
+                except Exception as exc:  # a task's error (RayTaskError wraps the remote exception)
+                    out.append(None)
+                    errors.append(f"task {i}: {str(exc).strip().splitlines()[-1]}")
+            if errors:
+                raise ConfigError("Ray tasks failed: " + "; ".join(errors))
+            return out
+        finally:
+            if owned:
+                ray.shutdown()
+
     @contextlib.contextmanager
     def _local(self) -> Iterator[None]:
         """For a Ray instance of our own: Ray's single-machine mode, in which every Ray process listens on 127.0.0.1

@@ -58,6 +58,15 @@ def add_parsers(sub: Any) -> None:
     tp.add_argument("--jobs", "-j", type=int, default=None, help="trials at a time, each in its own process")
     tp.add_argument("--timeout", type=float, default=None, help="seconds per method after which no trial starts")
     tp.add_argument("--quiet", action="store_true", help="no line per trial")
+    tp.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local: --jobs processes on this machine; ray: the --jobs workers of each study as Ray tasks (one CPU "
+        "each) on a Ray cluster (--address) or a local Ray instance; across machines the study needs a database server "
+        "(--storage) and --out on a shared file system (extra [ray]; docs/tuning.md)",
+    )
+    tp.add_argument("--address", default=None, help="--executor ray: the cluster (HOST:PORT, auto)")
 
 
 def _updates(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,10 +155,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
         line = f"  {study.study_name} #{row['number']} {params or '(defaults)'}: {value}"
         console.print(escape(line), highlight=False)
 
+    from fedskew.commands.sweep import make_executor
     from fedskew.runner import RunInterrupted
 
+    args.gpus_per_run = None  # a tune worker takes one CPU (a cuda device is the base's `device`)
+    executor = make_executor(args, spec.jobs, None)
+    if executor is not None:
+        where = executor.where()
+        shared = "a database server URL (--storage postgresql://...) and --out on a file system every node shares"
+        console.print(
+            f"the {spec.jobs} worker(s) of each study run as Ray tasks on {where}; across machines they need {shared}",
+            highlight=False,
+        )
     try:
-        results = tune(spec, on_trial=on_trial, on_note=lambda m: console.print(f"note: {m}", highlight=False))
+        results = tune(
+            spec,
+            on_trial=on_trial,
+            on_note=lambda m: console.print(f"note: {m}", highlight=False),
+            executor=executor,
+        )
     except (RunInterrupted, KeyboardInterrupt):
         console.print("interrupted: finished trials are kept; the same command continues the search", highlight=False)
         return 130

@@ -275,9 +275,12 @@ def tune(
     *,
     on_trial: Callable[[MethodEntry, Any, Any], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    executor: Any = None,
 ) -> list[MethodResult]:
     """Tune every method of ``spec`` (one after the other; ``spec.jobs`` trials of a method at a time), then write
-    ``tuned.yaml`` and the figures. Re-running continues an interrupted search."""
+    ``tuned.yaml`` and the figures. Re-running continues an interrupted search. ``executor``: a
+    :class:`fedskew.ray_executor.RayExecutor` whose tasks are the ``spec.jobs`` workers (each sampling from its own
+    seed, all on the one study storage); default local processes."""
     note = on_note or (lambda msg: None)
     spec.root.mkdir(parents=True, exist_ok=True)
     (spec.root / "tune.yaml").write_text(dump_tune_spec(spec))
@@ -286,7 +289,10 @@ def tune(
         study, space, metric = open_study(spec, entry)
         for n in recover_dead_trials(study):
             note(f"{study.study_name}: trial {n} was cut off (its process is gone); it runs again, from its checkpoint")
-        if spec.jobs > 1 and _budget(spec, space) - counted(study) > 1:
+        if executor is not None and _budget(spec, space) - counted(study) > 0:
+            calls = [(spec.model_dump_json(), index, w + 1) for w in range(max(spec.jobs, 1))]
+            executor.run_calls(_worker, calls)
+        elif spec.jobs > 1 and _budget(spec, space) - counted(study) > 1:
             _parallel(spec, index)
         else:
             optimize(spec, entry, None if on_trial is None else lambda s, t, e=entry: on_trial(e, s, t))
