@@ -203,3 +203,30 @@ def test_no_source_file_over_600_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these by responsibility: {long}"
+
+
+def test_each_server_pieces_defaults_live_in_its_schema():
+    """Issue 32: a server piece's hyper-parameter defaults are written once, in its schema (``DiscoParams``,
+    ``HealParams``, ``FedSAParams`` beside the piece); the plug-in arguments, the pieces and the Flower strategies
+    read them from there."""
+    import dataclasses
+    import inspect
+
+    from fedskew.methods import SERVER_PLUGINS
+    from fedskew.server.disco import DISCO, DiscoParams, DiscoWeights
+    from fedskew.server.fedsa import FEDSA, FedSACombine, FedSAParams
+    from fedskew.server.heal import HEAL, FaelWeights, HealMasks, HealParams, heal_aggregation
+
+    assert SERVER_PLUGINS["disco"].params is DiscoParams
+    assert SERVER_PLUGINS["heal"].params is HealParams
+    assert SERVER_PLUGINS["fedsa"].params is FedSAParams
+    for schema, pieces in ((DISCO, [DiscoWeights]), (HEAL, [HealMasks, FaelWeights]), (FEDSA, [FedSACombine])):
+        for piece in pieces:
+            for f in dataclasses.fields(piece):
+                if f.name in type(schema).model_fields:
+                    assert f.default == getattr(schema, f.name), (piece.__name__, f.name)
+    sig = inspect.signature(heal_aggregation).parameters
+    assert [sig[k].default for k in ("tau", "beta", "strict")] == [HEAL.tau, HEAL.beta, HEAL.strict]
+    for text in (SRC / "flower" / "strategies.py", SRC / "methods.py"):  # no literal copy of a default left
+        source = text.read_text()
+        assert "tau: float = 0.3" not in source and "a: float = 0.5" not in source and "lam: float = 0.2" not in source

@@ -38,9 +38,9 @@ from fedskew.registry import (
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, ServerStrategy
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DiscoWeights
-from fedskew.server.fedsa import FedSACombine
-from fedskew.server.heal import FaelWeights, HealMasks
+from fedskew.server.disco import DiscoParams, DiscoWeights
+from fedskew.server.fedsa import FedSACombine, FedSAParams
+from fedskew.server.heal import FaelWeights, HealMasks, HealParams
 from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
 from fedskew.tuning.space import Float, Int, LogFloat
@@ -143,37 +143,6 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         tunable={"mu": LogFloat(1e-5, 1e-2)},
     ),
 }
-
-
-class DiscoParams(StrictSettings):
-    a: float = Field(0.5, ge=0)
-    b: float = 0.1
-    metric: Literal["kl", "l1", "l2", "cosine", "only_iid"] = "kl"
-    target: tuple[float, ...] | None = None
-    # what each client sends before round 1: its discrepancy d_k, computed on the client (default), or its label
-    # histogram, from which the server computes d_k (the official code's way; identical weights)
-    report: Literal["discrepancy", "histogram"] = "discrepancy"
-
-
-class HealParams(StrictSettings):
-    tau: float = 0.3
-    beta: float = Field(0.4, ge=0, le=1)
-    strict: bool = True
-    distance: Literal["l2_per_tensor", "squared"] = "l2_per_tensor"
-    fael_init: Literal["uniform", "datasize"] = "uniform"
-    uniform_over: Literal["participants", "clients"] = "participants"
-
-
-class FedSAParams(StrictSettings):
-    lam: float = Field(0.2, ge=0, le=1)
-    delta: float = 0.2
-    C: int = Field(4, ge=1)
-    S: int = Field(4, ge=1)
-    micro_norm: Literal["layer_minmax", "position_max", "raw"] = "layer_minmax"
-    alpha_norm: Literal["per_position", "literal"] = "per_position"
-    low_weighting: Literal["uniform", "samples"] = "uniform"
-    buffers: Literal["mean", "local"] = "mean"
-    cv_norm: Literal["minmax", "rank"] = "minmax"
 
 
 def _fedsa(p: FedSAParams) -> dict[str, Any]:

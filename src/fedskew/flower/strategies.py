@@ -54,9 +54,9 @@ from fedskew.flower.codec import from_record, to_record
 from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, State, UpdateError
 from fedskew.server.api import ON_BAD_UPDATE, Aggregation, ServerStrategy, check_update, stack_updates
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DISCREPANCY, DiscoWeights
-from fedskew.server.fedsa import FedSACombine
-from fedskew.server.heal import heal_aggregation
+from fedskew.server.disco import DISCO, DISCREPANCY, DiscoWeights
+from fedskew.server.fedsa import FEDSA, FedSACombine
+from fedskew.server.heal import HEAL, heal_aggregation
 from fedskew.server.weights import SampleWeights
 
 log = logging.getLogger("flwr.fedskew")
@@ -316,10 +316,10 @@ class FedDisco(FedskewStrategy):
 
     def __init__(
         self,
-        a: float = 0.5,
-        b: float = 0.1,
-        metric: str = "kl",
-        target: Iterable[float] | None = None,
+        a: float = DISCO.a,
+        b: float = DISCO.b,
+        metric: str = DISCO.metric,
+        target: Iterable[float] | None = DISCO.target,
         *,
         discrepancy_key: str = "discrepancy",
         label_counts_key: str = "label-counts",
@@ -364,13 +364,13 @@ class FedHEAL(FedskewStrategy):
 
     def __init__(
         self,
-        tau: float = 0.3,
-        beta: float = 0.4,
+        tau: float = HEAL.tau,
+        beta: float = HEAL.beta,
         *,
-        strict: bool = True,
-        distance: str = "l2_per_tensor",
-        fael_init: str = "uniform",
-        uniform_over: str = "participants",
+        strict: bool = HEAL.strict,
+        distance: str = HEAL.distance,
+        fael_init: str = HEAL.fael_init,
+        uniform_over: str = HEAL.uniform_over,
         **kwargs: Any,
     ) -> None:
         if fael_init == "datasize":
@@ -397,16 +397,16 @@ class FedSA(FedskewStrategy):
 
     def __init__(
         self,
-        lam: float = 0.2,
-        delta: float = 0.2,
-        C: int = 4,
-        S: int = 4,
+        lam: float = FEDSA.lam,
+        delta: float = FEDSA.delta,
+        C: int = FEDSA.C,
+        S: int = FEDSA.S,
         *,
-        micro_norm: str = "layer_minmax",
-        alpha_norm: str = "per_position",
-        low_weighting: str = "uniform",
-        buffers: str = "mean",
-        cv_norm: str = "minmax",
+        micro_norm: str = FEDSA.micro_norm,
+        alpha_norm: str = FEDSA.alpha_norm,
+        low_weighting: str = FEDSA.low_weighting,
+        buffers: str = FEDSA.buffers,
+        cv_norm: str = FEDSA.cv_norm,
         **kwargs: Any,
     ) -> None:
         args = {"lam": lam, "delta": delta, "C": C, "S": S, "micro_norm": micro_norm, "alpha_norm": alpha_norm}

@@ -23,13 +23,15 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
+from fedskew.schema import StrictSettings
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9
@@ -95,6 +97,24 @@ def discrepancy(hists: np.ndarray, target: np.ndarray | tuple[float, ...] | None
     return np.where(cos > ONLY_IID_COS, ONLY_IID_DISTANCE, np.inf)
 
 
+class DiscoParams(StrictSettings):
+    """FedDisco's hyper-parameters: the one place of their defaults and bounds, read by the ``disco`` plug-in's
+    arguments (``-m a=0.4``), :class:`DiscoWeights`, :func:`disco_weights` and the Flower strategy
+    (``fedskew.flower.strategies.FedDisco``). ``a = 0.5``, ``b = 0.1`` and ``kl`` are the paper's and the official
+    code's defaults; ``target`` ``None`` is the uniform distribution; ``report`` says what each client sends before
+    round 1: its discrepancy ``d_k``, computed on the client (default), or its label histogram, from which the server
+    computes ``d_k`` (the official code's way; identical weights)."""
+
+    a: float = Field(0.5, ge=0)
+    b: float = 0.1
+    metric: Literal["kl", "l1", "l2", "cosine", "only_iid"] = "kl"
+    target: tuple[float, ...] | None = None
+    report: Literal["discrepancy", "histogram"] = "discrepancy"
+
+
+DISCO = DiscoParams()  # the defaults
+
+
 class DiscoTerms(NamedTuple):
     """The intermediate quantities of Eq. 3 for one round (all ``[K]`` float64)."""
 
@@ -106,7 +126,7 @@ class DiscoTerms(NamedTuple):
 
 
 def disco_terms(
-    num_samples: np.ndarray, discrepancies: np.ndarray, *, metric: str, a: float = 0.5, b: float = 0.1
+    num_samples: np.ndarray, discrepancies: np.ndarray, *, metric: str, a: float = DISCO.a, b: float = DISCO.b
 ) -> DiscoTerms:
     """Eq. 3 with its intermediates; see :func:`disco_weights`."""
     _check_metric(metric)
@@ -134,7 +154,7 @@ def disco_terms(
 
 
 def disco_weights(
-    num_samples: np.ndarray, discrepancies: np.ndarray, *, metric: str, a: float = 0.5, b: float = 0.1
+    num_samples: np.ndarray, discrepancies: np.ndarray, *, metric: str, a: float = DISCO.a, b: float = DISCO.b
 ) -> np.ndarray:
     """FedDisco weights ``ReLU(n_k - a·d_k + b)`` normalized over the round's participants (``[K]`` float64).
 
@@ -163,11 +183,11 @@ class DiscoWeights:
     weights are the same. A :class:`RoundInput` built by hand with ``label_hists`` only is read as ``"histogram"``.
     """
 
-    a: float = 0.5
-    b: float = 0.1
-    metric: str = "kl"
-    target: tuple[float, ...] | None = None
-    report: str = "discrepancy"
+    a: float = DISCO.a
+    b: float = DISCO.b
+    metric: str = DISCO.metric
+    target: tuple[float, ...] | None = DISCO.target
+    report: str = DISCO.report
 
     def __post_init__(self) -> None:
         _check_metric(self.metric)

@@ -50,13 +50,15 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput
+from fedskew.schema import StrictSettings
 from fedskew.server.combine import column_blocks
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")
@@ -422,6 +424,25 @@ def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+class FedSAParams(StrictSettings):
+    """FedSA/FedPake's hyper-parameters: the one place of their defaults and bounds, read by the ``fedsa`` plug-in's
+    arguments, :class:`FedSACombine` and the Flower strategy (``fedskew.flower.strategies.FedSA``). Defaults: the
+    paper's CIFAR-10 values ``lam = delta = 0.2``, ``C = S = 4`` (spec 1.6); the switches: spec 1.5."""
+
+    lam: float = Field(0.2, ge=0, le=1)
+    delta: float = 0.2
+    C: int = Field(4, ge=1)
+    S: int = Field(4, ge=1)
+    micro_norm: Literal["layer_minmax", "position_max", "raw"] = "layer_minmax"
+    alpha_norm: Literal["per_position", "literal"] = "per_position"
+    low_weighting: Literal["uniform", "samples"] = "uniform"
+    buffers: Literal["mean", "local"] = "mean"
+    cv_norm: Literal["minmax", "rank"] = "minmax"
+
+
+FEDSA = FedSAParams()  # the defaults
+
+
 @dataclass(frozen=True)
 class FedSACombine:
     """FedSA / FedPake as a :class:`~fedskew.server.api.Combine` (spec 1.3-1.6).
@@ -439,15 +460,15 @@ class FedSACombine:
     "fedsa_skew": M-weighted mean of the layers' skew}`` (JSON-serializable).
     """
 
-    lam: float = 0.2
-    delta: float = 0.2
-    C: int = 4
-    S: int = 4
-    micro_norm: str = "layer_minmax"
-    alpha_norm: str = "per_position"
-    low_weighting: str = "uniform"
-    buffers: str = "mean"
-    cv_norm: str = "minmax"
+    lam: float = FEDSA.lam
+    delta: float = FEDSA.delta
+    C: int = FEDSA.C
+    S: int = FEDSA.S
+    micro_norm: str = FEDSA.micro_norm
+    alpha_norm: str = FEDSA.alpha_norm
+    low_weighting: str = FEDSA.low_weighting
+    buffers: str = FEDSA.buffers
+    cv_norm: str = FEDSA.cv_norm
     eps: float = EPS
 
     def __post_init__(self) -> None:

@@ -35,12 +35,15 @@ import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext
+from fedskew.schema import StrictSettings
 from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
@@ -96,6 +99,22 @@ def consistent(up: Tensor, past: Tensor, n: int, need: int) -> Tensor:
     return torch.where(up, past >= need, past <= n - need)
 
 
+class HealParams(StrictSettings):
+    """FedHEAL's hyper-parameters: the one place of their defaults and bounds, read by the ``heal`` plug-in's
+    arguments, :class:`HealMasks`, :class:`FaelWeights`, :func:`heal_aggregation` and the Flower strategy
+    (``fedskew.flower.strategies.FedHEAL``). ``tau = 0.3`` and ``beta = 0.4`` are the paper's Digits values."""
+
+    tau: float = 0.3
+    beta: float = Field(0.4, ge=0, le=1)
+    strict: bool = True
+    distance: Literal["l2_per_tensor", "squared"] = "l2_per_tensor"
+    fael_init: Literal["uniform", "datasize"] = "uniform"
+    uniform_over: Literal["participants", "clients"] = "participants"
+
+
+HEAL = HealParams()  # the defaults
+
+
 @dataclass(frozen=True)
 class HealMasks:
     """FPHL (paper Eq. 5-9): keep an element of client k's update when its sign agrees with k's history.
@@ -106,8 +125,8 @@ class HealMasks:
     previous state's tensors are never modified.
     """
 
-    tau: float = 0.3
-    strict: bool = True
+    tau: float = HEAL.tau
+    strict: bool = HEAL.strict
 
     def __post_init__(self) -> None:
         if not _finite_real(self.tau):
@@ -232,10 +251,10 @@ class FaelWeights:
     ``fael_init`` because ``init`` is the protocol method.)
     """
 
-    beta: float = 0.4
-    distance: str = "l2_per_tensor"
-    fael_init: str = "uniform"
-    uniform_over: str = "participants"
+    beta: float = HEAL.beta
+    distance: str = HEAL.distance
+    fael_init: str = HEAL.fael_init
+    uniform_over: str = HEAL.uniform_over
 
     def __post_init__(self) -> None:
         if not _finite_real(self.beta) or not 0 <= self.beta <= 1:
@@ -280,13 +299,13 @@ class FaelWeights:
 
 
 def heal_aggregation(
-    tau: float = 0.3,
-    beta: float = 0.4,
+    tau: float = HEAL.tau,
+    beta: float = HEAL.beta,
     *,
-    strict: bool = True,
-    distance: str = "l2_per_tensor",
-    fael_init: str = "uniform",
-    uniform_over: str = "participants",
+    strict: bool = HEAL.strict,
+    distance: str = HEAL.distance,
+    fael_init: str = HEAL.fael_init,
+    uniform_over: str = HEAL.uniform_over,
 ) -> Aggregation:
     """FedHEAL's server step (FPHL masks -> FAEL weights -> masked weighted mean), for any client method."""
     return Aggregation(
