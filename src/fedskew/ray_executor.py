@@ -277,6 +277,12 @@ class RayExecutor:
     ) -> bool:
         for task in todo:
             self.resources(task.values)  # refuse a bad --gpus-per-run before connecting
+        with self._session() as ray:
+            return _Driver(ray, self, emit, results, report).run(todo)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[Any]:
+        """Ray, connected to the cluster (or a local instance started for the block, shut down after it)."""
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         with self._local():
             ray = import_ray()
@@ -284,7 +290,7 @@ class RayExecutor:
             if owned:
                 self._connect(ray)
         try:
-            return _Driver(ray, self, emit, results, report).run(todo)
+            yield ray
         finally:
             if owned:
                 ray.shutdown()
@@ -293,13 +299,7 @@ class RayExecutor:
         """``fn(*args)`` for each ``args`` as a Ray task of one CPU (``fedskew tune --executor ray``: the ``--jobs``
         workers of one study), on the cluster or a local instance as for a sweep; their results in order. A failed
         task raises :class:`~fedskew.config.ConfigError` naming it, after the others have ended."""
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        with self._local():
-            ray = import_ray()
-            owned = not ray.is_initialized()
-            if owned:
-                self._connect(ray)
-        try:
+        with self._session() as ray:
             remote = ray.remote(num_cpus=1, max_retries=0)(fn)
             refs = [remote.remote(*args) for args in calls]
             out, errors = [], []
@@ -312,9 +312,6 @@ class RayExecutor:
             if errors:
                 raise ConfigError("Ray tasks failed: " + "; ".join(errors))
             return out
-        finally:
-            if owned:
-                ray.shutdown()
 
     @contextlib.contextmanager
     def _local(self) -> Iterator[None]:

@@ -222,9 +222,21 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _app_config(app_dir: Path, run_config: str | None) -> dict[str, Any] | None:
+    """An app folder's ``[tool.flwr.app.config]`` with ``--run-config``'s ``K=V`` overrides (values as given);
+    ``None``, after saying so, when the folder has no ``pyproject.toml``."""
+    import tomllib
+
+    project = app_dir / "pyproject.toml"
+    if not project.is_file():
+        print(f"error: {project} not found (write an app folder with `fedskew flower new`)", file=sys.stderr)
+        return None
+    config = dict(tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"])
+    return config | (dict(kv.split("=", 1) for kv in run_config.split()) if run_config else {})
+
+
 def cmd_loopback(args: argparse.Namespace) -> int:
     import tempfile
-    import tomllib
 
     from fedskew.flower import require_flwr
 
@@ -232,13 +244,10 @@ def cmd_loopback(args: argparse.Namespace) -> int:
     from fedskew.flower.loopback import Loopback
 
     app_dir = Path(args.dir)
-    project = app_dir / "pyproject.toml"
-    if not project.is_file():
-        print(f"error: {project} not found (write an app folder with `fedskew flower new`)", file=sys.stderr)
+    found = _app_config(app_dir, args.run_config)
+    if found is None:
         return 2
-    clients = int(tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]["clients"])
-    overrides = dict(kv.split("=", 1) for kv in (args.run_config or "").split()) if args.run_config else {}
-    clients = int(overrides.get("clients", clients))
+    clients = int(found["clients"])
     with tempfile.TemporaryDirectory(prefix="fedskew-flower-") as home:
         t0 = time.perf_counter()
         with Loopback(Path(home), clients, secure=args.secure) as fed:
@@ -267,13 +276,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedskew.flower.simulation import LocalSimulation
 
     app_dir = Path(args.dir)
-    project = app_dir / "pyproject.toml"
-    if not project.is_file():
-        print(f"error: {project} not found (write an app folder with `fedskew flower new`)", file=sys.stderr)
+    config = _app_config(app_dir, args.run_config)
+    if config is None:
         return 2
-    config = tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]
-    overrides = dict(kv.split("=", 1) for kv in (args.run_config or "").split()) if args.run_config else {}
-    clients = int(overrides.get("clients", config["clients"]))
+    clients = int(config["clients"])
     resources = {"num_cpus": 1.0, "num_gpus": 0.25 if str(config.get("device", "cpu")).startswith("cuda") else 0.0}
     written = app_dir / "simulation.toml"
     if written.is_file():  # the resources `fedskew flower new --simulation` wrote
