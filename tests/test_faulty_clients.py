@@ -311,3 +311,38 @@ def test_round_where_everyone_drops_out_keeps_the_model(tmp_path, monkeypatch):
     assert rec["skipped_aggregation"] == "every sampled client dropped out"
     assert rec["participants"] == 0 and rec["train_loss"] is None and rec["bytes_up"] == 0
     assert _same_params(sim.global_params, before) and sim.client_server_state is client_server_state
+
+
+def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):
+    """Issue 32: `stack_updates` (a list of uploads: the Flower strategies) and the engine (uploads one by one) raise
+    the same error under `fail`: the round's first malformed upload's, even after a non-finite one; a round with only
+    non-finite uploads raises the non-finite error (the engine: divergence)."""
+    from fedskew.server.api import enforce
+
+    ups = [_up(0, torch.full((2, 2), float("nan"))), _up(1, torch.ones(3)), _up(2, torch.ones(2, 2))]
+    with pytest.raises(UpdateError, match="client 1: tensor 'w' has shape") as got:
+        stack_updates(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
+    assert not isinstance(got.value, NonFiniteUpdateError)
+    with pytest.raises(NonFiniteUpdateError, match="client 0"):
+        stack_updates(ups[:1] + ups[2:], rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
+    rin = stack_updates(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}), on_bad_update="drop")
+    assert rin.cids == (2,) and [r.cid for r in rin.rejected] == [0, 1]
+    with pytest.raises(ValueError, match="on_bad_update"):
+        enforce([], "ignore")
+
+    real = rounds.local_train
+
+    def faulty(algo, ctx, *args, **kwargs):  # client 0 uploads NaN, client 2 a mis-shaped tensor
+        up = real(algo, ctx, *args, **kwargs)
+        if ctx.cid in (0, 2):
+            bad = {k: v.clone() for k, v in up.params.items()}
+            name = next(k for k, v in bad.items() if v.is_floating_point())
+            bad[name] = torch.full_like(bad[name], float("nan")) if ctx.cid == 0 else bad[name].flatten()
+            up = dataclasses.replace(up, params=bad)
+        return up
+
+    monkeypatch.setattr(rounds, "local_train", faulty)
+    cfg = _cfg(tmp_path)
+    with pytest.raises(UpdateError, match="client 2: tensor .* has shape") as got:
+        Simulation(cfg, build_federated(cfg)).round(1)
+    assert not isinstance(got.value, Diverged)

@@ -72,7 +72,7 @@ from fedskew.protocol import (
     client_reports,
 )
 from fedskew.seeding import Purpose, numpy_rng
-from fedskew.server.api import UploadStack, check_model
+from fedskew.server.api import UploadStack, check_model, enforce
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
 __all__ = [
@@ -280,11 +280,10 @@ class Simulation:
         rnd, sampled, gone, stack = plan.rnd, plan.sampled, plan.gone, plan.stack
         t0, t1 = plan.t0, time.perf_counter()
         train_loss = self._check_training(rnd, plan.losses)
-        if stack.rejected and cfg.on_bad_update == "fail":  # a malformed upload before a non-finite one
-            error = min(stack.rejected, key=lambda r: r.nonfinite).error()
-            if isinstance(error, NonFiniteUpdateError):  # fedskew trained these clients itself: that is divergence
-                raise Diverged(rnd, str(error))
-            raise error
+        try:
+            enforce(stack.rejected, cfg.on_bad_update)
+        except NonFiniteUpdateError as error:  # fedskew trained these clients itself: that is divergence
+            raise Diverged(rnd, str(error)) from None
 
         record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
         if cfg.client_dropout > 0 or cfg.on_bad_update == "drop" or plan.failed:

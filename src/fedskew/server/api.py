@@ -313,6 +313,17 @@ def stack_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, Tensor]:
 ON_BAD_UPDATE = ("fail", "drop")
 
 
+def enforce(rejected: Sequence[Rejection], on_bad_update: str) -> None:
+    """The one fail/drop policy over a round's rejected uploads (the engine's and :func:`stack_updates`'): under
+    ``'fail'`` the error of the round's first malformed upload, else of its first non-finite one
+    (:class:`NonFiniteUpdateError`, which the engine reports as divergence); under ``'drop'`` nothing (the uploads
+    stay out, each with its :class:`Rejection`)."""
+    if on_bad_update not in ON_BAD_UPDATE:
+        raise ValueError(f"on_bad_update must be one of {ON_BAD_UPDATE}, got {on_bad_update!r}")
+    if on_bad_update == "fail" and rejected:
+        raise min(rejected, key=lambda r: r.nonfinite).error()
+
+
 def stack_updates(
     updates: Sequence[ClientUpdate],
     *,
@@ -335,13 +346,8 @@ def stack_updates(
     if not updates:
         raise UpdateError("no client uploaded in this round")
     stack = UploadStack(len(updates), global_params)
-    kept: list[int] = []
-    for i, u in enumerate(updates):
-        bad = stack.add(u)
-        if bad is None:
-            kept.append(i)
-        elif on_bad_update == "fail":
-            raise bad.error()
+    kept = [i for i, u in enumerate(updates) if stack.add(u) is None]
+    enforce(stack.rejected, on_bad_update)
     if not kept:
         reasons = "; ".join(f"client {r.cid}: {r.reason}" for r in stack.rejected)
         raise UpdateError(f"no valid upload in this round ({reasons})")
