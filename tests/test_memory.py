@@ -155,9 +155,9 @@ def test_upload_stack_round_input_is_views_of_its_buffers_and_updates_are_lazy()
         assert stack.add(ClientUpdate(c, {"w": torch.full((3, 2), float(c)), "n": torch.tensor(c)}, 5)) is None
     rin = stack.round_input(rnd=1, trainable=frozenset({"w"}), label_hists=np.ones((3, 1)))
     assert rin.params["w"].shape == (3, 3, 2) and rin.params["w"].data_ptr() == stack.params["w"].data_ptr()
-    ups = rin.updates()
+    ups = rin.deltas()
     assert list(ups) == ["w"] and len(ups) == 1
-    assert torch.equal(ups["w"], rin.params["w"] - glob["w"]) and torch.equal(rin.update("w"), ups["w"])
+    assert torch.equal(ups["w"], rin.params["w"] - glob["w"]) and torch.equal(rin.delta("w"), ups["w"])
     with pytest.raises(KeyError):
         ups["n"]
     assert isinstance(rin, RoundInput)

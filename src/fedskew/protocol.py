@@ -166,17 +166,18 @@ class RoundInput:
     def num_participants(self) -> int:
         return len(self.cids)
 
-    def update(self, name: str) -> Tensor:
-        """One tensor's per-client model updates ``w_k - w_global`` (``[K, *shape]``, the upload's dtype)."""
+    def delta(self, name: str) -> Tensor:
+        """One tensor's per-client deltas ``w_k - w_global`` (``[K, *shape]``, the upload's dtype): a *delta* is
+        what a client's training moved; an *upload* is what it sent (:class:`ClientUpdate`)."""
         return self.params[name] - self.global_params[name].unsqueeze(0)
 
-    def updates(self) -> Mapping[str, Tensor]:
-        """Per-client model updates ``w_k - w_global`` of the float tensors, computed tensor by tensor when read
-        (never all at once, nothing cached): iterate, or index the tensor you need."""
-        return _Updates(self)
+    def deltas(self) -> Mapping[str, Tensor]:
+        """Per-client deltas ``w_k - w_global`` of the float tensors, computed tensor by tensor when read (never all
+        at once, nothing cached): iterate, or index the tensor you need."""
+        return _Deltas(self)
 
 
-class _Updates(Mapping[str, Tensor]):
+class _Deltas(Mapping[str, Tensor]):
     def __init__(self, rin: RoundInput) -> None:
         self._rin = rin
         self._names = [n for n, t in rin.params.items() if t.is_floating_point()]
@@ -184,7 +185,7 @@ class _Updates(Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._names:
             raise KeyError(name)
-        return self._rin.update(name)
+        return self._rin.delta(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -299,7 +299,7 @@ class FedFVCombine:
         losses = reported(rin, LOSS_BEFORE, "fedfv").tolist()
         names = _trainable_float(rin)
         t, k = rin.round, rin.num_participants
-        updates = {n: rin.update(n) for n in names}  # [K, ...] each, computed once
+        updates = {n: rin.delta(n) for n in names}  # [K, ...] each, computed once
         current = [{n: updates[n][i] for n in names} for i in range(k)]
         # stored updates of clients not in this round, still inside the window of step 2
         old = {
