@@ -316,20 +316,23 @@ def test_two_processes_tune_one_study(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (extra [ray])")
 def test_ray_tasks_tune_one_study(tmp_path):
-    """--executor ray: the two workers of the study run as Ray tasks (a local Ray instance of 2 CPUs): the budget is
-    met, every trial recorded once, and the trials ran in the tasks' processes, not here."""
-    from fedskew.ray_executor import RayExecutor
-
-    spec = _spec(tmp_path, ["fedprox"], trials=3, jobs=2)
-    (result,) = tune_study.tune(spec, executor=RayExecutor(jobs=2))
-    done = result.counts["complete"] + result.counts["pruned"]
-    assert 3 <= done <= 4 and result.counts["fail"] == 0 and result.best is not None
-    assert spec.tuned_path.exists()
-    with sqlite3.connect(spec.db_path) as conn:
+    """`fedskew tune --executor ray --jobs 2` (its own process, as a user runs it; a local Ray instance of 2 CPUs): the
+    budget is met, every trial recorded once, the trials ran in two processes other than the command's, and the same
+    command again runs nothing."""
+    out = tmp_path / "tune"
+    argv = [sys.executable, "-m", "fedskew", "tune", "--methods", "fedprox", "--trials", "3", "--jobs", "2"]
+    argv += ["--executor", "ray", "--rounds", "3", "--clients", "4", "--checkpoint-every", "1", "--out", str(out)]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "run as Ray tasks on a local Ray instance" in first.stderr
+    study = optuna.load_study(study_name="tune:fedprox", storage=f"sqlite:///{out / 'optuna.db'}")
+    done = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    assert 3 <= len(done) <= 4 and not [t for t in study.trials if t.state.name == "FAIL"]
+    with sqlite3.connect(out / "fedskew.db") as conn:
         numbers = [n for (n,) in conn.execute("SELECT number FROM trials ORDER BY number")]
-    assert numbers == list(range(done))
-    pids = {t.user_attrs["pid"] for t in optuna.load_study(study_name="tune:fedprox", storage=spec.storage_url).trials}
-    assert len(pids) == 2 and os.getpid() not in pids
-    # a finished study: the same call runs nothing more
-    (again,) = tune_study.tune(spec, executor=RayExecutor(jobs=2))
-    assert again.counts == result.counts
+    assert numbers == list(range(len(done)))
+    assert len({t.user_attrs["pid"] for t in study.trials}) == 2
+    assert (out / "tuned.yaml").exists()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    reloaded = optuna.load_study(study_name="tune:fedprox", storage=f"sqlite:///{out / 'optuna.db'}")
+    assert again.returncode == 0 and len(reloaded.trials) == len(study.trials)
