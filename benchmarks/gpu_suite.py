@@ -80,30 +80,11 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
                 f"batched-{m}" + ("-vmap" if path == "vmap" else ""), argv, 20 if smoke else 45, 120 if smoke else 240
             )
         )
-    pfl = [
-        *mnist,
-        "--partition",
-        "iid",
-        "--clients",
-        "100" if smoke else "1000",
-        "--join-ratio",
-        "0.05",
-        "--batch-size",
-        "10",
-        "--local-epochs",
-        "1",
-        "--lr",
-        "0.05",
-        "--model",
-        "cnn",
-        "--skew-probes",
-        "0",
-        "--device",
-        device,
-        "--no-db",
-        "--quiet",
-        "--overwrite",
-    ]
+    # what every whole-run piece shares: the CNN, batch 10, no probes, no database, a fresh run directory
+    common = ["--batch-size", "10", "--model", "cnn", "--skew-probes", "0", "--device", device]
+    common += ["--no-db", "--quiet", "--overwrite"]
+    pfl = [*mnist, "--partition", "iid", "--clients", "100" if smoke else "1000", "--join-ratio", "0.05"]
+    pfl += ["--local-epochs", "1", "--lr", "0.05", *common]
     rounds = 3 if smoke else args.pfl_rounds
     seq_rounds = 2 if smoke else max(1, args.pfl_rounds // 30)
     for name, extra, r in (("pfl-batched", ["--batched-clients"], rounds), ("pfl-sequential", [], seq_rounds)):
@@ -112,38 +93,9 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
         found.append(Piece(name, argv, 20 if smoke else 150, 120 if smoke else 400, run_dir))
     run100_dir = out / "runs" / "run100"
     r100 = 2 if smoke else args.run_rounds
-    argv = fedskew(
-        "run",
-        *mnist,
-        "--protocol",
-        "pfllib",
-        "--partition",
-        "dir",
-        "--alpha",
-        "0.1",
-        "--clients",
-        "10" if smoke else "100",
-        "--batch-size",
-        "10",
-        "--lr",
-        "0.005",
-        "--model",
-        "cnn",
-        "--skew-probes",
-        "0",
-        "--device",
-        device,
-        "--batched-clients",
-        "--rounds",
-        str(r100),
-        "--eval-every",
-        str(r100),
-        "--no-db",
-        "--quiet",
-        "--overwrite",
-        "--out",
-        str(run100_dir),
-    )
+    run100 = [*mnist, "--protocol", "pfllib", "--partition", "dir", "--alpha", "0.1", "--lr", "0.005", *common]
+    run100 += ["--clients", "10" if smoke else "100", "--batched-clients"]
+    argv = fedskew("run", *run100, "--rounds", str(r100), "--eval-every", str(r100), "--out", str(run100_dir))
     found.append(Piece("run100", argv, 20 if smoke else 120, 120 if smoke else 400, run100_dir))
     for paper in args.papers:
         argv = fedskew("reproduce", paper, "--scale", "smoke" if smoke else "small", "--device", device)
