@@ -4,7 +4,7 @@ training.
 For each model (the small CNN on MNIST-shaped input, ResNet-18 on CIFAR-10-shaped input) the script builds the
 uploads of 20 clients as "global model + small client-specific noise" (the scale of one local epoch's drift,
 with log-normal spread across clients and positions; BatchNorm buffers perturbed too, ``num_batches_tracked``
-advanced), stacks them once with :func:`fedskew.server.api.stack_updates`, and times the server step
+advanced), stacks them once with :func:`fedskew.server.api.stack_uploads`, and times the server step
 
 - FedAvg: ``Aggregation(SampleWeights(), WeightedMean())``
 - FedSA:  ``Aggregation(SampleWeights(), FedSACombine())`` (paper defaults lam = delta = 0.2, C = S = 4)
@@ -38,8 +38,8 @@ from torch import nn
 
 from fedskew.client.personal import CriticalMasks
 from fedskew.models import build_model
-from fedskew.protocol import ClientUpdate, RoundInput
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import Upload, RoundInput
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fedsa import FedSACombine
 from fedskew.server.personal import FedAMP, FedCAC
@@ -104,8 +104,8 @@ def client_round(model: nn.Module, clients: int, seed: int) -> RoundInput:
                 p = p.abs()
             params[name] = p
         masks = CriticalMasks(0.5)(glob, params, trainable)  # FedCAC's upload; the other methods ignore it
-        updates.append(ClientUpdate(cid, params, int(sizes[cid]), extras=masks))
-    return stack_updates(updates, rnd=1, global_params=glob, trainable=trainable, label_hists=np.zeros((clients, 10)))
+        updates.append(Upload(cid, params, int(sizes[cid]), extras=masks))
+    return stack_uploads(updates, rnd=1, global_params=glob, trainable=trainable, label_hists=np.zeros((clients, 10)))
 
 
 def to_device(rin: RoundInput, device: torch.device) -> RoundInput:

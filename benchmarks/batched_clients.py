@@ -34,7 +34,7 @@ from fedskew.data.readers import ImageDataset
 from fedskew.engine import batched as batched_module
 from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.loop import Simulation
-from fedskew.protocol import ClientUpdate
+from fedskew.protocol import Upload
 
 DATA_DIRS = (Path("/work/shared/data/mnist"), Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
 
@@ -62,7 +62,7 @@ def shrink_clients(data: FederatedData, fraction: float) -> FederatedData:
     return dataclasses.replace(data, clients=clients)
 
 
-def max_error(a: list[ClientUpdate], b: list[ClientUpdate]) -> float:
+def max_error(a: list[Upload], b: list[Upload]) -> float:
     """The largest absolute difference between two lists of uploads (parameters, buffers and extras)."""
     err = 0.0
     for u, v in zip(a, b, strict=True):
@@ -112,7 +112,7 @@ class UtilizationSampler:
             self._thread.join()
 
 
-def timed(device: torch.device, fn: Callable[[], list[ClientUpdate]]) -> tuple[float, float, list[ClientUpdate]]:
+def timed(device: torch.device, fn: Callable[[], list[Upload]]) -> tuple[float, float, list[Upload]]:
     """Wall seconds (the device synchronized), this process's CPU seconds, and ``fn()``."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -218,10 +218,10 @@ def main() -> None:
         received = {c: seq.params_for(c) for c in cids}
         broadcast = seq.method.client.broadcast(seq.client_server_state)
 
-        def sequential(received=received, broadcast=broadcast, rnd=rnd) -> list[ClientUpdate]:
+        def sequential(received=received, broadcast=broadcast, rnd=rnd) -> list[Upload]:
             return [seq._train(c, rnd, received[c], broadcast) for c in cids]
 
-        def batched(received=received, broadcast=broadcast, rnd=rnd) -> list[ClientUpdate]:
+        def batched(received=received, broadcast=broadcast, rnd=rnd) -> list[Upload]:
             return train_batched(bat, rnd, cids, received, broadcast, args.max_clients)
 
         sampler = UtilizationSampler(device)

@@ -13,7 +13,7 @@ Paths (``--path``):
   ``[K, ...]`` buffers (:class:`fedskew.server.api.UploadStack`) as soon as it is produced and then dropped. On a
   checkout without ``UploadStack`` (before the change) the engine kept the K per-client uploads in a list and
   stacked them afterwards, which is what this path then measures.
-- ``list``: :func:`fedskew.server.api.stack_updates` over a list of K uploads that stays alive (an API caller).
+- ``list``: :func:`fedskew.server.api.stack_uploads` over a list of K uploads that stays alive (an API caller).
 
 FedHEAL's server state (one int32 sign-count table per client, the size of its model in float32) is part of the
 round's output; it is built beforehand for the K clients (as after an earlier round) and the ``state`` column gives
@@ -62,9 +62,9 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
     from fedskew.server import api, heal
 
     try:
-        from fedskew.protocol import ClientUpdate, ServerContext
+        from fedskew.protocol import Upload, ServerContext
     except ImportError:  # --src of a checkout from before fedskew/protocol.py
-        from fedskew.server.api import ClientUpdate, ServerContext
+        from fedskew.server.api import Upload, ServerContext
     from fedskew.server.api import Aggregation
     from fedskew.server.combine import WeightedMean
     from fedskew.server.fedsa import FedSACombine
@@ -99,13 +99,13 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
         }
     scales = torch.exp(0.5 * torch.randn(clients, generator=g))
 
-    def upload(cid: int) -> ClientUpdate:  # global + client noise, log-normal spread over clients and positions
+    def upload(cid: int) -> Upload:  # global + client noise, log-normal spread over clients and positions
         params = {}
         for n, t in glob.items():  # in place: one temporary, like the one snapshot local training makes
             p = torch.randn(t.shape, generator=g)
             p.mul_(torch.randn(t.shape, generator=g).mul_(0.5).exp_())
             params[n] = p.mul_(0.01 * float(scales[cid]) * (float(t.std()) + 1e-3)).add_(t)
-        return ClientUpdate(cid, params, 100 + cid % 50)
+        return Upload(cid, params, 100 + cid % 50)
 
     def server_step(k: int, state):
         """The server side of one round with ``k`` uploads, as the engine (or an API caller) runs it."""
@@ -121,7 +121,7 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
             del stack
         else:
             updates = [upload(cid) for cid in range(k)]
-            rin = api.stack_updates(updates, rnd=4, global_params=glob, trainable=trainable, label_hists=hists)
+            rin = api.stack_uploads(updates, rnd=4, global_params=glob, trainable=trainable, label_hists=hists)
         return strategy.aggregate(rin, state)
 
     streaming = path == "engine" and hasattr(api, "UploadStack")

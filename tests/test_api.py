@@ -275,8 +275,8 @@ def test_an_installed_plugin_package_is_discovered_through_its_entry_point(tmp_p
     (pkg / "fedskew_plugin_test" / "__init__.py").write_text(
         "import torch\n"
         "from fedskew.registry import NoParams, ServerPlugin\n"
-        "class Uniformish:\n"
-        "    def init(self, ctx):\n        return None\n"
+        "from fedskew.server.api import Weighting\n"
+        "class Uniformish(Weighting):\n"
         "    def __call__(self, rin, masks, state):\n"
         "        k = rin.num_participants\n"
         "        return torch.full((k,), 1.0 / k, dtype=torch.float64), None\n"

@@ -31,9 +31,9 @@ from fedskew.client.personal import PERSONAL
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import dropped_out, sample_clients
 from fedskew.methods import describe_methods, resolve_method
-from fedskew.protocol import TIMING_KEYS, ClientUpdate, ServerContext
+from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import stack_updates
+from fedskew.server.api import stack_uploads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64
@@ -195,8 +195,8 @@ def _fedgen_round(algo, template, rnd=1, seed=0):
     ups = []
     for cid in range(2):
         params = {k: v + 0.5 * torch.randn_like(v) for k, v in template.items()}
-        ups.append(ClientUpdate(cid, params, 6 if cid == 0 else 2))
-    return stack_updates(
+        ups.append(Upload(cid, params, 6 if cid == 0 else 2))
+    return stack_uploads(
         ups, rnd=rnd, global_params=template, trainable=frozenset(template), label_hists=np.ones((2, 3))
     )
 

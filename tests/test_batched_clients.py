@@ -172,7 +172,7 @@ def test_moon_refuses_a_model_without_a_stacked_form():
     method = resolve_method("moon", {"projection": 0})
     model = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
     reason = batchable(method, model)
-    assert reason is not None and "moon's term against frozen models" in reason
+    assert reason is not None and "Moon's term against frozen models" in reason
     assert batchable(resolve_method("fedavg", {}), model) is None  # vmap handles any model for the others
 
 
@@ -278,7 +278,7 @@ def test_batchable_refuses_random_and_cumulative_models():
 
 def test_train_batched_refuses_an_unbatchable_method():
     sim = digits_simulation("fedgen")
-    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part 'fedgen'"):
+    with pytest.raises(ValueError, match="cannot be trained with batched clients: its client part is FedGen"):
         train_batched(sim, 1, [0], {0: sim.params_for(0)}, {})
 
 

@@ -11,7 +11,7 @@ from conftest import Tiny
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.protocol import ServerContext
-from fedskew.server.api import stack_updates
+from fedskew.server.api import stack_uploads
 
 
 def _setup(seed=0):
@@ -120,7 +120,7 @@ def test_scaffold_first_round_is_sgd_and_control_update():
     trainable = frozenset(n for n, _ in model.named_parameters())
     sctx = ServerContext(4, 3, g, trainable, np.ones(4), np.ones((4, 3)))
     s0 = algo.server_init(sctx)
-    rin = stack_updates([upd, upd], rnd=1, global_params=g, trainable=trainable, label_hists=np.ones((2, 3)))
+    rin = stack_uploads([upd, upd], rnd=1, global_params=g, trainable=trainable, label_hists=np.ones((2, 3)))
     s1 = algo.server_update(rin, s0)
     assert torch.allclose(s1["c"]["head.bias"], 2 * upd.extras["scaffold_dc/head.bias"] / 4)
     # a non-zero correction changes the trajectory in its direction

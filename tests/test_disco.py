@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.protocol import ClientUpdate, ServerContext
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import ServerContext, Upload
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoWeights, disco_terms, disco_weights, discrepancy
 
@@ -20,10 +20,10 @@ def _rin(models, hists, cids=None):
     hists = np.asarray(hists, dtype=float)
     cids = cids if cids is not None else list(range(len(models)))
     ups = [
-        ClientUpdate(cid, {"w": torch.tensor(m, dtype=torch.float64)}, int(h.sum()))
+        Upload(cid, {"w": torch.tensor(m, dtype=torch.float64)}, int(h.sum()))
         for cid, m, h in zip(cids, models, hists, strict=True)
     ]
-    return stack_updates(
+    return stack_uploads(
         ups,
         rnd=1,
         global_params={"w": torch.zeros(len(models[0]), dtype=torch.float64)},

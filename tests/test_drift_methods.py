@@ -14,15 +14,14 @@ from fedskew.client.drift import FedDC, FedDyn
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.methods import describe_methods, resolve_method
-from fedskew.protocol import ClientUpdate, ServerContext
+from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import stack_updates
+from fedskew.server.api import stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.optimizers import (
     CloudCorrection,
     NovaCombine,
-    ServerMomentum,
-    momentum_step,
+    fedavgm,
     nova_coefficients,
     nova_normalizer,
 )
@@ -48,7 +47,7 @@ def _rin(models, global_w, *, hists=None, cids=None, steps=None, rnd=1):
     hists = E1_HISTS if hists is None else np.asarray(hists, dtype=float)
     cids = list(range(len(models))) if cids is None else cids
     ups = [
-        ClientUpdate(
+        Upload(
             cid,
             {"w": torch.tensor(m, dtype=torch.float64)},
             int(hists[cid].sum()),
@@ -56,7 +55,7 @@ def _rin(models, global_w, *, hists=None, cids=None, steps=None, rnd=1):
         )
         for i, (cid, m) in enumerate(zip(cids, models, strict=True))
     ]
-    return stack_updates(
+    return stack_uploads(
         ups,
         rnd=rnd,
         global_params={"w": torch.tensor(global_w, dtype=torch.float64)},
@@ -76,7 +75,7 @@ def test_fednova_normalized_weights_and_tau_eff_by_hand():
     assert nova_normalizer(torch.tensor([3.0, 7.0]), 0.0).tolist() == [3.0, 7.0]
     # the combine: w' = (1 - sum c) w + sum c_k w_k = -0.33 * 1 + 0.95*1 + 0.285*2 + 0.095*3
     rin = _rin([[1.0], [2.0], [3.0]], [1.0], steps=[10, 20, 40])
-    out, diag = NovaCombine()(rin, p, None)
+    out, diag, _ = NovaCombine()(rin, p, None, None)
     assert out["w"].item() == pytest.approx(1.475, abs=TOL)
     assert diag["fednova_tau_eff"] == pytest.approx(19.0)
 
@@ -86,32 +85,42 @@ def test_fednova_equal_steps_is_the_weighted_mean():
     models = torch.randn(3, 5).tolist()
     rin = _rin(models, torch.randn(5).tolist(), steps=[7, 7, 7])
     p = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
-    nova, _ = NovaCombine(local_momentum=0.9)(rin, p, None)
-    mean, _ = WeightedMean()(rin, p, None)
+    nova, _, _ = NovaCombine(local_momentum=0.9)(rin, p, None, None)
+    mean, _, _ = WeightedMean()(rin, p, None, None)
     assert torch.allclose(nova["w"], mean["w"], atol=1e-12)
 
 
 def test_fedavgm_momentum_over_two_rounds_by_hand():
     # ema (FedDisco's code), m = 0.5: round 1 w = 1, avg 0.6: v = 0.5*0.4 = 0.2, w = 0.8;
     # round 2 avg 0.5: delta 0.3, v = 0.5*0.2 + 0.5*0.3 = 0.25, w = 0.55
-    piece = ServerMomentum(momentum=0.5)
+    piece = fedavgm(momentum=0.5)
     state = piece.init(_ctx({"w": torch.zeros(1, dtype=torch.float64)}, 3))
     w, state = _momentum_round(piece, state, 1.0, 0.6)
-    assert (w, state["v"]["w"].item()) == pytest.approx((0.8, 0.2), abs=TOL)
+    assert (w, _v(state)) == pytest.approx((0.8, 0.2), abs=TOL)
     w, state = _momentum_round(piece, state, w, 0.5)
-    assert (w, state["v"]["w"].item()) == pytest.approx((0.55, 0.25), abs=TOL)
+    assert (w, _v(state)) == pytest.approx((0.55, 0.25), abs=TOL)
     # Hsu et al.'s heavy ball, server_lr 1: v = 0.4, w = 0.6; delta 0.1, v = 0.2 + 0.1 = 0.3, w = 0.3
-    hsu = ServerMomentum(momentum=0.5, form="hsu")
+    hsu = fedavgm(momentum=0.5, form="hsu")
     state = hsu.init(_ctx({"w": torch.zeros(1, dtype=torch.float64)}, 3))
     w, state = _momentum_round(hsu, state, 1.0, 0.6)
     assert w == pytest.approx(0.6, abs=TOL)
     w, state = _momentum_round(hsu, state, w, 0.5)
-    assert (w, state["v"]["w"].item()) == pytest.approx((0.3, 0.3), abs=TOL)
-    # the two forms are one method: ema with lr equals hsu with lr * (1 - m)
-    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    a = momentum_step(t(2.0), t(1.0), t(0.7), momentum=0.8, server_lr=1.0, form="ema")
-    b = momentum_step(t(2.0), t(1.0), t(3.5), momentum=0.8, server_lr=0.2, form="hsu")  # v_hsu = v_ema / (1 - m)
-    assert a[0].item() == pytest.approx(b[0].item(), abs=TOL) and a[1].item() == pytest.approx(0.2 * b[1].item())
+    assert (w, _v(state)) == pytest.approx((0.3, 0.3), abs=TOL)
+    # the two forms are one method: ema with lr equals hsu with lr * (1 - m), over several rounds
+    ema, hsu = fedavgm(momentum=0.8, server_lr=1.0), fedavgm(momentum=0.8, server_lr=0.2, form="hsu")
+    ctx = _ctx({"w": torch.zeros(1, dtype=torch.float64)}, 3)
+    (we, se), (wh, sh) = (2.0, ema.init(ctx)), (2.0, hsu.init(ctx))
+    for avg in (1.0, 1.5, 0.25):
+        we, se = _momentum_round(ema, se, we, avg)
+        wh, sh = _momentum_round(hsu, sh, wh, avg)
+        assert we == pytest.approx(wh, abs=TOL) and _v(se) == pytest.approx(0.2 * _v(sh), abs=TOL)
+    # the momentum buffer is a named link of the chain, its norm a diagnostic
+    _, diag, _ = ema(_rin([[1.0]] * 3, [2.0]), {"w": torch.tensor([1.0], dtype=torch.float64)}, None, ema.init(ctx))
+    assert diag == {"fedavgm_momentum_norm": pytest.approx(0.2, abs=TOL)}
+
+
+def _v(state):
+    return state.by_name["momentum"].v["w"].item()
 
 
 def _momentum_round(piece, state, w, avg):
@@ -131,7 +140,7 @@ def test_cloud_correction_by_hand_over_two_rounds_with_absent_clients():
     # round 2: client 1 alone from [1, 2.5] trains to [3, 2.5]: s = (0, 0.5) + (2, 0) / 4; w = [3, 2.5] + s
     rin = _rin([[3.0, 2.5]], [1.0, 2.5], hists=hists, cids=[1])
     out, _, state = piece(rin, {"w": torch.tensor([3.0, 2.5], dtype=torch.float64)}, None, state)
-    assert state["s"]["w"].tolist() == pytest.approx([0.5, 0.5], abs=TOL)
+    assert state.s["w"].tolist() == pytest.approx([0.5, 0.5], abs=TOL)
     assert out["w"].tolist() == pytest.approx([3.5, 3.0], abs=TOL)
 
 
@@ -362,9 +371,9 @@ def test_checkpoint_and_resume_is_exact(one_thread, method):
 def test_names_compose():
     assert resolve_method("feddyn+disco", {}).name == "feddyn+disco+cloud"
     m = resolve_method("fedavgm+disco", {})
-    assert type(m.client) is LocalAlgorithm and type(m.server.update).__name__ == "ServerMomentum"
+    assert type(m.client) is LocalAlgorithm and m.server.step == fedavgm()
     m = resolve_method("fedprox+fedavgm", {"mu": 0.1, "server_momentum": 0.5, "form": "hsu", "server_lr": 0.5})
-    assert m.client.mu == 0.1 and m.server.update == ServerMomentum(0.5, 0.5, "hsu")
+    assert m.client.mu == 0.1 and m.server.step == fedavgm(0.5, 0.5, "hsu")
     assert resolve_method("fedavg+fednova+disco", {}).server == resolve_method("fednova+disco", {}).server
     assert resolve_method("feddc", {"correction": False, "alpha": 0.1}).client == FedDC(alpha=0.1, correction=False)
     listed = {name for name, _, _ in describe_methods()}
@@ -381,7 +390,7 @@ def test_names_compose():
         ("scaffold+cloud+disco", {}, "server side of feddyn"),
         ("feddyn+feddc", {}, "unknown"),
         ("fednova+fedsa", {}, "both set the server's combine"),
-        ("feddc+fedcac", {}, "cannot take a update"),
+        ("feddc+fedcac", {}, "takes no step piece"),
         ("fedavgm", {"server_momentum": 1.0}, "server_momentum"),
         ("feddyn", {"alpha": -0.1}, "alpha"),
         ("fedavgm", {"form": "nesterov"}, "form"),

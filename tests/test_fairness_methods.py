@@ -30,12 +30,13 @@ from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
-from fedskew.protocol import TIMING_KEYS, ClientUpdate, ServerContext
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fairness import (
     AflWeights,
     FedFVCombine,
+    FedFVState,
     QfflCombine,
     project_simplex,
     qffl_coefficients,
@@ -58,9 +59,9 @@ def _rin(glob, deltas, losses, cids=None, sizes=None, rnd=1, lr=0.1, buffers=Non
         if buffers is not None:
             params["b"] = buffers[i]
         metrics = {LOSS_BEFORE: float(loss), "lr": lr, "steps": float(steps[i]), MOMENTUM: momentum}
-        ups.append(ClientUpdate(cid, params, n, metrics=metrics))
+        ups.append(Upload(cid, params, n, metrics=metrics))
     trainable = frozenset({"w"})
-    return stack_updates(ups, rnd=rnd, global_params=glob, trainable=trainable, label_hists=np.ones((len(ups), 2)))
+    return stack_uploads(ups, rnd=rnd, global_params=glob, trainable=trainable, label_hists=np.ones((len(ups), 2)))
 
 
 def _ctx(n=3):
@@ -82,8 +83,8 @@ def test_qffl_with_q_zero_is_fedavg(weighting, lipschitz):
     glob = {"w": torch.tensor([0.5, -1.0], dtype=F64)}
     rin = _rin(glob, [[1.0, 2.0], [-3.0, 0.5], [0.2, 0.2]], [0.3, 2.0, 1.1], steps=[5, 9, 2], momentum=0.9)
     w, _ = weighting(rin, None, None)
-    out, _ = QfflCombine(q=0.0, lipschitz=lipschitz)(rin, w, None)
-    ref, _ = WeightedMean()(rin, w, None)
+    out, _, _ = QfflCombine(q=0.0, lipschitz=lipschitz)(rin, w, None, None)
+    ref, _, _ = WeightedMean()(rin, w, None, None)
     assert torch.allclose(out["w"], ref["w"], atol=1e-12, rtol=0)
 
 
@@ -94,7 +95,7 @@ def test_qffl_step_written_out(lipschitz):
     # (one plain SGD step each, tau = 1 and beta = 0: the auto estimate (1 - beta)^2/(lr tau^2) is fair_flearn's 1/lr)
     glob = {"w": torch.zeros(2, dtype=F64)}
     rin = _rin(glob, [[1.0, 0.0], [0.0, 2.0]], [1.0, 4.0], lr=0.1)
-    out, diag = QfflCombine(q=1.0, lipschitz=lipschitz)(rin, torch.tensor([0.5, 0.5], dtype=F64), None)
+    out, diag, _ = QfflCombine(q=1.0, lipschitz=lipschitz)(rin, torch.tensor([0.5, 0.5], dtype=F64), None, None)
     assert diag["qffl_coef"] == pytest.approx([1 / 55, 4 / 55], abs=1e-9)
     assert out["w"].tolist() == pytest.approx([1 / 55, 8 / 55], abs=1e-9)
     # a given Lipschitz constant replaces 1/lr; q = 2: h = 2 F L ||u||^2 + F^2
@@ -118,14 +119,14 @@ def test_qffl_auto_lipschitz_takes_a_larger_step_after_several_momentum_steps():
     glob = {"w": torch.zeros(2, dtype=F64)}
     rin = _rin(glob, [[1.0, 0.0], [0.0, 2.0]], [1.0, 4.0], lr=0.1, steps=[4, 2], momentum=0.5)
     p = torch.tensor([0.5, 0.5], dtype=F64)
-    out, diag = QfflCombine(q=1.0)(rin, p, None)  # the default is "auto"
+    out, diag, _ = QfflCombine(q=1.0)(rin, p, None, None)  # the default is "auto"
     total = 1.15625 + 6.5
     assert diag["qffl_coef"] == pytest.approx([1 / total, 4 / total], rel=1e-9)
     assert out["w"].tolist() == pytest.approx([1 / total, 8 / total], rel=1e-9)
-    _, ref = QfflCombine(q=1.0, lipschitz="lr")(rin, p, None)  # fair_flearn's 1/lr ignores steps and momentum
+    _, ref, _ = QfflCombine(q=1.0, lipschitz="lr")(rin, p, None, None)  # fair_flearn's 1/lr ignores steps and momentum
     assert ref["qffl_coef"] == pytest.approx([1 / 55, 4 / 55], abs=1e-9)
     assert diag["qffl_step"] > 5 * ref["qffl_step"]
-    _, const = QfflCombine(q=1.0, lipschitz=0.625)(rin, p, None)  # a given constant for every client
+    _, const, _ = QfflCombine(q=1.0, lipschitz=0.625)(rin, p, None, None)  # a given constant for every client
     assert const["qffl_coef"] == pytest.approx([1 / (0.625 + 1 + 6.5), 4 / (0.625 + 1 + 6.5)], rel=1e-9)
 
 
@@ -166,7 +167,7 @@ def test_afl_with_zero_step_is_uniform_averaging():
             deltas = [[float(c), -2.0 * c] for c in cids]
             rin = _rin(glob, deltas, [1.0 + c for c in cids], cids=cids, rnd=rnd)
             out, state = agg.aggregate(rin, state)
-            ref, _ = WeightedMean()(rin, UniformWeights()(rin, None, None)[0], None)
+            ref, _, _ = WeightedMean()(rin, UniformWeights()(rin, None, None)[0], None, None)
             assert out.diagnostics["weights"] == pytest.approx([1 / len(cids)] * len(cids), abs=1e-15)
             assert torch.allclose(out.global_params["w"], ref["w"], atol=1e-15, rtol=0)
 
@@ -178,31 +179,31 @@ def test_afl_ascent_written_out():
     rin = _rin(glob, [[1.0, 0.0]] * 3, [1.0, 2.0, 3.0])
     w, state = afl(rin, None, state)
     assert w.tolist() == pytest.approx([1 / 3] * 3)  # weights from lambda^t, then the step
-    assert state["lam"].tolist() == pytest.approx([1 / 3 - 0.1, 1 / 3, 1 / 3 + 0.1], abs=1e-12)
+    assert state.lam.tolist() == pytest.approx([1 / 3 - 0.1, 1 / 3, 1 / 3 + 0.1], abs=1e-12)
     # partial participation: clients 0 and 2 are weighted by their lambda, renormalized over them
     rin2 = _rin(glob, [[1.0, 0.0]] * 2, [10.0, 0.0], cids=[0, 2], rnd=2)
     w2, state2 = afl(rin2, None, state)
     assert w2.tolist() == pytest.approx([(1 / 3 - 0.1) / (2 / 3), (1 / 3 + 0.1) / (2 / 3)], abs=1e-12)
     # lambda + [1, 0, 0] = [1.2333, 0.3333, 0.4333] -> theta = -(2 - 1)/3 ... projection drops client 1 and 2's excess
     expected = project_simplex(torch.tensor([1 / 3 - 0.1 + 1.0, 1 / 3, 1 / 3 + 0.1], dtype=F64))
-    assert torch.allclose(state2["lam"], expected)
-    assert float(state2["lam"].sum()) == pytest.approx(1.0)
+    assert torch.allclose(state2.lam, expected)
+    assert float(state2.lam.sum()) == pytest.approx(1.0)
     # MarsFL's floor: entries <= 1e-3 are raised to it and renormalized; restart: from 1/K every round, no memory
     floored = AflWeights(step=10.0, floor=1e-3)
     _, s = floored(rin, None, floored.init(_ctx(3)))
-    assert float(s["lam"].min()) > 0 and float(s["lam"].sum()) == pytest.approx(1.0)
+    assert float(s.lam.min()) > 0 and float(s.lam.sum()) == pytest.approx(1.0)
     w_r, s_r = AflWeights(step=0.1, floor=0.0, restart=True)(rin, None, None)
     assert w_r.tolist() == pytest.approx([1 / 3 - 0.1, 1 / 3, 1 / 3 + 0.1], abs=1e-12) and s_r is None
 
 
 def test_fairness_plugins_need_the_loss_before_training():
     glob = {"w": torch.zeros(2, dtype=F64)}
-    ups = [ClientUpdate(c, {"w": torch.ones(2, dtype=F64)}, 5) for c in range(2)]
-    rin = stack_updates(ups, rnd=1, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((2, 2)))
+    ups = [Upload(c, {"w": torch.ones(2, dtype=F64)}, 5) for c in range(2)]
+    rin = stack_uploads(ups, rnd=1, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((2, 2)))
     with pytest.raises(ValueError, match="loss_before"):
         AflWeights()(rin, None, AflWeights().init(_ctx(2)))
     with pytest.raises(ValueError, match="loss_before"):
-        QfflCombine()(rin, torch.tensor([0.5, 0.5], dtype=F64), None)
+        QfflCombine()(rin, torch.tensor([0.5, 0.5], dtype=F64), None, None)
 
 
 # ---- FedFV ----------------------------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def test_fedfv_without_conflicts_is_fedavg():
     fv = FedFVCombine(alpha=0.1, tau=1)
     for w in (torch.tensor([0.2, 0.5, 0.3], dtype=F64), torch.full((3,), 1 / 3, dtype=F64)):
         out, diag, _ = fv(rin, w, None, fv.init(_ctx()))
-        ref, _ = WeightedMean()(rin, w, None)
+        ref, _, _ = WeightedMean()(rin, w, None, None)
         assert _same_params(out, ref, tol=1e-12)
         assert diag["fedfv_coef"] == pytest.approx(w.tolist(), abs=1e-12) and diag["fedfv_external"] == 0
 
@@ -229,10 +230,10 @@ def test_fedfv_projections_written_out():
     fv = FedFVCombine(alpha=0.1, tau=1)
     out, diag, state = fv(rin, w, None, fv.init(_ctx(2)))
     assert out["w"].tolist() == pytest.approx([0.0, 0.5], abs=1e-12)
-    assert diag["fedfv_external"] == 1 and state == {"history": {}}
+    assert diag["fedfv_external"] == 1 and state == FedFVState({})
     # alpha = 0: both projected; g0' = [0.5, 0.5], g1' = u1 - u0 (-1)/1 = [0, 1]; g_t = [0.25, 0.75], no external
     # conflict; rescaled to 0.5: [0.25, 0.75] * 0.5 / sqrt(0.625)
-    out0, diag0, _ = FedFVCombine(alpha=0.0)(rin, w, None, {"history": {}})
+    out0, diag0, _ = FedFVCombine(alpha=0.0)(rin, w, None, FedFVState({}))
     s = 0.5 / math.sqrt(0.625)
     assert out0["w"].tolist() == pytest.approx([0.25 * s, 0.75 * s], abs=1e-12) and diag0["fedfv_external"] == 0
 
@@ -244,13 +245,13 @@ def test_fedfv_history_of_earlier_rounds():
     fv = FedFVCombine(alpha=0.1, tau=2)
     state = fv.init(_ctx(2))
     _, _, state = fv(_rin(glob, [[1.0, 0.0]], [1.0], cids=[0], rnd=1), torch.ones(1, dtype=F64), None, state)
-    assert set(state["history"]) == {0} and state["history"][0]["round"] == 1
+    assert set(state.history) == {0} and state.history[0].round == 1
     out, diag, state = fv(_rin(glob, [[-1.0, 1.0]], [1.0], cids=[1], rnd=2), torch.ones(1, dtype=F64), None, state)
     assert out["w"].tolist() == pytest.approx([0.0, math.sqrt(2)], abs=1e-12) and diag["fedfv_external"] == 1
-    assert set(state["history"]) == {1}  # client 0's round-1 update is out of the window for round 3
+    assert set(state.history) == {1}  # client 0's round-1 update is out of the window for round 3
     # tau = 1 keeps nothing: the same round 2 is plain client 1
     fv1 = FedFVCombine(alpha=0.1, tau=1)
-    _, _, s1 = fv1(_rin(glob, [[1.0, 0.0]], [1.0], cids=[0], rnd=1), torch.ones(1, dtype=F64), None, {"history": {}})
+    _, _, s1 = fv1(_rin(glob, [[1.0, 0.0]], [1.0], cids=[0], rnd=1), torch.ones(1, dtype=F64), None, FedFVState({}))
     out1, _, _ = fv1(_rin(glob, [[-1.0, 1.0]], [1.0], cids=[1], rnd=2), torch.ones(1, dtype=F64), None, s1)
     assert out1["w"].tolist() == pytest.approx([-1.0, 1.0], abs=1e-12)
 
@@ -275,11 +276,8 @@ def test_prototype_aggregation_hand_case():
     assert algo.broadcast(state) == {}
 
     def rin(m, c):
-        ups = [
-            ClientUpdate(i, {"w": torch.zeros(1)}, 5, extras={PROTO_MEAN: m[i], PROTO_COUNT: c[i]})
-            for i in range(len(m))
-        ]
-        return stack_updates(
+        ups = [Upload(i, {"w": torch.zeros(1)}, 5, extras={PROTO_MEAN: m[i], PROTO_COUNT: c[i]}) for i in range(len(m))]
+        return stack_uploads(
             ups, rnd=1, global_params={"w": torch.zeros(1)}, trainable=frozenset(), label_hists=np.ones((len(m), 4))
         )
 

@@ -15,8 +15,8 @@ import fedskew.engine.rounds as rounds  # where a client's step calls local_trai
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation, dropped_out, sample_clients
-from fedskew.protocol import TIMING_KEYS, ClientUpdate, NonFiniteUpdateError, UpdateError
-from fedskew.server.api import check_update, stack_updates, validate_updates
+from fedskew.protocol import TIMING_KEYS, NonFiniteUploadError, Upload, UploadError
+from fedskew.server.api import check_upload, stack_uploads, validate_uploads
 
 
 def _cfg(tmp_path, **kw):
@@ -125,7 +125,7 @@ def test_dropped_upload_does_not_advance_server_side_state(tmp_path, monkeypatch
     assert _same_params(sim.global_params, ref.global_params)
     if method == "scaffold+heal":
         assert all(torch.equal(sim.client_server_state["c"][n], t) for n, t in ref.client_server_state["c"].items())
-        assert 1 not in sim.server_state["masking"] and 1 not in sim.server_state["weighting"].clients
+        assert 1 not in sim.server_state.masking and 1 not in sim.server_state.weighting.clients
         assert "scaffold_ci" in sim.client_states[1]  # the client's own control variate did advance
     else:
         assert 1 not in sim.personal and set(sim.personal) == set(ref.personal)
@@ -180,9 +180,9 @@ def test_fail_refuses_a_malformed_upload_naming_the_client(tmp_path, monkeypatch
     _corrupt_uploads(monkeypatch, corrupt, {4})
     cfg = _cfg(tmp_path)
     sim = Simulation(cfg, build_federated(cfg))
-    with pytest.raises(UpdateError, match=f"client 4: .*{reason.split()[0]}") as err:
+    with pytest.raises(UploadError, match=f"client 4: .*{reason.split()[0]}") as err:
         sim.round(1)
-    assert not isinstance(err.value, NonFiniteUpdateError)
+    assert not isinstance(err.value, NonFiniteUploadError)
 
 
 def test_fail_reports_a_malformed_upload_before_a_nonfinite_one(tmp_path, monkeypatch):
@@ -194,7 +194,7 @@ def test_fail_reports_a_malformed_upload_before_a_nonfinite_one(tmp_path, monkey
 
     monkeypatch.setattr(rounds, "local_train", faulty)
     cfg = _cfg(tmp_path)
-    with pytest.raises(UpdateError, match="client 3: tensor .* has dtype"):
+    with pytest.raises(UploadError, match="client 3: tensor .* has dtype"):
         Simulation(cfg, build_federated(cfg)).round(1)
 
 
@@ -203,7 +203,7 @@ GLOBAL = {"w": torch.zeros(2, 2), "n": torch.tensor(0)}
 
 
 def _up(cid, w, n=5, **extras):
-    return ClientUpdate(cid, {"w": w, "n": torch.tensor(1)}, n, extras=extras)
+    return Upload(cid, {"w": w, "n": torch.tensor(1)}, n, extras=extras)
 
 
 def test_validate_updates_splits_valid_and_rejected_with_reasons():
@@ -217,7 +217,7 @@ def test_validate_updates_splits_valid_and_rejected_with_reasons():
         _up(6, torch.ones(2, 2), m=torch.tensor([1.0, float("nan"), 0.0])),
         _up(7, 2 * torch.ones(2, 2), m=torch.ones(3)),
     ]
-    valid, rejected = validate_updates(ups, GLOBAL)
+    valid, rejected = validate_uploads(ups, GLOBAL)
     assert [u.cid for u in valid] == [0, 7]
     reasons = {r.cid: r.reason for r in rejected}
     assert list(reasons) == [1, 2, 3, 4, 5, 6]
@@ -226,22 +226,22 @@ def test_validate_updates_splits_valid_and_rejected_with_reasons():
     assert "extra tensor 'm'" in reasons[4] and "extras [] differ" in reasons[5]
     assert "extra tensor 'm' contains NaN or Inf" in reasons[6]
     assert [r.nonfinite for r in rejected] == [True, False, False, False, False, True]
-    assert check_update(ups[0], GLOBAL) is None
+    assert check_upload(ups[0], GLOBAL) is None
 
 
 def test_stack_updates_drop_equals_stacking_the_valid_ones():
     ups = [_up(0, torch.ones(2, 2)), _up(1, torch.full((2, 2), float("nan"))), _up(2, 3 * torch.ones(2, 2), n=15)]
     hists = np.array([[1, 0], [0, 1], [2, 2]])
     kw = {"rnd": 1, "global_params": GLOBAL, "trainable": frozenset({"w"})}
-    rin = stack_updates(ups, label_hists=hists, on_bad_update="drop", **kw)
-    ref = stack_updates([ups[0], ups[2]], label_hists=hists[[0, 2]], **kw)
+    rin = stack_uploads(ups, label_hists=hists, on_bad_update="drop", **kw)
+    ref = stack_uploads([ups[0], ups[2]], label_hists=hists[[0, 2]], **kw)
     assert rin.cids == (0, 2) and [r.as_record()["client"] for r in rin.rejected] == [1]
     assert torch.equal(rin.params["w"], ref.params["w"]) and torch.equal(rin.num_samples, ref.num_samples)
     assert np.array_equal(rin.label_hists, ref.label_hists)
-    with pytest.raises(NonFiniteUpdateError, match="client 1"):
-        stack_updates(ups, label_hists=hists, **kw)
-    with pytest.raises(UpdateError, match="no valid upload"):
-        stack_updates([ups[1]], label_hists=hists[:1], on_bad_update="drop", **kw)
+    with pytest.raises(NonFiniteUploadError, match="client 1"):
+        stack_uploads(ups, label_hists=hists, **kw)
+    with pytest.raises(UploadError, match="no valid upload"):
+        stack_uploads([ups[1]], label_hists=hists[:1], on_bad_update="drop", **kw)
 
 
 # ---- client_dropout --------------------------------------------------------------------------------------------------
@@ -314,18 +314,18 @@ def test_round_where_everyone_drops_out_keeps_the_model(tmp_path, monkeypatch):
 
 
 def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):
-    """Issue 32: `stack_updates` (a list of uploads: the Flower strategies) and the engine (uploads one by one) raise
+    """Issue 32: `stack_uploads` (a list of uploads: the Flower strategies) and the engine (uploads one by one) raise
     the same error under `fail`: the round's first malformed upload's, even after a non-finite one; a round with only
     non-finite uploads raises the non-finite error (the engine: divergence)."""
     from fedskew.server.api import enforce
 
     ups = [_up(0, torch.full((2, 2), float("nan"))), _up(1, torch.ones(3)), _up(2, torch.ones(2, 2))]
-    with pytest.raises(UpdateError, match="client 1: tensor 'w' has shape") as got:
-        stack_updates(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
-    assert not isinstance(got.value, NonFiniteUpdateError)
-    with pytest.raises(NonFiniteUpdateError, match="client 0"):
-        stack_updates(ups[:1] + ups[2:], rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
-    rin = stack_updates(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}), on_bad_update="drop")
+    with pytest.raises(UploadError, match="client 1: tensor 'w' has shape") as got:
+        stack_uploads(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
+    assert not isinstance(got.value, NonFiniteUploadError)
+    with pytest.raises(NonFiniteUploadError, match="client 0"):
+        stack_uploads(ups[:1] + ups[2:], rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}))
+    rin = stack_uploads(ups, rnd=1, global_params=GLOBAL, trainable=frozenset({"w"}), on_bad_update="drop")
     assert rin.cids == (2,) and [r.cid for r in rin.rejected] == [0, 1]
     with pytest.raises(ValueError, match="on_bad_update"):
         enforce([], "ignore")
@@ -343,6 +343,6 @@ def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rounds, "local_train", faulty)
     cfg = _cfg(tmp_path)
-    with pytest.raises(UpdateError, match="client 2: tensor .* has shape") as got:
+    with pytest.raises(UploadError, match="client 2: tensor .* has shape") as got:
         Simulation(cfg, build_federated(cfg)).round(1)
     assert not isinstance(got.value, Diverged)

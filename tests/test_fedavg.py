@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.protocol import ClientUpdate, UpdateError
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import Upload, UploadError
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean, weighted_mean
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 
 def _rin(updates, global_params):
-    return stack_updates(
+    return stack_uploads(
         updates,
         rnd=1,
         global_params=global_params,
@@ -22,8 +22,8 @@ def _rin(updates, global_params):
 
 def _updates():
     return [
-        ClientUpdate(0, {"w": torch.tensor([[1.0, 2.0]]), "b": torch.tensor([0.0]), "n": torch.tensor(3)}, 10),
-        ClientUpdate(1, {"w": torch.tensor([[3.0, -2.0]]), "b": torch.tensor([1.0]), "n": torch.tensor(5)}, 30),
+        Upload(0, {"w": torch.tensor([[1.0, 2.0]]), "b": torch.tensor([0.0]), "n": torch.tensor(3)}, 10),
+        Upload(1, {"w": torch.tensor([[3.0, -2.0]]), "b": torch.tensor([1.0]), "n": torch.tensor(5)}, 30),
     ]
 
 
@@ -69,13 +69,13 @@ def test_mean_is_computed_in_float64():
     ],
 )
 def test_bad_updates_are_refused_with_the_client_named(bad, msg):
-    ups = [_updates()[0], ClientUpdate(7, bad, 5)]
-    with pytest.raises(UpdateError, match=msg) as err:
+    ups = [_updates()[0], Upload(7, bad, 5)]
+    with pytest.raises(UploadError, match=msg) as err:
         _rin(ups, GLOBAL)
     assert "client 7" in str(err.value)
 
 
 def test_zero_samples_refused():
     u = _updates()[0]
-    with pytest.raises(UpdateError, match="num_samples"):
-        _rin([ClientUpdate(0, u.params, 0)], GLOBAL)
+    with pytest.raises(UploadError, match="num_samples"):
+        _rin([Upload(0, u.params, 0)], GLOBAL)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedskew.client.personal import MASK_PREFIX, CriticalMasks, critical_mask, sensitivity
-from fedskew.protocol import ClientUpdate
-from fedskew.server.api import stack_updates
+from fedskew.protocol import Upload
+from fedskew.server.api import stack_uploads
 from fedskew.server.personal import (
     FedCAC,
     collaboration_threshold,
@@ -34,9 +34,9 @@ def e1_round(t: int, beta: float = 2.0, extra: dict | None = None):
     for i, w in enumerate(TRAINED):
         params = {"w": w, **(extra[i] if extra else {})}
         received = {"w": W0, **(extra[i] if extra else {})}
-        ups.append(ClientUpdate(i, params, 500, extras=upload(received, params, frozenset({"w"}))))
+        ups.append(Upload(i, params, 500, extras=upload(received, params, frozenset({"w"}))))
     glob = {"w": W0, **({k: v for k, v in extra[0].items()} if extra else {})}
-    rin = stack_updates(ups, rnd=t, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
+    rin = stack_uploads(ups, rnd=t, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
     strategy = FedCAC(UniformWeights(), beta=beta)
     out, _ = strategy.aggregate(rin, strategy.init(None))
     return rin, out
@@ -153,10 +153,10 @@ def test_bn_buffers_are_untouched_by_the_server_step():
 def test_sample_weighted_global_model_mirrors_fling():
     upload = CriticalMasks(tau=0.5)
     ups = [
-        ClientUpdate(i, {"w": w}, n, extras=upload({"w": W0}, {"w": w}, frozenset({"w"})))
+        Upload(i, {"w": w}, n, extras=upload({"w": W0}, {"w": w}, frozenset({"w"})))
         for i, (w, n) in enumerate(zip(TRAINED, (100, 100, 200), strict=True))
     ]
-    rin = stack_updates(ups, rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
+    rin = stack_uploads(ups, rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
     strategy = FedCAC(SampleWeights(), beta=2)
     out, _ = strategy.aggregate(rin, strategy.init(None))
     want = 0.25 * TRAINED[0] + 0.25 * TRAINED[1] + 0.5 * TRAINED[2]
@@ -164,16 +164,16 @@ def test_sample_weighted_global_model_mirrors_fling():
 
 
 def test_missing_masks_are_refused():
-    ups = [ClientUpdate(i, {"w": w}, 10) for i, w in enumerate(TRAINED)]
-    rin = stack_updates(ups, rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
+    ups = [Upload(i, {"w": w}, 10) for i, w in enumerate(TRAINED)]
+    rin = stack_uploads(ups, rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((3, 2)))
     with pytest.raises(ValueError, match="critical masks"):
         FedCAC(UniformWeights()).aggregate(rin, FedCAC(UniformWeights()).init(None))
 
 
 def test_single_participant_keeps_its_model():
     upload = CriticalMasks(tau=0.5)
-    up = ClientUpdate(4, {"w": TRAINED[0]}, 10, extras=upload({"w": W0}, {"w": TRAINED[0]}, frozenset({"w"})))
-    rin = stack_updates([up], rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((1, 2)))
+    up = Upload(4, {"w": TRAINED[0]}, 10, extras=upload({"w": W0}, {"w": TRAINED[0]}, frozenset({"w"})))
+    rin = stack_uploads([up], rnd=1, global_params={"w": W0}, trainable=frozenset({"w"}), label_hists=np.ones((1, 2)))
     out, _ = FedCAC(UniformWeights()).aggregate(rin, FedCAC(UniformWeights()).init(None))
     assert torch.equal(out.personal[4]["w"], TRAINED[0])
 
@@ -184,11 +184,8 @@ def test_all_empty_masks_mean_nobody_collaborates():
     upload = CriticalMasks(tau=0.5)
     w0 = torch.tensor([1.0], dtype=torch.float64)
     trained = [torch.tensor([2.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64)]
-    ups = [
-        ClientUpdate(i, {"w": w}, 10, extras=upload({"w": w0}, {"w": w}, frozenset({"w"})))
-        for i, w in enumerate(trained)
-    ]
-    rin = stack_updates(ups, rnd=1, global_params={"w": w0}, trainable=frozenset({"w"}), label_hists=np.ones((2, 2)))
+    ups = [Upload(i, {"w": w}, 10, extras=upload({"w": w0}, {"w": w}, frozenset({"w"}))) for i, w in enumerate(trained)]
+    rin = stack_uploads(ups, rnd=1, global_params={"w": w0}, trainable=frozenset({"w"}), label_hists=np.ones((2, 2)))
     masks = rin.extras[f"{MASK_PREFIX}w"]
     assert not masks.any()
     strategy = FedCAC(UniformWeights(), beta=100.0)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.protocol import ClientUpdate, RoundInput
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import RoundInput, Upload
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.fedsa import (
     FedSACombine,
     cluster,
@@ -455,8 +455,8 @@ def _round(num_samples: list[int] | None = None) -> tuple[RoundInput, dict[str, 
                 p[name] = t + 3 * k + 1
         p["0.bias"] = torch.tensor(row, dtype=torch.float32)  # E1 as a real layer
         p["1.running_var"] = p["1.running_var"].abs() + 0.5
-        ups.append(ClientUpdate(10 + k, p, (num_samples or [10] * 4)[k]))
-    rin = stack_updates(ups, rnd=1, global_params=glob, trainable=TRAINABLE, label_hists=np.zeros((4, 2)))
+        ups.append(Upload(10 + k, p, (num_samples or [10] * 4)[k]))
+    rin = stack_uploads(ups, rnd=1, global_params=glob, trainable=TRAINABLE, label_hists=np.zeros((4, 2)))
     return rin, glob
 
 
@@ -496,7 +496,7 @@ def test_combine_end_to_end_default_buffers_mean():
 def test_combine_buffers_local_returns_broadcast_value():
     rin, glob = _round()
     uniform = torch.full((4,), 0.25, dtype=torch.float64)
-    params, _ = FedSACombine(C=3, S=2, buffers="local")(rin, uniform, None)
+    params, _, _ = FedSACombine(C=3, S=2, buffers="local")(rin, uniform, None, None)
     for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
         assert torch.equal(params[name], glob[name])
         assert params[name].data_ptr() != glob[name].data_ptr()  # a copy, not an alias
@@ -519,7 +519,7 @@ def test_combine_refuses_masks():
     rin, _ = _round()
     masks = {n: torch.ones_like(t, dtype=torch.bool) for n, t in rin.params.items()}
     with pytest.raises(ValueError, match="masks"):
-        FedSACombine()(rin, torch.full((4,), 0.25, dtype=torch.float64), masks)
+        FedSACombine()(rin, torch.full((4,), 0.25, dtype=torch.float64), masks, None)
 
 
 @pytest.mark.parametrize(

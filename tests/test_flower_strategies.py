@@ -25,8 +25,8 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fedskew.flower.inprocess import InProcessGrid, task_identity  # noqa: E402
 from fedskew.flower.strategies import FedDisco, FedHEAL, FedPake, FedSA, FedskewStrategy  # noqa: E402
-from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, ServerContext  # noqa: E402
-from fedskew.server.api import stack_updates  # noqa: E402
+from fedskew.protocol import NonFiniteUploadError, ServerContext, Upload  # noqa: E402
+from fedskew.server.api import stack_uploads  # noqa: E402
 from fedskew.server.combine import WeightedMean  # noqa: E402
 from fedskew.server.disco import disco_weights, discrepancy  # noqa: E402
 from fedskew.server.fedsa import FedSACombine  # noqa: E402
@@ -137,10 +137,10 @@ def run_flower(strategy, client_app: ClientApp):
 def round_input(log: list[dict], rnd: int, nodes: tuple[int, ...], cid: dict[int, int], hists: bool = False):
     recs = {r["node"]: r for r in log if r["round"] == rnd}
     assert sorted(recs) == sorted(nodes)
-    ups = [ClientUpdate(cid[nd], recs[nd]["sent"], recs[nd]["n"]) for nd in nodes]
+    ups = [Upload(cid[nd], recs[nd]["sent"], recs[nd]["n"]) for nd in nodes]
     glob = recs[nodes[0]]["received"]
     label_hists = np.stack([recs[nd]["counts"] for nd in nodes]) if hists else np.zeros((len(nodes), 0))
-    rin = stack_updates(ups, rnd=rnd, global_params=glob, trainable=frozenset(glob), label_hists=label_hists)
+    rin = stack_uploads(ups, rnd=rnd, global_params=glob, trainable=frozenset(glob), label_hists=label_hists)
     return rin, recs
 
 
@@ -194,7 +194,7 @@ def test_non_finite_uploads_fail_naming_the_node_or_are_dropped(one_thread):
     log: list[dict] = []
     grid = make_grid(make_client_app("label-counts", log, bad_pid=1))
     bad_node = grid.node_of("partition-id", 1)
-    with pytest.raises(NonFiniteUpdateError, match=rf"node {bad_node} is refused: tensor 'fc2.bias' contains NaN"):
+    with pytest.raises(NonFiniteUploadError, match=rf"node {bad_node} is refused: tensor 'fc2.bias' contains NaN"):
         run_flower(FedDisco(), make_client_app("label-counts", log, bad_pid=1))
     strategy = FedDisco(on_bad_update="drop")
     run_flower(strategy, make_client_app("label-counts", log, bad_pid=1))
@@ -216,7 +216,7 @@ def test_fedheal_masks_and_weights_are_fedskews_heal_pieces_across_rounds(one_th
         masks, mstate = masking(rin, mstate)
         weights, wstate = weighting(rin, masks, wstate)
         assert np.allclose(rec.weights, weights.numpy(), atol=1e-9, rtol=0)
-        expected, _ = WeightedMean()(rin, weights, masks)
+        expected, _, _ = WeightedMean()(rin, weights, masks, None)
         assert_close(model_after(log, result, rec.round), expected, atol=1e-7)
         w = weights.double()
         for k in expected:  # the masked weighted mean, written out: kept weight renormalized, else unchanged
@@ -245,7 +245,7 @@ def test_fedsa_aggregate_is_fedskews_fedsa_combine(one_thread):
     for rec in strategy.history:
         rin, _ = round_input(log, rec.round, rec.nodes, cid)
         weights, _ = SampleWeights()(rin, None, None)
-        expected, diag = FedSACombine(lam=0.2, C=3, S=2)(rin, weights, None)
+        expected, diag, _ = FedSACombine(lam=0.2, C=3, S=2)(rin, weights, None, None)
         assert diag["fedsa_high_frac"] > 0  # the high-dispersion branch ran
         assert_close(model_after(log, result, rec.round), expected, atol=0)
         assert rec.diagnostics["fedsa"] == diag["fedsa"]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.protocol import ClientUpdate, ServerContext
-from fedskew.server.api import Aggregation, stack_updates
+from fedskew.protocol import ServerContext, Upload
+from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.heal import FaelWeights, HealMasks, SignHistory, fael_distances, heal_aggregation
 from fedskew.server.weights import SampleWeights, UniformWeights
@@ -32,8 +32,8 @@ def _rin(glob, deltas, cids=None, sizes=None, extra=None):
     ups = []
     for cid, delta, n in zip(cids, deltas, sizes, strict=True):
         params = {"w": glob["w"] + torch.tensor(delta, dtype=F64), **(extra(cid) if extra else {})}
-        ups.append(ClientUpdate(cid, params, n))
-    return stack_updates(ups, rnd=0, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((len(ups), 2)))
+        ups.append(Upload(cid, params, n))
+    return stack_uploads(ups, rnd=0, global_params=glob, trainable=frozenset({"w"}), label_hists=np.ones((len(ups), 2)))
 
 
 def _zeros():
@@ -54,18 +54,18 @@ def test_worked_example_two_rounds():
 
     # round 0: everything kept, tables from the signs, FAEL from the unmasked distances
     rin0 = _rin(_zeros(), R0)
-    m0, _ = masking(rin0, state["masking"])
+    m0, _ = masking(rin0, state.masking)
     assert _masks(m0) == [[1, 1, 1, 1]] * 3
     assert fael_distances(rin0, m0) == pytest.approx([1.802776, 2.5, 2.0], abs=TOL)
     out0, state = agg.aggregate(rin0, state)
-    tables = state["masking"]
+    tables = state.masking
     assert [tables[c].proportion("w").tolist() for c in range(3)] == [
         [1, 1, 0, 1],
         [1, 0, 0, 0],
         [0, 1, 1, 1],
     ]
     assert all(tables[c].rounds == 1 for c in range(3))
-    fael = state["weighting"].clients
+    fael = state.weighting.clients
     assert [fael[c].dp for c in range(3)] == pytest.approx([0.114412, 0.158660, 0.126928], abs=TOL)
     assert [fael[c].p for c in range(3)] == pytest.approx([0.447745, 0.491994, 0.460262], abs=TOL)
     assert out0.diagnostics["weights"] == pytest.approx([0.319818, 0.351424, 0.328758], abs=TOL)
@@ -74,10 +74,10 @@ def test_worked_example_two_rounds():
     # round 1: masks from the round-0 tables, then the tables advance
     glob1 = out0.global_params
     rin1 = _rin(glob1, R1)
-    m1, _ = masking(rin1, state["masking"])
+    m1, _ = masking(rin1, state.masking)
     assert _masks(m1) == [[1, 0, 1, 1], [0, 1, 0, 1], [1, 1, 1, 0]]
     assert fael_distances(rin1, m1) == pytest.approx([0.707107, 0.509902, 0.7], abs=TOL)
-    w1, _ = weighting(rin1, m1, state["weighting"])
+    w1, _ = weighting(rin1, m1, state.weighting)
     q = (w1.unsqueeze(1) * m1["w"].to(F64)) / (w1.unsqueeze(1) * m1["w"].to(F64)).sum(0)
     assert q.T.tolist()[0] == pytest.approx([0.493114, 0, 0.506886], abs=TOL)
     assert q.T.tolist()[1] == pytest.approx([0, 0.504035, 0.495965], abs=TOL)
@@ -85,13 +85,13 @@ def test_worked_example_two_rounds():
     assert q.T.tolist()[3] == pytest.approx([0.489080, 0.510920, 0], abs=TOL)
 
     out1, state = agg.aggregate(rin1, state)
-    tables = state["masking"]
+    tables = state.masking
     assert [tables[c].proportion("w").tolist() for c in range(3)] == [
         [1, 0.5, 0, 1],
         [0.5, 0, 0.5, 0],
         [0, 1, 1, 0.5],
     ]
-    fael = state["weighting"].clients
+    fael = state.weighting.clients
     assert [fael[c].dp for c in range(3)] == pytest.approx([0.216191, 0.201591, 0.222218], abs=TOL)
     assert [fael[c].p for c in range(3)] == pytest.approx([0.663936, 0.693585, 0.682479], abs=TOL)
     assert out1.diagnostics["weights"] == pytest.approx([0.325459, 0.339993, 0.334549], abs=TOL)
@@ -138,11 +138,11 @@ def test_tau_at_least_one_freezes_the_model_and_shares_fall_back_to_uniform():
     agg = heal_aggregation(tau=1.0)
     state = agg.init(_ctx())
     out0, state = agg.aggregate(_rin(_zeros(), R0), state)
-    dp0 = [state["weighting"].clients[c].dp for c in range(3)]
+    dp0 = [state.weighting.clients[c].dp for c in range(3)]
     out1, state = agg.aggregate(_rin(out0.global_params, R1), state)
     assert torch.equal(out1.global_params["w"], out0.global_params["w"])
     # all masked -> every distance 0 -> share 1/K, the momentum update still runs
-    dp1 = [state["weighting"].clients[c].dp for c in range(3)]
+    dp1 = [state.weighting.clients[c].dp for c in range(3)]
     assert dp1 == pytest.approx([0.6 * d + 0.4 / 3 for d in dp0], abs=1e-12)
 
 
@@ -231,16 +231,16 @@ def test_absent_client_keeps_its_table_and_momentum():
     agg = heal_aggregation()
     state = agg.init(_ctx())
     out0, state = agg.aggregate(_rin(_zeros(), R0), state)
-    table1, fael1 = state["masking"][1], state["weighting"].clients[1]
+    table1, fael1 = state.masking[1], state.weighting.clients[1]
 
     # round 1: clients 0 and 2 only
     glob1 = out0.global_params
     rin1 = _rin(glob1, [R1[0], R1[2]], cids=[0, 2])
-    masks, _ = agg.masking(rin1, state["masking"])
+    masks, _ = agg.masking(rin1, state.masking)
     assert _masks(masks) == [[1, 0, 1, 1], [1, 1, 1, 0]]
     out1, state = agg.aggregate(rin1, state)
-    assert state["masking"][1] is table1 and state["weighting"].clients[1] is fael1
-    fael = state["weighting"].clients
+    assert state.masking[1] is table1 and state.weighting.clients[1] is fael1
+    fael = state.weighting.clients
     assert [fael[0].p, fael[2].p] == pytest.approx([0.717402, 0.735408], abs=TOL)
     assert [fael[0].dp, fael[2].dp] == pytest.approx([0.269657, 0.275147], abs=TOL)
     assert out1.diagnostics["weights"] == pytest.approx([0.493803, 0.506197], abs=TOL)
@@ -249,13 +249,13 @@ def test_absent_client_keeps_its_table_and_momentum():
     # round 2: client 1 returns alone; its mask uses its own one-round table [1,0,0,0], not the round index
     glob2 = out1.global_params
     rin2 = _rin(glob2, [R1[1]], cids=[1])
-    masks, _ = agg.masking(rin2, state["masking"])
+    masks, _ = agg.masking(rin2, state.masking)
     assert _masks(masks) == [[0, 1, 0, 1]]
     out2, state = agg.aggregate(rin2, state)
-    assert state["masking"][1].rounds == 2
-    assert state["masking"][1].proportion("w").tolist() == [0.5, 0, 0.5, 0]
-    assert state["weighting"].clients[1].dp == pytest.approx(0.495196, abs=TOL)
-    assert state["weighting"].clients[1].p == pytest.approx(0.987190, abs=TOL)
+    assert state.masking[1].rounds == 2
+    assert state.masking[1].proportion("w").tolist() == [0.5, 0, 0.5, 0]
+    assert state.weighting.clients[1].dp == pytest.approx(0.495196, abs=TOL)
+    assert state.weighting.clients[1].p == pytest.approx(0.987190, abs=TOL)
     assert out2.global_params["w"].tolist() == pytest.approx([0.839570, 0.097152, -0.186906, 0.612955], abs=TOL)
 
 
@@ -265,13 +265,13 @@ def test_client_first_seen_later_is_unmasked_and_starts_from_p0(uniform_over, p0
     agg = heal_aggregation(uniform_over=uniform_over)
     state = agg.init(_ctx(n=4))
     _, state = agg.aggregate(_rin(_zeros(), R0), state)
-    masks, _ = agg.masking(_rin(_zeros(), [R1[0], [-1.0, -1.0, -1.0, -1.0]], cids=[0, 3]), state["masking"])
+    masks, _ = agg.masking(_rin(_zeros(), [R1[0], [-1.0, -1.0, -1.0, -1.0]], cids=[0, 3]), state.masking)
     assert _masks(masks) == [[1, 0, 1, 1], [1, 1, 1, 1]]
     _, state = agg.aggregate(_rin(_zeros(), [R1[0], [-1.0, -1.0, -1.0, -1.0]], cids=[0, 3]), state)
     d3 = 2.0  # ||[-1,-1,-1,-1]||
     d0 = float(np.linalg.norm([0.5, -0.3, 0.4]))
-    assert state["weighting"].clients[3].dp == pytest.approx(0.4 * d3 / (d0 + d3), abs=1e-12)
-    assert state["weighting"].clients[3].p == pytest.approx(p0 + 0.4 * d3 / (d0 + d3), abs=1e-12)
+    assert state.weighting.clients[3].dp == pytest.approx(0.4 * d3 / (d0 + d3), abs=1e-12)
+    assert state.weighting.clients[3].p == pytest.approx(p0 + 0.4 * d3 / (d0 + d3), abs=1e-12)
 
 
 # ------------------------------------------------------------------------------------ beta = 0 equivalences
@@ -312,7 +312,7 @@ def test_beta_zero_without_fphl_equals_fedavg(fael_init, uniform_over, full, ref
         assert out_h.diagnostics["weights"] == pytest.approx(out_r.diagnostics["weights"], abs=1e-12)
         assert torch.allclose(out_h.global_params["w"], out_r.global_params["w"], atol=1e-12)
         glob_h, glob_r = out_h.global_params, out_r.global_params
-    assert hs["masking"] == {}  # FPHL disabled keeps no tables
+    assert hs.masking == {}  # FPHL disabled keeps no tables
 
 
 def test_beta_zero_with_fphl_gives_masked_fedavg():
@@ -380,7 +380,7 @@ def test_first_fael_weight_is_one_over_the_round_participants():
     state = agg.init(_ctx(n=4))
     rin = _rin(_zeros(), [[1.0, 0, 0, 0], [3.0, 0, 0, 0]], cids=[0, 1])
     out, state = agg.aggregate(rin, state)
-    fael = state["weighting"].clients
+    fael = state.weighting.clients
     assert [fael[0].p, fael[1].p] == pytest.approx([0.6, 0.8], abs=1e-12)
     assert out.diagnostics["weights"] == pytest.approx([3 / 7, 4 / 7], abs=1e-12)
     assert out.global_params["w"][0].item() == pytest.approx(15 / 7, abs=1e-12)  # 2.142857
@@ -392,7 +392,7 @@ def test_first_fael_weight_one_over_n_is_an_option():
     state = agg.init(_ctx(n=4))
     rin = _rin(_zeros(), [[1.0, 0, 0, 0], [3.0, 0, 0, 0]], cids=[0, 1])
     out, state = agg.aggregate(rin, state)
-    fael = state["weighting"].clients
+    fael = state.weighting.clients
     assert [fael[0].p, fael[1].p] == pytest.approx([0.35, 0.55], abs=1e-12)
     assert out.global_params["w"][0].item() == pytest.approx(2.0 / 0.9, abs=1e-12)  # 2.222222
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fedskew.server.combine as combine
-from fedskew.protocol import ClientUpdate, RoundInput
-from fedskew.server.api import UploadStack, stack_updates
+from fedskew.protocol import RoundInput, Upload
+from fedskew.server.api import UploadStack, stack_uploads
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.heal import SignHistory, consistent, count_dtype, fael_distances, heal_aggregation
 from fedskew.server.personal import mix, squared_distances
@@ -80,7 +80,7 @@ def _rin(k=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     glob = {"a": torch.randn(6, 5, generator=g), "b": torch.randn(4, generator=g), "n": torch.tensor(2)}
     ups = [
-        ClientUpdate(
+        Upload(
             c,
             {
                 "a": glob["a"] + torch.randn(6, 5, generator=g),
@@ -91,7 +91,7 @@ def _rin(k=9, seed=0):
         )
         for c in range(k)
     ]
-    return stack_updates(ups, rnd=2, global_params=glob, trainable=frozenset({"a", "b"}), label_hists=np.ones((k, 2)))
+    return stack_uploads(ups, rnd=2, global_params=glob, trainable=frozenset({"a", "b"}), label_hists=np.ones((k, 2)))
 
 
 @pytest.mark.parametrize("distance", ["l2_per_tensor", "squared"])
@@ -152,7 +152,7 @@ def test_upload_stack_round_input_is_views_of_its_buffers_and_updates_are_lazy()
     glob = {"w": torch.zeros(3, 2), "n": torch.tensor(0)}
     stack = UploadStack(4, glob)
     for c in range(3):
-        assert stack.add(ClientUpdate(c, {"w": torch.full((3, 2), float(c)), "n": torch.tensor(c)}, 5)) is None
+        assert stack.add(Upload(c, {"w": torch.full((3, 2), float(c)), "n": torch.tensor(c)}, 5)) is None
     rin = stack.round_input(rnd=1, trainable=frozenset({"w"}), label_hists=np.ones((3, 1)))
     assert rin.params["w"].shape == (3, 3, 2) and rin.params["w"].data_ptr() == stack.params["w"].data_ptr()
     ups = rin.deltas()
@@ -169,7 +169,7 @@ MEASURE = textwrap.dedent(
     from pathlib import Path
     import numpy as np, torch
     from fedskew.models import build_model
-    from fedskew.protocol import ClientUpdate
+    from fedskew.protocol import Upload
     from fedskew.server.api import Aggregation, UploadStack
     from fedskew.server.combine import WeightedMean
     from fedskew.server.weights import SampleWeights
@@ -185,7 +185,7 @@ MEASURE = textwrap.dedent(
     def round_(k):
         stack = UploadStack(k, glob)
         for c in range(k):
-            stack.add(ClientUpdate(c, {n: t + 0.01 for n, t in glob.items()}, 10 + c))
+            stack.add(Upload(c, {n: t + 0.01 for n, t in glob.items()}, 10 + c))
         rin = stack.round_input(rnd=1, trainable=frozenset(glob), label_hists=np.ones((k, 10)))
         return agg.aggregate(rin, agg.init(None))[0]
     round_(2)

@@ -14,9 +14,9 @@ from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation, payload_bytes
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
-from fedskew.protocol import TIMING_KEYS, ClientUpdate
+from fedskew.protocol import TIMING_KEYS, Upload
 from fedskew.runner import run_experiment
-from fedskew.server.api import stack_updates
+from fedskew.server.api import stack_uploads
 from fedskew.server.personal import FedAMP, amp_mixing, squared_distances
 from fedskew.server.weights import SampleWeights, UniformWeights
 
@@ -197,8 +197,8 @@ def test_amp_mixing_rescales_rows_that_would_extrapolate():
 
 def test_fedamp_server_builds_cloud_models_from_uploads():
     w = [torch.tensor([0.0, 0.0]), torch.tensor([3.0, 4.0]), torch.tensor([6.0, 8.0])]
-    ups = [ClientUpdate(i, {"w": x, "b": torch.tensor([float(i)])}, 10) for i, x in enumerate(w)]
-    rin = stack_updates(
+    ups = [Upload(i, {"w": x, "b": torch.tensor([float(i)])}, 10) for i, x in enumerate(w)]
+    rin = stack_uploads(
         ups,
         rnd=31,
         global_params={"w": torch.zeros(2), "b": torch.zeros(1)},
@@ -232,8 +232,8 @@ def test_fedamp_client_keeps_its_own_model_and_starts_from_it():
 @pytest.mark.parametrize(
     "name, args, msg",
     [
-        ("fedcac+fedsa", {}, "personalized server step"),
-        ("fedcac+heal", {}, "cannot take a masking"),
+        ("fedcac+fedsa", {}, "personalized server strategy"),
+        ("fedcac+heal", {}, "takes no masking piece"),
         ("moon+fedcac", {"tau": 0.4}, "ambiguous here; use moon.tau or fedcac.tau"),
         ("moon+fedcac", {"fedsa.lam": 0.4}, "no hyper-parameter 'fedsa.lam'"),
         ("fedamp+fedcac", {}, "two plug-ins both set"),
@@ -248,7 +248,7 @@ def test_meaningless_personalized_compositions_are_refused(name, args, msg):
 
 def test_a_key_two_parts_share_is_qualified_with_the_part():
     m = resolve_method("moon+fedcac", {"moon.tau": 0.7, "fedcac.tau": 0.3, "mu": 2.0})
-    assert m.client.tau == 0.7 and m.uploads[0].tau == 0.3 and m.client.mu == 2.0
+    assert m.client.tau == 0.7 and m.upload_extras[0].tau == 0.3 and m.client.mu == 2.0
     assert m.args["moon.tau"] == 0.7 and m.args["fedcac.tau"] == 0.3 and m.args["mu"] == 2.0
     heal = resolve_method("moon+heal", {"heal.tau": 0.5})  # the brief's MOON + HEAL composition
     assert heal.server.masking.tau == 0.5 and heal.client.tau == 0.5

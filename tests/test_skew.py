@@ -8,15 +8,15 @@ import torch
 
 from fedskew.cli import main
 from fedskew.engine.probe import skew_probe
-from fedskew.protocol import ClientUpdate
-from fedskew.server.api import stack_updates
+from fedskew.protocol import Upload
+from fedskew.server.api import stack_uploads
 
 
 def test_probe_records_client_values_means_and_aggregate():
     torch.manual_seed(0)
     g = {"w": torch.zeros(50), "b": torch.zeros(3)}
-    ups = [ClientUpdate(c, {"w": torch.randn(50), "b": torch.randn(3)}, n) for c, n in enumerate([10, 30, 60])]
-    rin = stack_updates(ups, rnd=4, global_params=g, trainable=frozenset(g), label_hists=np.ones((3, 2)))
+    ups = [Upload(c, {"w": torch.randn(50), "b": torch.randn(3)}, n) for c, n in enumerate([10, 30, 60])]
+    rin = stack_uploads(ups, rnd=4, global_params=g, trainable=frozenset(g), label_hists=np.ones((3, 2)))
     agg = {"w": torch.arange(50.0), "b": torch.arange(3.0)}
     p = skew_probe(rin, agg, per_layer=3, seed=1)
     assert p["round"] == 4 and p["cids"] == [0, 1, 2]

@@ -11,8 +11,8 @@ from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation
-from fedskew.protocol import ClientUpdate, NonFiniteUpdateError, UpdateError
-from fedskew.server.api import check_model, stack_updates
+from fedskew.protocol import NonFiniteUploadError, Upload, UploadError
+from fedskew.server.api import check_model, stack_uploads
 
 
 def _cfg(tmp_path, **kw):
@@ -96,17 +96,17 @@ def test_check_model_refuses_dtype_and_shape_changes():
 
 def _stack(params_list):
     glob = {"w": torch.zeros(3)}
-    ups = [ClientUpdate(cid=i, params=p, num_samples=5) for i, p in enumerate(params_list)]
-    return stack_updates(ups, rnd=1, global_params=glob, trainable=frozenset({"w"}), label_hists=[[1], [1]])
+    ups = [Upload(cid=i, params=p, num_samples=5) for i, p in enumerate(params_list)]
+    return stack_uploads(ups, rnd=1, global_params=glob, trainable=frozenset({"w"}), label_hists=[[1], [1]])
 
 
 def test_stack_updates_refuses_integer_upload_naming_the_client():
-    with pytest.raises(UpdateError, match="client 1: tensor 'w' has dtype torch.int64, expected torch.float32"):
+    with pytest.raises(UploadError, match="client 1: tensor 'w' has dtype torch.int64, expected torch.float32"):
         _stack([{"w": torch.ones(3)}, {"w": torch.ones(3, dtype=torch.long)}])
 
 
 def test_stack_updates_nonfinite_is_its_own_error_type():
-    with pytest.raises(NonFiniteUpdateError, match="client 0"):
+    with pytest.raises(NonFiniteUploadError, match="client 0"):
         _stack([{"w": torch.tensor([1.0, float("inf"), 0.0])}, {"w": torch.ones(3)}])
 
 

@@ -23,7 +23,7 @@ a results database for ``fedskew report``. Data and settings are validated as fo
 
 Extension points: :func:`weighting` and :func:`combine` turn a function into a server plug-in; :func:`register` adds
 any :class:`ClientPart` (a :class:`LocalAlgorithm`'s hooks) or :class:`ServerPlugin` (weighting, masking, combine,
-update or personalize roles). See docs/extending.md.
+step or personalize roles). See docs/extending.md.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from fedskew.data.federated import build_federated
 from fedskew.data.readers import ClientDatasets, ImageDataset
 from fedskew.engine.loop import UserModel
 from fedskew.models.custom import split_model
-from fedskew.protocol import ClientReport, Params, RoundInput, ServerContext, State
+from fedskew.protocol import ClientReport, Params, RoundInput, State
 from fedskew.registry import ClientPart, NoParams, ServerPlugin, register, unregister
 from fedskew.schema import ConfigError
+from fedskew.server.api import Combine, Weighting, stateless
 
 __all__ = [
     "ClientPart",
@@ -271,16 +272,13 @@ def run(
 # ---- plug-ins from functions ------------------------------------------------------------------------------------
 
 
-class _FunctionWeighting:
+class _FunctionWeighting(Weighting):
     """A stateless weighting from ``fn(rin, params) -> [K]`` non-negative numbers (normalized here)."""
 
     def __init__(
         self, name: str, fn: Callable[[RoundInput, Any], Any], params: Any, reports: tuple[ClientReport, ...] = ()
     ) -> None:
         self.name, self.fn, self.params, self.reports = name, fn, params, reports
-
-    def init(self, ctx: ServerContext) -> State:
-        return None
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         w = torch.as_tensor(self.fn(rin, self.params), dtype=torch.float64).flatten().cpu()
@@ -292,24 +290,23 @@ class _FunctionWeighting:
         return w / w.sum(), None
 
 
-class _FunctionCombine:
-    """A stateless combine from ``fn(rin, weights, params) -> state dict``."""
+def _function_combine(name: str, fn: Callable[[RoundInput, Tensor, Any], Params], params: Any) -> Combine:
+    """A stateless combine from ``fn(rin, weights, params) -> state dict`` (:func:`~fedskew.server.api.stateless`)."""
 
-    def __init__(self, name: str, fn: Callable[[RoundInput, Tensor, Any], Params], params: Any) -> None:
-        self.name, self.fn, self.params = name, fn, params
-
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def combine(rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
         if masks is not None:
-            raise ValueError(f"combine {self.name!r} does not take element masks")
-        out = self.fn(rin, weights, self.params)
+            raise ValueError(f"combine {name!r} does not take element masks")
+        out = fn(rin, weights, params)
         if not isinstance(out, dict):
-            raise ValueError(f"combine {self.name!r} must return a state dict, got {type(out).__name__}")
+            raise ValueError(f"combine {name!r} must return a state dict, got {type(out).__name__}")
         return out, {}
+
+    return stateless(combine)
 
 
 def _plugin_decorator(
     role: str,
-    wrapper: type,
+    wrapper: Callable[..., Any],
     name: str,
     params: type[BaseModel],
     summary: str,
@@ -345,7 +342,7 @@ def weighting(
     """Register ``fn(rin, params) -> [K] non-negative weights`` as a server plug-in ``name`` filling the
     ``weighting`` role: ``fedprox+name`` then averages the participants' models with these weights (normalized to
     sum 1). ``rin`` is the round's :class:`~fedskew.protocol.RoundInput` (``num_samples``,
-    ``metrics["train_loss"]``, ``updates()``, ``reports``, ...); ``params`` an instance of ``params`` (a
+    ``metrics["train_loss"]``, ``deltas()``, ``reports``, ...); ``params`` an instance of ``params`` (a
     :class:`~fedskew.schema.StrictSettings` model; its fields are ``-m`` hyper-parameters). ``reports``: what it
     needs from every client before round 1 (:class:`~fedskew.protocol.ClientReport`; e.g.
     ``(fedskew.protocol.LABEL_HIST,)`` makes ``rin.label_hists`` the participants' label histograms; nothing else
@@ -358,4 +355,4 @@ def combine(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(rin, weights, params) -> state dict`` as a server plug-in ``name`` filling the ``combine``
     role (how the stacked uploads ``rin.params[name]`` ``[K, ...]`` become the next global model)."""
-    return _plugin_decorator("combine", _FunctionCombine, name, params, summary, paper)
+    return _plugin_decorator("combine", _function_combine, name, params, summary, paper)

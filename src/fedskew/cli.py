@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.config import ConfigError
     from fedskew.data.partition import PartitionError
     from fedskew.data.readers import DataError
-    from fedskew.protocol import UpdateError
+    from fedskew.protocol import UploadError
     from fedskew.results.rundir import RunDirError
     from fedskew.results.store import DatabaseError
     from fedskew.runner import DatabaseWriteError
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         ConfigError,
         DataError,
         PartitionError,
-        UpdateError,
+        UploadError,
         RunDirError,
         DatabaseError,
         FileExistsError,

@@ -1,26 +1,26 @@
 """The method registry: a method is a client-side local algorithm composed with server-side pieces.
 
 Names compose with ``+``: ``<client>[+<server plug-in>...]``. The client part is one of :data:`CLIENTS`
-(``fedavg`` is plain local SGD); each server plug-in fills one or more roles of the server step
-(``weighting``, ``masking``, ``combine``; see :class:`fedskew.server.api.Aggregation`; or ``personalize``: a server
-step that returns one model per client, FedCAC and FedAMP), and a role may be filled only once. Plug-ins may also
-name state-dict groups the clients keep for themselves (``local``: FedPer's head, FedBN's norm layers, Local's
-everything) and tensors the clients upload (FedCAC's masks). A client part may imply plug-ins (``fedrep`` keeps the
-head local, ``fedamp`` needs the ``amp`` server). Examples: ``fedavg``, ``fedsa`` (= ``fedavg+fedsa``),
-``fedavg+disco``, ``fedcac``, ``fedprox+fedbn``.
+(``fedavg`` is plain local SGD); each server plug-in fills one or more roles of the server side
+(``weighting``, ``masking``, ``combine``, ``step``; see :class:`fedskew.server.api.Aggregation`; or
+``personalize``: a server strategy that returns one model per client, FedCAC and FedAMP), and a role may be filled
+only once. Plug-ins may also name state-dict groups the clients keep for themselves (``local``: FedPer's head,
+FedBN's norm layers, Local's everything) and tensors the clients add to their uploads (FedCAC's masks). A client part
+may imply plug-ins (``fedrep`` keeps the head local, ``fedamp`` needs the ``amp`` server). Examples: ``fedavg``,
+``fedsa`` (= ``fedavg+fedsa``), ``fedavg+disco``, ``fedcac``, ``fedprox+fedbn``.
 Hyper-parameters come as one flat mapping (``method_args``); each key must belong to exactly one part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
-from fedskew.client.local import LocalAlgorithm, Upload
+from fedskew.client.local import LocalAlgorithm, UploadExtras
 from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
 from fedskew.protocol import ClientReport, unique_reports
 from fedskew.registry import (
@@ -36,7 +36,16 @@ from fedskew.registry import (
     register_builtin,
 )
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
-from fedskew.server.api import Aggregation, ServerStrategy
+from fedskew.server.api import (
+    Aggregation,
+    Combine,
+    Composition,
+    Masking,
+    Piece,
+    ServerStep,
+    ServerStrategy,
+    Weighting,
+)
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoParams, DiscoWeights
 from fedskew.server.fedsa import FedSACombine, FedSAParams
@@ -232,7 +241,7 @@ _CORE_PLUGINS: dict[str, ServerPlugin] = {
         ("personalize",),
         lambda p: {
             "personalize": lambda w: FedCAC(weighting=w, beta=p.beta),
-            "upload": CriticalMasks(tau=p.tau),
+            "upload_extras": CriticalMasks(tau=p.tau),
         },
         tunable={"tau": Float(0.1, 0.9), "beta": LogFloat(10.0, 300.0)},  # FedCAC Figs. 5 and 6
     ),
@@ -270,7 +279,7 @@ class Method:
     args: dict[str, Any]  # the resolved hyper-parameters, defaults included
     personalized: bool = False
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
-    uploads: tuple[Upload, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
+    upload_extras: tuple[UploadExtras, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
     # keyword arguments the engine passes to models.build_model (MOON: {"projection": 256})
     model_options: Mapping[str, Any] = field(default_factory=dict)
     # what every client computes from its training labels and sends once, before round 1, because a part declared
@@ -354,8 +363,95 @@ def method_parts(name: str) -> list[PartInfo]:
     ]
 
 
+@dataclass
+class _Built:
+    """What a composition's server plug-ins built: the pieces by role, and their client-side additions."""
+
+    roles: dict[str, Any] = field(default_factory=dict)
+    local: frozenset[str] = frozenset()  # state-dict groups each client keeps
+    upload_extras: list[UploadExtras] = field(default_factory=list)
+    wrappers: list[Callable[[LocalAlgorithm], LocalAlgorithm]] = field(default_factory=list)
+
+
+# the base class a piece of each role derives from (personalize: a factory weighting -> ServerStrategy)
+ROLE_BASES: dict[str, type[Piece]] = {
+    "weighting": Weighting,
+    "masking": Masking,
+    "combine": Combine,
+    "step": ServerStep,
+}
+
+
+def _build_plugins(method: str, plugins: list[ServerPlugin], params: list[BaseModel]) -> _Built:
+    """Each plug-in's pieces, checked against the roles it declares; a role filled twice is refused."""
+    built = _Built()
+    for plugin, p in zip(plugins, params, strict=True):
+        pieces = dict(plugin.build(p))
+        roles = set(pieces) - set(EXTRA_PIECES)
+        if roles != set(plugin.roles):
+            raise ConfigError(
+                f"method {method!r}: plug-in {plugin.name!r} declares roles {sorted(plugin.roles)} but its build "
+                f"returned {sorted(pieces)} (extras allowed: {', '.join(EXTRA_PIECES)})"
+            )
+        built.local |= pieces.pop("local", frozenset())
+        if "upload_extras" in pieces:
+            built.upload_extras.append(pieces.pop("upload_extras"))
+        if "wrap_client" in pieces:  # e.g. AFL/q-FFL/FedFV: every client reports its loss before training
+            built.wrappers.append(pieces.pop("wrap_client"))
+        for role, piece in pieces.items():
+            base = ROLE_BASES.get(role)
+            if base is not None and not isinstance(piece, base):
+                raise ConfigError(
+                    f"method {method!r}: plug-in {plugin.name!r}'s {role} is a {type(piece).__name__}, not a "
+                    f"{base.__module__}.{base.__name__} (derive it from that class)"
+                )
+            if role in built.roles:
+                raise ConfigError(f"method {method!r}: two plug-ins both set the server's {role}")
+            built.roles[role] = piece
+    return built
+
+
+def _base_weights(client: ClientPart, roles: Mapping[str, Any]) -> str:
+    """The server's average when ``-m weights=`` is not given: the combine's paper's (q-FFL, FedFV: uniform) when
+    no plug-in weights the clients, else the client part's paper's (SCAFFOLD, Ditto: uniform; FedAvg: samples)."""
+    combine = roles.get("combine")
+    if "weighting" not in roles and combine is not None and combine.default_weights:
+        return str(combine.default_weights)
+    return client.weights
+
+
+def _server(method: str, roles: Mapping[str, Any], weighting: Weighting) -> ServerStrategy:
+    if "personalize" in roles:
+        clash = [r for r in ("combine", "masking", "step") if r in roles]
+        if clash:
+            raise ConfigError(
+                f"method {method!r}: a personalized server strategy (one model per client) takes no {clash[0]} piece"
+            )
+        return roles["personalize"](weighting)  # type: ignore[no-any-return]
+    return Aggregation(
+        weighting=weighting,
+        combine=roles.get("combine", WeightedMean()),
+        masking=roles.get("masking"),
+        step=roles.get("step"),
+    )
+
+
+def _resolved_args(parts: list[tuple[str, type[BaseModel]]], parsed: list[BaseModel]) -> dict[str, Any]:
+    """Every part's hyper-parameters, defaults included; a name two parts share is qualified (``heal.tau``)."""
+    counts: dict[str, int] = {}
+    for p in parsed:
+        for k in type(p).model_fields:
+            counts[k] = counts.get(k, 0) + 1
+    return {
+        (k if counts[k] == 1 else f"{part}.{k}"): v
+        for (part, _), p in zip(parts, parsed, strict=True)
+        for k, v in p.model_dump().items()
+    }
+
+
 def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
-    """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts."""
+    """Parse a method name (with ``+`` compositions) and its hyper-parameters into runnable parts: the client part
+    (wrapped by what the plug-ins add on the client side) and the server strategy the plug-ins' pieces make."""
     tokens, client_name, plugin_names = _parse_name(name)
     client = CLIENTS[client_name]
     for plugin_name, reason in client.excludes:
@@ -364,87 +460,34 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     plugins = [SERVER_PLUGINS[t] for t in plugin_names]
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
     parsed = _split_args(parts, args, name)
-    if not _given(args, "weights"):  # the client part's paper decides the default server average
-        parsed[0] = ServerBaseParams(weights=client.weights)
-    base_params, client_params, plugin_params = parsed[0], parsed[1], parsed[2:]
-
-    roles: dict[str, Any] = {}
-    local: frozenset[str] = frozenset()
-    uploads: list[Upload] = []
-    wrappers: list[Any] = []  # LocalAlgorithm -> LocalAlgorithm: client-side additions a server piece needs
-    for plugin, params in zip(plugins, plugin_params, strict=True):
-        pieces = dict(plugin.build(params))
-        built = set(pieces) - set(EXTRA_PIECES)
-        if built != set(plugin.roles) or set(pieces) - built - set(EXTRA_PIECES):
-            raise ConfigError(
-                f"method {name!r}: plug-in {plugin.name!r} declares roles {sorted(plugin.roles)} but its build "
-                f"returned {sorted(pieces)} (extras allowed: {', '.join(EXTRA_PIECES)})"
-            )
-        local |= pieces.pop("local", frozenset())
-        if "upload" in pieces:
-            uploads.append(pieces.pop("upload"))
-        if "wrap_client" in pieces:  # e.g. AFL/q-FFL/FedFV: every client reports its loss before training
-            wrappers.append(pieces.pop("wrap_client"))
-        for role, piece in pieces.items():
-            if role in roles:
-                raise ConfigError(f"method {name!r}: two plug-ins both set the server's {role}")
-            roles[role] = piece
-    for piece in roles.values():  # a piece may refuse the composition it is in (FedNova's combine: no masks)
-        check = getattr(piece, "check_composition", None)
-        if callable(check):
-            check(name, client_name, frozenset(roles))
-    combine = roles.get("combine")
-    if not _given(args, "weights") and "weighting" not in roles and getattr(combine, "default_weights", None):
-        parsed[0] = base_params = ServerBaseParams(weights=combine.default_weights)  # the combine's paper average
-    if isinstance(combine, FedSACombine):
-        if "masking" in roles:
-            raise ConfigError(f"method {name!r}: FedSA's combine does not take element masks")
-        if combine.low_weighting == "uniform" and ("weighting" in roles or _given(args, "weights")):
-            raise ConfigError(
-                f"method {name!r}: FedSA with low_weighting=uniform ignores client weights; "
-                "add -m low_weighting=samples to use them in the low-dispersion mean"
-            )
-    if "weighting" in roles and _given(args, "weights"):
+    built = _build_plugins(name, plugins, parsed[2:])
+    weights_given = _given(args, "weights")
+    if "weighting" in built.roles and weights_given:
         raise ConfigError(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")
-    weighting = roles.get("weighting") or (UniformWeights() if base_params.weights == "uniform" else SampleWeights())
-    server: ServerStrategy
-    if "personalize" in roles:
-        clash = [r for r in ("combine", "masking", "update") if r in roles]
-        if clash:
-            raise ConfigError(
-                f"method {name!r}: a personalized server step (one model per client) cannot take a {clash[0]}"
-            )
-        server = roles["personalize"](weighting)
-    else:
-        server = Aggregation(
-            weighting=weighting,
-            combine=roles.get("combine", WeightedMean()),
-            masking=roles.get("masking"),
-            update=roles.get("update"),
-        )
-    counts: dict[str, int] = {}
-    for p in parsed:
-        for k in type(p).model_fields:
-            counts[k] = counts.get(k, 0) + 1
-    resolved = {
-        (k if counts[k] == 1 else f"{part}.{k}"): v
-        for (part, _), p in zip(parts, parsed, strict=True)
-        for k, v in p.model_dump().items()
-    }
-    personalized = client.personalized or "personalize" in roles or bool(local & PERSONAL_GROUPS)
-    canonical = "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens)
+    comp = Composition(name, client_name, frozenset(built.roles), weights_given)
+    for role, piece in built.roles.items():  # a piece may refuse the composition it is in (FedNova: no masks)
+        if role in ROLE_BASES:
+            piece.check_composition(comp)
+    if not weights_given:
+        parsed[0] = ServerBaseParams(weights=_base_weights(client, built.roles))
+    base_params, client_params = parsed[0], parsed[1]
+    weighting = built.roles.get("weighting") or (
+        UniformWeights() if base_params.weights == "uniform" else SampleWeights()  # type: ignore[attr-defined]
+    )
+    server = _server(name, built.roles, weighting)
     algo = client.build(client_params)
-    reports = unique_reports(r for piece in (algo, weighting, *roles.values()) for r in getattr(piece, "reports", ()))
-    for wrap in wrappers:
+    pieces = (algo, weighting, *(p for r, p in built.roles.items() if r in ROLE_BASES))
+    reports = unique_reports(r for piece in pieces for r in piece.reports)
+    for wrap in built.wrappers:
         algo = wrap(algo)
     return Method(
-        canonical,
+        "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens),
         algo,
         server,
-        resolved,
-        personalized=personalized,
-        local=local,
-        uploads=tuple(uploads),
+        _resolved_args(parts, parsed),
+        personalized=client.personalized or "personalize" in built.roles or bool(built.local & PERSONAL_GROUPS),
+        local=built.local,
+        upload_extras=tuple(built.upload_extras),
         model_options=client.model_options(client_params),
         reports=reports,
     )

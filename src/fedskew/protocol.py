@@ -4,13 +4,13 @@ Both sides, the engine, the results store and any deployment (a Flower app) impo
 imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor the reverse
 (``tests/test_boundaries.py`` keeps it so).
 
-* :class:`ClientUpdate`: what one client uploads after local training (model, sample count, extra tensors, metrics);
+* :class:`Upload`: what one client uploads after local training (model, sample count, extra tensors, metrics);
 * :class:`ClientReport`: a statistic each client computes from its own training labels and sends once, before the
   first round, because a method part declared that it needs it (:data:`LABEL_HIST`; FedDisco's discrepancy), and
   :func:`client_reports`, which computes the declared ones; nothing else about a client's data leaves it;
 * :class:`ServerContext`: what the server knows before the first round;
 * :class:`RoundInput`: one round's valid uploads stacked along a leading client axis, as every server piece reads them;
-* :class:`Rejection`, :class:`UpdateError`: an upload the server refuses, and why;
+* :class:`Rejection`, :class:`UploadError`: an upload the server refuses, and why;
 * the names of the extra tensors a client part uploads for a server part (:data:`MASK_PREFIX`, FedCAC's masks) and
   the timing fields of a round's record (:data:`TIMING_KEYS`);
 * :class:`ClientScores`: one evaluation view's per-client sums, as the engine computes them and the results store
@@ -46,25 +46,25 @@ class ClientScores:
         return np.divide(self.correct, self.count, out=np.zeros(len(self.count)), where=self.count > 0)
 
 
-class UpdateError(ValueError):
+class UploadError(ValueError):
     """A client upload that the server refuses (NaN/Inf, wrong shape or dtype, unknown tensor)."""
 
 
-class NonFiniteUpdateError(UpdateError):
+class NonFiniteUploadError(UploadError):
     """An upload holding NaN or Inf. In a simulation, where fedskew trained the client itself, this is divergence."""
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """Why the server refused one client's upload (see :func:`check_update`)."""
+    """Why the server refused one client's upload (see :func:`check_upload`)."""
 
     cid: int
     reason: str
     nonfinite: bool = False  # NaN/Inf in a well-formed upload (in a simulation: that client diverged)
 
-    def error(self) -> UpdateError:
+    def error(self) -> UploadError:
         """The exception the ``fail`` policy raises for it."""
-        cls = NonFiniteUpdateError if self.nonfinite else UpdateError
+        cls = NonFiniteUploadError if self.nonfinite else UploadError
         return cls(f"client {self.cid}: {self.reason}")
 
     def as_record(self) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class Rejection:
 
 
 @dataclass(frozen=True)
-class ClientUpdate:
+class Upload:
     """What one client uploads after local training."""
 
     cid: int
@@ -168,7 +168,7 @@ class RoundInput:
 
     def delta(self, name: str) -> Tensor:
         """One tensor's per-client deltas ``w_k - w_global`` (``[K, *shape]``, the upload's dtype): a *delta* is
-        what a client's training moved; an *upload* is what it sent (:class:`ClientUpdate`)."""
+        what a client's training moved; an *upload* is what it sent (:class:`Upload`)."""
         return self.params[name] - self.global_params[name].unsqueeze(0)
 
     def deltas(self) -> Mapping[str, Tensor]:

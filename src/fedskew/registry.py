@@ -28,12 +28,13 @@ from fedskew.tuning.space import Dist
 #   weighting  [K] client weights                      (Disco, FAEL, AFL, ...)
 #   masking    per-element masks of who enters          (HEAL's FPHL)
 #   combine    stacked uploads -> one model             (weighted mean, FedSA, FedNova, q-FFL, FedFV)
-#   update     the server's step from the combined model (server momentum, FedDyn's correction)
+#   step       the server step after the combine       (server momentum, FedDyn's correction)
 #   personalize one model per client                   (FedCAC, FedAMP)
-ROLES = ("weighting", "masking", "combine", "update", "personalize")
-# what else a plug-in's build may return: "local" (state-dict groups the clients keep), "upload" (a client Upload),
+ROLES = ("weighting", "masking", "combine", "step", "personalize")
+# what else a plug-in's build may return: "local" (state-dict groups the clients keep), "upload_extras" (a client
+# UploadExtras: tensors every client adds to its upload),
 # "wrap_client" (LocalAlgorithm -> LocalAlgorithm: e.g. the loss before training AFL, q-FFL and FedFV read)
-EXTRA_PIECES = ("local", "upload", "wrap_client")
+EXTRA_PIECES = ("local", "upload_extras", "wrap_client")
 ENTRY_POINT_GROUP = "fedskew.methods"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -70,7 +71,7 @@ class ServerPlugin:
     params: type[BaseModel]
     roles: tuple[str, ...]  # subset of ROLES
     # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
-    # clients, see engine.model_init.LOCAL_GROUPS) and "upload" (a client-side Upload)
+    # clients, see engine.model_init.LOCAL_GROUPS) and "upload_extras" (a client-side UploadExtras)
     build: Callable[[Any], dict[str, Any]]
     # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)
@@ -107,8 +108,8 @@ def _check(part: ClientPart | ServerPlugin) -> None:
         bad = [r for r in part.roles if r not in ROLES]
         if bad or len(set(part.roles)) != len(part.roles):
             raise ConfigError(f"server plug-in {part.name!r}: roles {list(part.roles)} must be distinct, from {ROLES}")
-        if "personalize" in part.roles and set(part.roles) & {"combine", "masking", "update"}:
-            raise ConfigError(f"server plug-in {part.name!r}: 'personalize' replaces combine/masking/update")
+        if "personalize" in part.roles and set(part.roles) & {"combine", "masking", "step"}:
+            raise ConfigError(f"server plug-in {part.name!r}: 'personalize' replaces combine/masking/step")
 
 
 def register(part: ClientPart | ServerPlugin, *, origin: str | None = None) -> ClientPart | ServerPlugin:

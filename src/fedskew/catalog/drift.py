@@ -20,7 +20,7 @@ from fedskew import registry
 from fedskew.client.drift import FedDC, FedDyn
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.schema import StrictSettings
-from fedskew.server.optimizers import CloudCorrection, NovaCombine, ServerMomentum
+from fedskew.server.optimizers import CloudCorrection, NovaCombine, fedavgm
 from fedskew.tuning.space import Float, LogFloat
 
 
@@ -100,8 +100,8 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "Hsu, Qi, Brown, Measuring the Effects of Non-Identical Data Distribution for Federated Visual "
         "Classification, arXiv 1909.06335, 2019",
         FedAvgMParams,
-        ("update",),
-        lambda p: {"update": ServerMomentum(momentum=p.server_momentum, server_lr=p.server_lr, form=p.form)},
+        ("step",),
+        lambda p: {"step": fedavgm(momentum=p.server_momentum, server_lr=p.server_lr, form=p.form)},
         tunable={"server_momentum": Float(0.0, 0.97)},  # Hsu et al. sweep beta up to 0.97; FedDisco tunes m
     ),
     "fednova": ServerPlugin(
@@ -118,7 +118,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "FedDyn's/FedDC's server model: average + (1/N) sum of all clients' accumulated updates (implied by them)",
         "Acar et al., ICLR 2021 (Algorithm 1); Gao et al., CVPR 2022 (official code)",
         NoParams,
-        ("update",),
-        lambda p: {"update": CloudCorrection(clients=_cloud_clients())},
+        ("step",),
+        lambda p: {"step": CloudCorrection(clients=_cloud_clients())},
     ),
 }

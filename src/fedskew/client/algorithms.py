@@ -36,7 +36,6 @@ class FedProx(LocalAlgorithm):
     """
 
     mu: float = 0.01
-    name: str = "fedprox"
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
@@ -61,7 +60,6 @@ class Moon(LocalAlgorithm):
     mu: float = 1.0
     tau: float = 0.5
     projection: int = 0  # width of the projection head the model must carry (0: none expected)
-    name: str = "moon"
     _frozen: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict, repr=False)
 
     def _aux(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -130,7 +128,6 @@ class Scaffold(LocalAlgorithm):
     ``lr·(c − c_i)`` keeps replacing the client's mean drift by the federation's, as SCAFFOLD intends.
     """
 
-    name: str = "scaffold"
     prefix: str = "scaffold_dc/"
 
     def begin(self, ctx: LocalContext) -> None:

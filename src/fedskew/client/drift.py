@@ -85,7 +85,6 @@ class FedDyn(LocalAlgorithm):
     alpha: float = 0.01
     size_scaling: bool = True
     clip: float = 10.0
-    name: str = "feddyn"
     key: str = "feddyn/mean_samples"
 
     def alpha_for(self, ctx: LocalContext) -> float:
@@ -134,7 +133,6 @@ class FedDC(LocalAlgorithm):
     size_scaling: bool = True
     clip: float = 10.0
     correction: bool = True
-    name: str = "feddc"
     key: str = "feddc/mean_samples"
     prefix: str = "feddc_dc/"  # uploaded control-variate deltas
     c_prefix: str = "feddc_c/"  # broadcast global control variate

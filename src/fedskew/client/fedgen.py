@@ -116,7 +116,6 @@ class FedGen(LocalAlgorithm):
     server_epochs: int = 1000
     gen_batch_size: int = 10
     gen_weight: float = 1.0
-    name: str = "fedgen"
     _cache: dict[tuple[int, int, str], Generator] = field(default_factory=dict, repr=False)
     # the server's generator samples labels by their share over all clients: each client's label histogram
     reports: ClassVar[tuple[ClientReport, ...]] = (LABEL_HIST,)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.sgd import sgd
 
-from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, State
+from fedskew.protocol import ClientReport, Params, RoundInput, ServerContext, State, Upload
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Phase:
     keep: str | None = None
 
 
-class Upload(Protocol):
+class UploadExtras(Protocol):
     """Extra tensors a client computes from the model it received and the model it trained (FedCAC's masks)."""
 
     def __call__(self, received: Params, trained: Params, trainable: frozenset[str]) -> Params: ...
@@ -99,7 +99,7 @@ class Upload(Protocol):
 class LocalAlgorithm:
     """Plain local SGD on cross-entropy (FedAvg's client). Subclasses override hooks."""
 
-    name = "sgd"
+    reports: tuple[ClientReport, ...] = ()  # statistics every client sends once, before round 1 (FedGen's histogram)
 
     # client-side hooks
     def begin(self, ctx: LocalContext) -> None:
@@ -227,8 +227,8 @@ class Wrapper(LocalAlgorithm):
     inner: LocalAlgorithm
 
     @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
+    def reports(self) -> tuple[ClientReport, ...]:  # type: ignore[override]
+        return self.inner.reports
 
     def __getattr__(self, attr: str) -> Any:  # only called for attributes this wrapper does not have
         if attr == "inner":
@@ -259,13 +259,13 @@ def local_train(
     x: Tensor,
     y: Tensor,
     generator: torch.Generator,
-    uploads: Sequence[Upload] = (),
-) -> ClientUpdate:
+    upload_extras: Sequence[UploadExtras] = (),
+) -> Upload:
     """Load ``ctx.received`` into ``ctx.model``, train on the resident tensors ``x, y``, return the upload.
 
     Batches are index slices of a seeded permutation per epoch (no DataLoader); ``generator`` fixes the order.
-    The algorithm's phases run in sequence on the same model; ``uploads`` add tensors computed from the received and
-    the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
+    The algorithm's phases run in sequence on the same model; ``upload_extras`` add tensors computed from the
+    received and the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
     """
     model, s = ctx.model, ctx.settings
     ctx.x, ctx.y, ctx.generator = x, y, generator
@@ -318,10 +318,10 @@ def local_train(
     extras = algo.end(ctx)
     trained = snapshot(model)
     trainable = frozenset(name for name, _ in named)
-    for up in uploads:
+    for up in upload_extras:
         extras = {**extras, **up(ctx.received, trained, trainable)}
     train_loss = mean_step_loss(losses, sizes)
-    return ClientUpdate(
+    return Upload(
         cid=ctx.cid,
         params=trained,
         num_samples=n,

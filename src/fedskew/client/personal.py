@@ -36,7 +36,6 @@ class FedRep(LocalAlgorithm):
     on the body with the head frozen. Default ``head_epochs = 10`` (the FedRep paper's head epochs)."""
 
     head_epochs: int = 10
-    name: str = "fedrep"
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         return [
@@ -53,7 +52,6 @@ class Ditto(LocalAlgorithm):
 
     lam: float = 0.1
     personal_epochs: int | None = None
-    name: str = "ditto"
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         own = ctx.client_state.get(PERSONAL, ctx.received)
@@ -80,7 +78,6 @@ class AmpClient(LocalAlgorithm):
     config: λ = 1, α_K = 1e4, so ``mu = 1e-4``). In its first round a client starts from the received model."""
 
     mu: float = 1e-4
-    name: str = "fedamp"
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         return [Phase(ctx.settings.epochs, start=ctx.client_state.get(PERSONAL), keep=PERSONAL)]

@@ -72,7 +72,6 @@ class PrototypeLearning(LocalAlgorithm):
     nearest-prototype evaluation. Subclasses define the local objective (:meth:`loss`) and :meth:`_eval_scores`."""
 
     average: Average = "clients"
-    name: str = "prototypes"
 
     # ---- client side ------------------------------------------------------------------------------------------
     def begin(self, ctx: LocalContext) -> None:
@@ -183,7 +182,6 @@ class FedProto(PrototypeLearning):
     """
 
     lam: float = 1.0
-    name: str = "fedproto"
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
@@ -243,7 +241,6 @@ class FedProc(PrototypeLearning):
 
     curriculum_rounds: int | None = None
     temperature: float = 1.0
-    name: str = "fedproc"
 
     def alpha(self, rnd: int, run_rounds: int | None = None) -> float:
         """The curriculum weight of the contrastive term in round ``rnd`` (1-based) of a run of ``run_rounds``

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.host import ClientHost, ClientPool, ClientTrainer, TrainJob
 from fedskew.engine.workers import ClientWorkers
-from fedskew.protocol import ClientUpdate
+from fedskew.protocol import Upload
 
 
 class BatchedClients:
     """All of a round's clients trained together, vmapped (``batched_clients``; equal up to float32 rounding)."""
 
-    def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[ClientUpdate]:
+    def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
         cids = [cid for cid, _, _ in jobs]
         received = {cid: params for cid, params, _ in jobs}
         broadcast = jobs[0][2] if jobs else {}

@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, snapshot
 from fedskew.engine.batched_steps import BATCHED_STEPS, batchable, clip_rows, pull_rows, unwrapped
 from fedskew.engine.stacked import FrozenTermFn, stackable, stacked_step_function
-from fedskew.protocol import ClientUpdate, Params
+from fedskew.protocol import Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
@@ -163,7 +163,7 @@ def train_batched(
     received: dict[int, Params],
     broadcast: Params,
     max_clients: int | None = None,
-) -> list[ClientUpdate]:
+) -> list[Upload]:
     """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
     order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
 
@@ -176,7 +176,7 @@ def train_batched(
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
-    updates: list[ClientUpdate] = []
+    updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
         updates += _train_group(sim, rnd, chunk, received, broadcast)
@@ -310,7 +310,7 @@ def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: 
 
 def _train_group(
     sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
-) -> list[ClientUpdate]:
+) -> list[Upload]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -377,10 +377,10 @@ def _train_group(
             model.load_state_dict(trained)  # in the model is the upload (FedBABU reloads its body-trained model)
             extras = algo.end(ctx)
             trained = snapshot(model)
-        for up in method.uploads:  # tensors computed from the received and the trained model (FedCAC's masks)
+        for up in method.upload_extras:  # tensors computed from the received and the trained model (FedCAC's masks)
             extras = {**extras, **up(ctx.received, trained, trainable_set)}
         updates.append(
-            ClientUpdate(
+            Upload(
                 cid=cid,
                 params=trained,
                 num_samples=ns[k],

@@ -207,7 +207,7 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
         hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
         known = ", ".join(sorted(a.__name__ for a in BATCHED_STEPS))
         detail = f" and overrides {', '.join(hooks)}" if hooks else ""
-        return f"its client part {algo.name!r} is {type(algo).__name__}{detail}; only {known} have a batched local step"
+        return f"its client part is {type(algo).__name__}{detail}; only {known} have a batched local step"
     if model is not None:
         for name, module in model.named_modules():
             if isinstance(module, _RANDOM_LAYERS):
@@ -220,7 +220,8 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
         if rule.term is not None or rule.collect:
             why = stackable(model.body) or stackable(model.head)
             if why is not None:
-                return f"{algo.name}'s term against frozen models is batched for standard-layer models only ({why})"
+                name = type(algo).__name__
+                return f"{name}'s term against frozen models is batched for standard-layer models only ({why})"
     return None
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor, nn
 
-from fedskew.protocol import ClientUpdate, Params
+from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
     from fedskew.client.local import TrainSettings
@@ -38,7 +38,7 @@ class ClientHost(Protocol):
     settings: TrainSettings
     client_states: MutableMapping[int, dict[str, Any]]  # a dict, or a disk store's map (engine/state_store.py)
 
-    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> ClientUpdate: ...
+    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> Upload: ...
 
     def params_for(self, cid: int, base: Params | None = None) -> Params: ...
 
@@ -50,7 +50,7 @@ class RoundHost(ClientHost, Protocol):
 
     def open_round(self, rnd: int) -> RoundPlan: ...
 
-    def take_upload(self, plan: RoundPlan, update: ClientUpdate) -> None: ...
+    def take_upload(self, plan: RoundPlan, update: Upload) -> None: ...
 
     def close_round(self, plan: RoundPlan) -> RoundResult: ...
 
@@ -59,7 +59,7 @@ class ClientTrainer(Protocol):
     """Trains a round's clients for the loop: the uploads of ``jobs`` in their order, each client's state advanced in
     ``host.client_states`` as the sequential loop would."""
 
-    def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> Iterable[ClientUpdate]: ...
+    def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> Iterable[Upload]: ...
 
     def close(self) -> None: ...
 

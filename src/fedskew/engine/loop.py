@@ -5,8 +5,8 @@ One round, as a reader should see it::
     sampled = sample(round) - dropped_out(round)       # both seeded by (seed, round), independent streams
     for cid in sampled:
         received = personal[cid] or global             # what this client gets (+ server broadcast extras)
-        update   = local_train(method.client, ...)     # one reusable model, resident tensors, seeded order
-        stack.add(update)                              # validated into preallocated [K, ...] buffers (or rejected)
+        upload   = local_train(method.client, ...)     # one reusable model, resident tensors, seeded order
+        stack.add(upload)                              # validated into preallocated [K, ...] buffers (or rejected)
     rin      = stack.round_input()                     # on_bad_update: fail raises, drop aggregates the rest
     server   = method.server.aggregate(rin, state)     # weights -> masks -> combine, or personalized
     evaluate(global / global_local / personal views)   # on the eval cadence
@@ -65,10 +65,10 @@ from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import (
     LABEL_HIST,
-    ClientUpdate,
-    NonFiniteUpdateError,
+    NonFiniteUploadError,
     Params,
     ServerContext,
+    Upload,
     client_reports,
 )
 from fedskew.seeding import Purpose, numpy_rng
@@ -225,11 +225,11 @@ class Simulation:
         plan = self.open_round(rnd)
         reporting = [cid for cid in plan.sampled if cid not in plan.gone]  # drop-outs: no training, no state change
         # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
-        for update in self._train_clients(rnd, reporting, plan.broadcast):
-            self.take_upload(plan, update)
+        for upload in self._train_clients(rnd, reporting, plan.broadcast):
+            self.take_upload(plan, upload)
         return self.close_round(plan)
 
-    def _train_clients(self, rnd: int, cids: list[int], broadcast: Params) -> Iterator[ClientUpdate]:
+    def _train_clients(self, rnd: int, cids: list[int], broadcast: Params) -> Iterator[Upload]:
         """The uploads of ``cids``, in that order: trained one after the other, in ``workers`` forked processes
         (``engine/workers.py``: identical results), or together, vmapped (``batched_clients``, ``engine/batched.py``:
         equal up to float32 rounding); the loop knows the last two only as ``ClientTrainer`` (``engine/host.py``)."""
@@ -263,15 +263,15 @@ class Simulation:
         plan.bytes_down = sum(self.wire_bytes(self.params_for(cid)) + payload_bytes(broadcast) for cid in sampled)
         return plan
 
-    def take_upload(self, plan: RoundPlan, update: ClientUpdate) -> None:
+    def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
         """Validate one client's upload into the round's buffers (or reject it under ``on_bad_update``)."""
-        cid = update.cid
-        plan.bytes_up += self.wire_bytes(update.params) + payload_bytes(update.extras)
-        rejected = plan.stack.add(update)
+        cid = upload.cid
+        plan.bytes_up += self.wire_bytes(upload.params) + payload_bytes(upload.extras)
+        rejected = plan.stack.add(upload)
         if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
-            self._keep_trained(cid, update)
+            self._keep_trained(cid, upload)
         if rejected is None or self.cfg.on_bad_update == "fail":
-            plan.losses.append((cid, update.num_samples, update.metrics.get("train_loss", math.nan)))
+            plan.losses.append((cid, upload.num_samples, upload.metrics.get("train_loss", math.nan)))
         self.state_store.release(cid)  # this round is done with the client's state: to disk (a disk store)
 
     def close_round(self, plan: RoundPlan) -> RoundResult:
@@ -282,7 +282,7 @@ class Simulation:
         train_loss = self._check_training(rnd, plan.losses)
         try:
             enforce(stack.rejected, cfg.on_bad_update)
-        except NonFiniteUpdateError as error:  # fedskew trained these clients itself: that is divergence
+        except NonFiniteUploadError as error:  # fedskew trained these clients itself: that is divergence
             raise Diverged(rnd, str(error)) from None
 
         record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
@@ -337,17 +337,17 @@ class Simulation:
             record["diagnostics"] = out.diagnostics
         return RoundResult(record, scores, probe)
 
-    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> ClientUpdate:
+    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> Upload:
         """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``)."""
         client = self.data.clients[cid]
         state = self.client_states[cid]
         args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
         return train_client(*args, client.x_train, client.y_train, client.x_val, client.y_val)
 
-    def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
+    def _keep_trained(self, cid: int, upload: Upload) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the
         model the ``trained`` view evaluates (:func:`keep_trained`)."""
-        trained = keep_trained(self.method, self.local_names, self.client_states[cid], update)
+        trained = keep_trained(self.method, self.local_names, self.client_states[cid], upload)
         if trained is not None:
             self.trained[cid] = trained
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedskew.client.local import LocalContext, TrainSettings, local_train
-from fedskew.protocol import ClientScores, ClientUpdate, Params
+from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
 
@@ -115,7 +115,7 @@ def train_client(
     y: torch.Tensor,
     x_val: torch.Tensor | None = None,
     y_val: torch.Tensor | None = None,
-) -> ClientUpdate:
+) -> Upload:
     """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
     ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
@@ -132,11 +132,11 @@ def train_client(
         y_val=y_val,
     )
     gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
-    return local_train(method.client, ctx, x, y, gen, method.uploads)
+    return local_train(method.client, ctx, x, y, gen, method.upload_extras)
 
 
 def keep_trained(
-    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: ClientUpdate
+    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: Upload
 ) -> Params | None:
     """What a client keeps of the model it trained: its local entries (``method.local``) go into
     ``client_state["local_params"]``; for a personalized method the model the ``trained`` view evaluates is returned

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fedskew.engine.evaluate import batch_scores
-from fedskew.protocol import ClientUpdate, Params
+from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
     from fedskew.engine.host import BatchScores, ClientHost, EvalSource, TrainJob
@@ -139,7 +139,7 @@ class ClientWorkers:
         self.n = n
         self._owner = os.getpid()
 
-    def train(self, sim: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> Iterator[ClientUpdate]:
+    def train(self, sim: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> Iterator[Upload]:
         """Train ``(cid, received, broadcast)`` jobs in parallel; yield the uploads in the order of ``jobs``, each
         client's new state already stored in ``sim.client_states``."""
         # the largest clients start first (longest-processing-time order), so that no worker is left training a big

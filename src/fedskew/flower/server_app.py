@@ -62,7 +62,7 @@ from fedskew.flower.hello import FederationError, Hello, NodeReport, known_of, s
 from fedskew.flower.server_data import domain_scores, load_test_data, server_view
 from fedskew.flower.settings import FlowerSettings, config_hash, parse_run_config
 from fedskew.methods import Method, resolve_method
-from fedskew.protocol import ClientUpdate, Params
+from fedskew.protocol import Params, Upload
 from fedskew.results.rundir import RunDirectory
 from fedskew.results.store import check_db_path, client_rows, default_run_dir, summarize_run
 from fedskew.runner import RunOutcome, domain_fields, headline, record_in_db
@@ -215,12 +215,12 @@ def _failures(failed: dict[int, str]) -> list[dict[str, Any]]:
     return [{"client": cid, "reason": reason} for cid, reason in sorted(failed.items())]
 
 
-def decode_update(cid: int, content: RecordDict, device: str) -> ClientUpdate:
-    """A ``train`` reply as the simulator's :class:`~fedskew.protocol.ClientUpdate`."""
+def decode_update(cid: int, content: RecordDict, device: str) -> Upload:
+    """A ``train`` reply as the simulator's :class:`~fedskew.protocol.Upload`."""
     if int(content["meta"]["cid"]) != cid:  # type: ignore[arg-type]
         raise FederationError(f"the reply for client {cid} came from client {content['meta']['cid']}")
     metrics = {k: float(v) for k, v in content["metrics"].items() if k != "num-examples"}  # type: ignore[arg-type]
-    return ClientUpdate(
+    return Upload(
         cid=cid,
         params=from_record(content["params"], device),  # type: ignore[arg-type]
         num_samples=int(content["metrics"]["num-examples"]),  # type: ignore[arg-type]
@@ -291,7 +291,7 @@ class FlowerServer(Simulation):
             log.warning("round %d: client %d failed: %s", rnd, f["client"], f["reason"])
         return self.close_round(plan)
 
-    def _keep_trained(self, cid: int, update: ClientUpdate) -> None:
+    def _keep_trained(self, cid: int, update: Upload) -> None:
         """Nothing: the client keeps its local entries and the model it trained in its own ``context.state``."""
 
     def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:

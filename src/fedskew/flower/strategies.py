@@ -5,8 +5,8 @@ Flower's conventions: the model travels as an ``ArrayRecord`` under ``arrayrecor
 config under ``configrecord_key`` (``"config"``), and every train reply carries one ``ArrayRecord`` and one
 ``MetricRecord`` holding the client's sample count under ``weighted_by_key`` (``"num-examples"``). Sampling,
 evaluation, metric averaging and ``start`` are Flower's; only ``aggregate_train`` changes: the replies are checked
-with fedskew's :func:`~fedskew.server.api.check_update`, stacked into a :class:`~fedskew.protocol.RoundInput`
-(``[K, ...]`` tensors, :func:`~fedskew.server.api.stack_updates`) and aggregated by fedskew's own pieces
+with fedskew's :func:`~fedskew.server.api.check_upload`, stacked into a :class:`~fedskew.protocol.RoundInput`
+(``[K, ...]`` tensors, :func:`~fedskew.server.api.stack_uploads`) and aggregated by fedskew's own pieces
 (:class:`~fedskew.server.disco.DiscoWeights` / :func:`~fedskew.server.disco.disco_weights`,
 :func:`~fedskew.server.heal.heal_aggregation`, :class:`~fedskew.server.fedsa.FedSACombine`), their state kept in the
 strategy across rounds. Nothing is re-implemented. A Flower quickstart ServerApp swaps ``FedAvg`` for one of them::
@@ -51,8 +51,16 @@ from flwr.serverapp.strategy import FedAvg
 from torch import Tensor
 
 from fedskew.flower.codec import from_record, to_record
-from fedskew.protocol import ClientUpdate, Params, RoundInput, ServerContext, State, UpdateError
-from fedskew.server.api import ON_BAD_UPDATE, Aggregation, ServerStrategy, check_update, stack_updates
+from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
+from fedskew.server.api import (
+    ON_BAD_UPDATE,
+    Aggregation,
+    Masking,
+    ServerStrategy,
+    Weighting,
+    check_upload,
+    stack_uploads,
+)
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DISCO, DISCREPANCY, DiscoWeights
 from fedskew.server.fedsa import FEDSA, FedSACombine
@@ -77,10 +85,10 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
-class _Recorded:
+class _Recorded(Masking):
     """A masking piece whose last masks are kept in ``sink`` (the strategy exposes them as ``last_masks``)."""
 
-    piece: Any
+    piece: Masking
     sink: dict[str, Any]
 
     def init(self, ctx: ServerContext) -> State:
@@ -180,14 +188,14 @@ class FedskewStrategy(FedAvg):
         if self._global is None:
             raise RuntimeError(f"{type(self).__name__}: configure_train must run before aggregate_train")
         where = f"{type(self).__name__}, round {server_round}"
-        kept: list[tuple[Message, ClientUpdate, np.ndarray | None]] = []
+        kept: list[tuple[Message, Upload, np.ndarray | None]] = []
         dropped: list[tuple[int, str]] = []
         for msg in valid:
             node = msg.metadata.src_node_id
             metrics = next(iter(msg.content.metric_records.values()))
             self.check_reply(node, metrics)
             update, hist = self._update(node, msg, metrics, where)
-            bad = check_update(update, self._global)
+            bad = check_upload(update, self._global)
             if bad is None:
                 kept.append((msg, update, hist))
             elif self.on_bad_update == "fail":
@@ -196,7 +204,7 @@ class FedskewStrategy(FedAvg):
                 log.warning("%s: left out the reply of node %s: %s", where, node, bad.reason)
                 dropped.append((node, bad.reason))
         if not kept:
-            raise UpdateError(f"{where}: no valid reply ({'; '.join(f'node {n}: {r}' for n, r in dropped)})")
+            raise UploadError(f"{where}: no valid reply ({'; '.join(f'node {n}: {r}' for n, r in dropped)})")
         hists = [h for _, _, h in kept]
         if all(h is not None for h in hists):
             if len({len(h) for h in hists}) != 1:  # type: ignore[arg-type]
@@ -207,7 +215,7 @@ class FedskewStrategy(FedAvg):
             label_hists = np.zeros((len(kept), 0))
         nodes = tuple(m.metadata.src_node_id for m, _, _ in kept)
         self._init_state(label_hists.shape[1], where)
-        rin = stack_updates(
+        rin = stack_uploads(
             [u for _, u, _ in kept],
             rnd=server_round,
             global_params=self._global,
@@ -227,15 +235,13 @@ class FedskewStrategy(FedAvg):
         return arrays, self.train_metrics_aggr_fn([m.content for m, _, _ in kept], self.weighted_by_key)
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _update(
-        self, node: int, msg: Message, metrics: MetricRecord, where: str
-    ) -> tuple[ClientUpdate, np.ndarray | None]:
+    def _update(self, node: int, msg: Message, metrics: MetricRecord, where: str) -> tuple[Upload, np.ndarray | None]:
         content = msg.content
         record = content[self.arrayrecord_key] if self.arrayrecord_key in content.array_records else None
         record = record if record is not None else next(iter(content.array_records.values()))
         n = metrics[self.weighted_by_key]
         if not isinstance(n, numbers.Real) or not float(n).is_integer() or float(n) <= 0:
-            raise UpdateError(f"{where}: node {node} sent '{self.weighted_by_key}' = {n!r}; expected a positive count")
+            raise UploadError(f"{where}: node {node} sent '{self.weighted_by_key}' = {n!r}; expected a positive count")
         hist = None
         if self.label_counts_key is not None and self.label_counts_key in metrics:
             hist = np.asarray(metrics[self.label_counts_key], dtype=np.float64).reshape(-1)
@@ -247,7 +253,7 @@ class FedskewStrategy(FedAvg):
         if node not in self._nodes:
             self._nodes[node] = len(self._nodes)
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        return ClientUpdate(self._nodes[node], from_record(record), int(n), {}, scalars), hist  # type: ignore[arg-type]
+        return Upload(self._nodes[node], from_record(record), int(n), {}, scalars), hist  # type: ignore[arg-type]
 
     def _trainable(self) -> frozenset[str]:
         assert self._global is not None
@@ -276,7 +282,7 @@ def _resolve(name: str, args: Mapping[str, Any]) -> ServerStrategy:
     method = resolve_method(name, args)
     if method.personalized or not isinstance(method.server, Aggregation):
         raise ValueError(f"{name!r} is personalized (one model per client); a Flower strategy sends one model")
-    if method.uploads:
+    if method.upload_extras:
         raise ValueError(f"{name!r} needs extra tensors from the clients, which a Flower strategy does not collect")
     if method.local - {"buffers"}:
         raise ValueError(f"{name!r} keeps {sorted(method.local)} on the clients; not a one-model server step")
@@ -284,7 +290,7 @@ def _resolve(name: str, args: Mapping[str, Any]) -> ServerStrategy:
 
 
 @dataclass(frozen=True)
-class ReportedDiscoWeights:
+class ReportedDiscoWeights(Weighting):
     """FedDisco's weighting fed by what the clients report: their label counts (``RoundInput.label_hists``) or,
     without them, their own discrepancy ``d_k`` (``RoundInput.metrics[key]``, handed to :class:`DiscoWeights` as the
     client report it reads, ``disco_discrepancy``): either way :class:`DiscoWeights` computes the weights."""

@@ -3,29 +3,40 @@
 Everything a server method needs arrives as a :class:`RoundInput`: the K participants' uploads stacked along a
 leading client axis (``params[name]`` has shape ``[K, *shape]``), their sample counts, any extra tensors they
 uploaded, and the model that was broadcast. A server method is a :class:`ServerStrategy`; the common case is an
-:class:`Aggregation`, the composition
+:class:`Aggregation`, the composition, in this order:
 
-    masks   = masking(round_input, state)            # optional: which client values enter each element (FedHEAL)
-    weights = weighting(round_input, masks, state)    # one weight per client (size, uniform, Disco, FAEL)
-    params  = combine(round_input, weights, masks)    # how stacked values become one (weighted mean, FedSA)
-    params  = update(round_input, params, weights, state)  # optional: the server's step (momentum, FedDyn)
+    masks   = masking(round_input, state)                  # optional: which client values enter each element (HEAL)
+    weights = weighting(round_input, masks, state)          # one weight per client (size, uniform, Disco, FAEL)
+    params  = combine(round_input, weights, masks, state)   # how stacked values become one (weighted mean, FedSA)
+    params  = step(round_input, params, weights, state)     # optional: the server step (FedAvgM, FedDyn's cloud)
 
-Each piece is a small object whose state is explicit: ``init(ctx) -> state`` and ``__call__(..., state) ->
-(result, new_state)``. Stateless pieces return ``None`` as their state; a combine is stateless unless it is a
-:class:`StatefulCombine` (it has ``init`` and takes and returns a state: FedFV's gradient history). Personalized
-methods (FedCAC, FedAMP) implement :class:`ServerStrategy` directly and return one model per client.
+Vocabulary (one word per concept, in code, docs and tests): an **upload** (:class:`~fedskew.protocol.Upload`) is
+what a client sends; a **delta** is ``w_k - w`` (:meth:`RoundInput.delta`); a **rejection** is an upload the server
+refuses (:func:`check_upload`); the **server step** is what runs after the combine (:class:`ServerStep`).
 
-Uploads pass one validation, :func:`check_update` (a :class:`Rejection` with the reason, or ``None``), which both
-``on_bad_update`` policies use: ``fail`` raises it, ``drop`` leaves the upload out of the round. The engine copies each
-valid upload into preallocated ``[K, ...]`` buffers as soon as it is trained (:class:`UploadStack`), so a round never
-holds its uploads twice; :func:`stack_updates` does the same for a list.
+Each piece kind has one base class (:class:`Weighting`, :class:`Masking`, :class:`Combine`, :class:`ServerStep`),
+and every piece derives from :class:`Piece`: its state is explicit, ``init(ctx) -> state`` and
+``__call__(..., state) -> (..., new_state)``, a typed value (a NamedTuple or frozen dataclass; ``None`` for a
+stateless piece, the default ``init``); its optional behaviour is declared there, not discovered:
+``check_composition`` (refuse a composition: FedNova's combine takes no masks), ``reports`` (what it needs from every
+client before round 1) and, on a combine, ``default_weights`` (its paper's average). Configuration lives in the
+piece's fields, never in its state. :func:`stateless` makes a combine of a function. The server step may be a
+chain of gradient transforms (:class:`Descent`: FedAvgM is ``ema`` or ``trace`` then ``scale``), their state keyed
+by name. Personalized methods (FedCAC, FedAMP) implement :class:`ServerStrategy` directly and return one model per
+client.
+
+Uploads pass one validation, :func:`check_upload` (a :class:`Rejection` with the reason, or ``None``), which both
+``on_bad_update`` policies use: ``fail`` raises it, ``drop`` leaves the upload out of the round (:func:`enforce`,
+the one place of the policy). The engine copies each valid upload into preallocated ``[K, ...]`` buffers as soon as
+it is trained (:class:`UploadStack`), so a round never holds its uploads twice; :func:`stack_uploads` does the same
+for a list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -33,21 +44,25 @@ from torch import Tensor
 
 from fedskew.protocol import (
     LABEL_HIST,
-    ClientUpdate,
+    ClientReport,
     Params,
     Rejection,
     RoundInput,
     ServerContext,
     State,
-    UpdateError,
+    Upload,
+    UploadError,
 )
+from fedskew.schema import ConfigError
+
+Diagnostics = dict[str, Any]  # JSON-serializable numbers a piece reports for the round's record
 
 
 @dataclass(frozen=True)
 class ServerOutput:
     global_params: Params
     personal: dict[int, Params] | None = None  # per-client models, for personalized methods
-    diagnostics: dict[str, Any] = field(default_factory=dict)
+    diagnostics: Diagnostics = field(default_factory=dict)
 
 
 class ServerStrategy(Protocol):
@@ -58,95 +73,184 @@ class ServerStrategy(Protocol):
     def aggregate(self, rin: RoundInput, state: State) -> tuple[ServerOutput, State]: ...
 
 
-class Weighting(Protocol):
-    def init(self, ctx: ServerContext) -> State: ...
+@dataclass(frozen=True)
+class Composition:
+    """What a piece sees of the method it is composed into, to refuse a composition it cannot serve."""
 
+    method: str  # the composition's name, for the error message
+    client: str  # the client part
+    roles: frozenset[str]  # the server roles the plug-ins fill
+    weights_given: bool = False  # the user set ``-m weights=...``
+
+
+class Piece:
+    """What every server piece shares. Override what applies; the defaults are a stateless piece that accepts
+    every composition and needs nothing from the clients."""
+
+    reports: tuple[ClientReport, ...] = ()  # statistics every client sends once, before round 1
+
+    def init(self, ctx: ServerContext) -> State:
+        """The piece's state before round 1 (``None``: stateless)."""
+        return None
+
+    def check_composition(self, comp: Composition) -> None:
+        """Raise :class:`~fedskew.schema.ConfigError` when this piece cannot serve ``comp``."""
+        return None
+
+
+def refuse_masks(comp: Composition, why: str) -> None:
+    """For a piece that takes whole client deltas: refuse a composition with a masking piece (HEAL's)."""
+    if "masking" in comp.roles:
+        raise ConfigError(f"method {comp.method!r}: {why}, not element masks")
+
+
+class Weighting(Piece):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         """Return ``[K]`` float64 non-negative weights summing to 1."""
-        ...
+        raise NotImplementedError
 
 
-class Masking(Protocol):
-    def init(self, ctx: ServerContext) -> State: ...
-
+class Masking(Piece):
     def __call__(self, rin: RoundInput, state: State) -> tuple[Params, State]:
         """Return name -> ``[K, *shape]`` bool masks (True: the client's value enters that element)."""
-        ...
+        raise NotImplementedError
 
 
-class Combine(Protocol):
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
-        """Return the new global state dict and diagnostics."""
-        ...
-
-
-class StatefulCombine(Protocol):
-    """A combine that keeps state across rounds (FedFV's history of past updates)."""
-
-    def init(self, ctx: ServerContext) -> State: ...
+class Combine(Piece):
+    default_weights: ClassVar[str | None] = None  # the average its paper uses unless a weighting or -m weights= says
 
     def __call__(
         self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
-    ) -> tuple[Params, dict[str, Any], State]: ...
+    ) -> tuple[Params, Diagnostics, State]:
+        """Return the new global state dict, diagnostics and the new state."""
+        raise NotImplementedError
 
 
-class ServerUpdate(Protocol):
+class ServerStep(Piece):
     """The server's own step after the combine: ``params`` is the combined model, the result the next global model
-    (FedAvgM's server momentum, FedDyn's correction by the mean of the clients' gradients)."""
-
-    def init(self, ctx: ServerContext) -> State: ...
+    (FedAvgM's server momentum, FedDyn's correction by the mean of the clients' deltas)."""
 
     def __call__(
         self, rin: RoundInput, params: Params, weights: Tensor, state: State
-    ) -> tuple[Params, dict[str, Any], State]: ...
+    ) -> tuple[Params, Diagnostics, State]:
+        raise NotImplementedError
 
 
-def is_stateful(combine: Combine | StatefulCombine) -> bool:
-    return callable(getattr(combine, "init", None))
+CombineFn = Callable[[RoundInput, Tensor, "Params | None"], "tuple[Params, Diagnostics]"]
+
+
+@dataclass(frozen=True)
+class _Stateless(Combine):
+    fn: CombineFn
+
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, Diagnostics, State]:
+        params, diagnostics = self.fn(rin, weights, masks)
+        return params, diagnostics, state
+
+
+def stateless(fn: CombineFn) -> Combine:
+    """A :class:`Combine` from ``fn(rin, weights, masks) -> (params, diagnostics)``, which keeps no state."""
+    return _Stateless(fn)
+
+
+# ---- the server step as a chain of gradient transforms ------------------------------------------------------------
+class GradientTransform(Piece):
+    """One link of a :class:`Descent` chain: maps the float64 pseudo-gradients (name -> tensor) to new ones."""
+
+    def __call__(self, grads: Params, state: State) -> tuple[Params, Diagnostics, State]:
+        raise NotImplementedError
+
+
+class ChainState(NamedTuple):
+    """The state of a :class:`Descent`'s transforms, by name."""
+
+    by_name: Mapping[str, State]
+
+
+@dataclass(frozen=True)
+class Descent(ServerStep):
+    """A server step that treats the combine as a gradient (optax's view of FedOpt): the pseudo-gradient
+    ``g = w^t - w̄`` (broadcast model minus combined one) of every floating state-dict entry, in float64, goes
+    through ``transforms`` in order, and the next model is ``w^t - g'``, cast back to each tensor's dtype (integer
+    buffers take the combined value). FedAvgM is ``Descent((("ema", Ema(m)), ("scale", Scale(lr))))``; with no
+    transform the result is the combined model up to float64 rounding. Diagnostics are prefixed with ``prefix_``."""
+
+    transforms: tuple[tuple[str, GradientTransform], ...]
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.transforms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a Descent's transforms need distinct names, got {names}")
+
+    def init(self, ctx: ServerContext) -> ChainState:
+        return ChainState({name: t.init(ctx) for name, t in self.transforms})
+
+    def __call__(
+        self, rin: RoundInput, params: Params, weights: Tensor, state: ChainState
+    ) -> tuple[Params, Diagnostics, ChainState]:
+        names = [n for n, t in params.items() if t.is_floating_point()]
+        start = {n: rin.global_params[n].to(torch.float64) for n in names}
+        grads = {n: start[n] - params[n].to(torch.float64) for n in names}
+        new_state: dict[str, State] = {}
+        diagnostics: Diagnostics = {}
+        for name, transform in self.transforms:
+            grads, more, new_state[name] = transform(grads, state.by_name[name])
+            diagnostics.update(more)
+        out = dict(params)
+        for n in names:
+            out[n] = (start[n] - grads[n]).to(params[n].dtype)
+        if self.prefix:
+            diagnostics = {f"{self.prefix}_{k}": v for k, v in diagnostics.items()}
+        return out, diagnostics, ChainState(new_state)
+
+
+class AggregationState(NamedTuple):
+    """An :class:`Aggregation`'s state: each piece's own (``None`` for a stateless or absent piece)."""
+
+    weighting: State = None
+    masking: State = None
+    combine: State = None
+    step: State = None
 
 
 @dataclass(frozen=True)
 class Aggregation:
-    """masks -> weights -> combine -> update: the server step of FedAvg, +Disco, +HEAL, FedSA, FedAvgM, ..."""
+    """masks -> weights -> combine -> step: the server side of FedAvg, +Disco, +HEAL, FedSA, FedAvgM, ..."""
 
     weighting: Weighting
-    combine: Combine | StatefulCombine
+    combine: Combine
     masking: Masking | None = None
-    update: ServerUpdate | None = None
+    step: ServerStep | None = None
 
-    def init(self, ctx: ServerContext) -> State:
-        state = {
-            "weighting": self.weighting.init(ctx),
-            "masking": self.masking.init(ctx) if self.masking is not None else None,
-        }
-        if is_stateful(self.combine):
-            state["combine"] = self.combine.init(ctx)  # type: ignore[union-attr]
-        if self.update is not None:
-            state["update"] = self.update.init(ctx)
-        return state
+    def pieces(self) -> tuple[Piece, ...]:
+        return tuple(p for p in (self.masking, self.weighting, self.combine, self.step) if p is not None)
 
-    def aggregate(self, rin: RoundInput, state: State) -> tuple[ServerOutput, State]:
+    def init(self, ctx: ServerContext) -> AggregationState:
+        return AggregationState(
+            weighting=self.weighting.init(ctx),
+            masking=self.masking.init(ctx) if self.masking is not None else None,
+            combine=self.combine.init(ctx),
+            step=self.step.init(ctx) if self.step is not None else None,
+        )
+
+    def aggregate(self, rin: RoundInput, state: AggregationState) -> tuple[ServerOutput, AggregationState]:
         masks, mstate = (None, None)
         if self.masking is not None:
-            masks, mstate = self.masking(rin, state["masking"])
-        weights, wstate = self.weighting(rin, masks, state["weighting"])
-        new_state = {"weighting": wstate, "masking": mstate}
-        if is_stateful(self.combine):
-            params, diagnostics, new_state["combine"] = self.combine(  # type: ignore[call-arg]
-                rin, weights, masks, state["combine"]
-            )
-        else:
-            params, diagnostics = self.combine(rin, weights, masks)  # type: ignore[call-arg]
-        if self.update is not None:
-            params, more, new_state["update"] = self.update(rin, params, weights, state["update"])
+            masks, mstate = self.masking(rin, state.masking)
+        weights, wstate = self.weighting(rin, masks, state.weighting)
+        params, diagnostics, cstate = self.combine(rin, weights, masks, state.combine)
+        sstate = None
+        if self.step is not None:
+            params, more, sstate = self.step(rin, params, weights, state.step)
             diagnostics = {**diagnostics, **more}
         diagnostics = {"weights": weights.tolist(), **diagnostics}
-        return ServerOutput(params, None, diagnostics), new_state
+        return ServerOutput(params, None, diagnostics), AggregationState(wstate, mstate, cstate, sstate)
 
 
-def check_update(
-    update: ClientUpdate, global_params: Params, extras_template: Params | None = None
-) -> Rejection | None:
+def check_upload(upload: Upload, global_params: Params, extras_template: Params | None = None) -> Rejection | None:
     """The one validation of an upload: ``None`` if the server can use it, else the first problem found.
 
     Checked against the broadcast model: the same tensor names (nothing missing, nothing unknown), shapes and
@@ -154,34 +258,34 @@ def check_update(
     same names, shapes and dtypes; ``None``: not compared); every floating tensor finite. Both policies use it:
     ``fail`` raises :meth:`Rejection.error`, ``drop`` leaves the upload out of the round.
     """
-    missing = [n for n in global_params if n not in update.params]
-    extra = [n for n in update.params if n not in global_params]
+    missing = [n for n in global_params if n not in upload.params]
+    extra = [n for n in upload.params if n not in global_params]
     if missing or extra:
-        return Rejection(update.cid, f"upload has missing tensors {missing} / unknown tensors {extra}")
+        return Rejection(upload.cid, f"upload has missing tensors {missing} / unknown tensors {extra}")
     for n, ref in global_params.items():
-        t = update.params[n]
+        t = upload.params[n]
         if t.shape != ref.shape:
-            return Rejection(update.cid, f"tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+            return Rejection(upload.cid, f"tensor '{n}' has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
         if t.dtype != ref.dtype:
-            return Rejection(update.cid, f"tensor '{n}' has dtype {t.dtype}, expected {ref.dtype}")
-    if update.num_samples <= 0:
-        return Rejection(update.cid, f"num_samples must be positive, got {update.num_samples}")
+            return Rejection(upload.cid, f"tensor '{n}' has dtype {t.dtype}, expected {ref.dtype}")
+    if upload.num_samples <= 0:
+        return Rejection(upload.cid, f"num_samples must be positive, got {upload.num_samples}")
     if extras_template is not None:
-        if sorted(update.extras) != sorted(extras_template):
-            return Rejection(update.cid, f"extras {sorted(update.extras)} differ from {sorted(extras_template)}")
+        if sorted(upload.extras) != sorted(extras_template):
+            return Rejection(upload.cid, f"extras {sorted(upload.extras)} differ from {sorted(extras_template)}")
         for n, ref in extras_template.items():
-            t = update.extras[n]
+            t = upload.extras[n]
             if t.shape != ref.shape or t.dtype != ref.dtype:
                 return Rejection(
-                    update.cid, f"extra tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
+                    upload.cid, f"extra tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}"
                 )
     named = [
-        (kind, n, t) for kind, ts in (("tensor", update.params), ("extra tensor", update.extras)) for n, t in ts.items()
+        (kind, n, t) for kind, ts in (("tensor", upload.params), ("extra tensor", upload.extras)) for n, t in ts.items()
     ]
     bad = nonfinite([t for _, _, t in named])
     if bad:
         kind, n, _ = named[bad[0]]
-        return Rejection(update.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
+        return Rejection(upload.cid, f"{kind} '{n}' contains NaN or Inf", nonfinite=True)
     return None
 
 
@@ -198,15 +302,13 @@ def nonfinite(tensors: Sequence[Tensor]) -> list[int]:
     return [i for i in suspect if not bool(torch.isfinite(tensors[i]).all())]
 
 
-def validate_updates(
-    updates: Sequence[ClientUpdate], global_params: Params
-) -> tuple[list[ClientUpdate], list[Rejection]]:
-    """Split uploads into the valid ones and the rejected ones with reasons (:func:`check_update`); the first valid
+def validate_uploads(updates: Sequence[Upload], global_params: Params) -> tuple[list[Upload], list[Rejection]]:
+    """Split uploads into the valid ones and the rejected ones with reasons (:func:`check_upload`); the first valid
     upload's extra tensors are the reference for the others'."""
-    valid: list[ClientUpdate] = []
+    valid: list[Upload] = []
     rejected: list[Rejection] = []
     for u in updates:
-        bad = check_update(u, global_params, valid[0].extras if valid else None)
+        bad = check_upload(u, global_params, valid[0].extras if valid else None)
         if bad is None:
             valid.append(u)
         else:
@@ -247,27 +349,27 @@ class UploadStack:
     def count(self) -> int:
         return len(self.cids)
 
-    def add(self, update: ClientUpdate) -> Rejection | None:
+    def add(self, upload: Upload) -> Rejection | None:
         template = None if self.extras is None else {n: buf[0] for n, buf in self.extras.items()}
-        bad = check_update(update, self.global_params, template)
+        bad = check_upload(upload, self.global_params, template)
         if bad is not None:
             self.rejected.append(bad)
             return bad
         if self.count >= self.capacity:
-            raise ValueError(f"UploadStack holds {self.capacity} uploads; client {update.cid} is one too many")
+            raise ValueError(f"UploadStack holds {self.capacity} uploads; client {upload.cid} is one too many")
         if self.extras is None:
             self.extras = {
                 n: self._alloc(f"extra:{n}", (self.capacity, *t.shape), t.dtype, t.device)
-                for n, t in sorted(update.extras.items())
+                for n, t in sorted(upload.extras.items())
             }
         row = self.count
         for n, buf in self.params.items():
-            buf[row].copy_(update.params[n])
+            buf[row].copy_(upload.params[n])
         for n, buf in self.extras.items():
-            buf[row].copy_(update.extras[n])
-        self.cids.append(update.cid)
-        self.num_samples.append(int(update.num_samples))
-        self.metrics.append({k: float(v) for k, v in update.metrics.items()})
+            buf[row].copy_(upload.extras[n])
+        self.cids.append(upload.cid)
+        self.num_samples.append(int(upload.num_samples))
+        self.metrics.append({k: float(v) for k, v in upload.metrics.items()})
         return None
 
     def round_input(
@@ -285,7 +387,7 @@ class UploadStack:
         if label_hists is not None:
             reports.setdefault(LABEL_HIST.name, np.asarray(label_hists))
         if not self.cids:
-            raise UpdateError("no valid upload in this round")
+            raise UploadError("no valid upload in this round")
         k = self.count
         return RoundInput(
             round=rnd,
@@ -314,9 +416,9 @@ ON_BAD_UPDATE = ("fail", "drop")
 
 
 def enforce(rejected: Sequence[Rejection], on_bad_update: str) -> None:
-    """The one fail/drop policy over a round's rejected uploads (the engine's and :func:`stack_updates`'): under
+    """The one fail/drop policy over a round's rejected uploads (the engine's and :func:`stack_uploads`'): under
     ``'fail'`` the error of the round's first malformed upload, else of its first non-finite one
-    (:class:`NonFiniteUpdateError`, which the engine reports as divergence); under ``'drop'`` nothing (the uploads
+    (:class:`NonFiniteUploadError`, which the engine reports as divergence); under ``'drop'`` nothing (the uploads
     stay out, each with its :class:`Rejection`)."""
     if on_bad_update not in ON_BAD_UPDATE:
         raise ValueError(f"on_bad_update must be one of {ON_BAD_UPDATE}, got {on_bad_update!r}")
@@ -324,8 +426,8 @@ def enforce(rejected: Sequence[Rejection], on_bad_update: str) -> None:
         raise min(rejected, key=lambda r: r.nonfinite).error()
 
 
-def stack_updates(
-    updates: Sequence[ClientUpdate],
+def stack_uploads(
+    updates: Sequence[Upload],
     *,
     rnd: int,
     global_params: Params,
@@ -334,23 +436,23 @@ def stack_updates(
     on_bad_update: str = "fail",
     reports: Mapping[str, np.ndarray] | None = None,
 ) -> RoundInput:
-    """Validate the uploads against the broadcast model (:func:`check_update`) and stack them along a client axis.
+    """Validate the uploads against the broadcast model (:func:`check_upload`) and stack them along a client axis.
 
-    ``on_bad_update='fail'`` raises :class:`UpdateError` naming the client and tensor for a missing, extra,
-    mis-shaped or wrong-dtype upload (:class:`NonFiniteUpdateError` for NaN/Inf); ``'drop'`` leaves such uploads
+    ``on_bad_update='fail'`` raises :class:`UploadError` naming the client and tensor for a missing, extra,
+    mis-shaped or wrong-dtype upload (:class:`NonFiniteUploadError` for NaN/Inf); ``'drop'`` leaves such uploads
     out (``RoundInput.rejected`` says which and why; the rows of ``label_hists`` and of every ``reports`` entry
     follow ``updates``) and raises only when none is left.
     """
     if on_bad_update not in ON_BAD_UPDATE:
         raise ValueError(f"on_bad_update must be one of {ON_BAD_UPDATE}, got {on_bad_update!r}")
     if not updates:
-        raise UpdateError("no client uploaded in this round")
+        raise UploadError("no client uploaded in this round")
     stack = UploadStack(len(updates), global_params)
     kept = [i for i, u in enumerate(updates) if stack.add(u) is None]
     enforce(stack.rejected, on_bad_update)
     if not kept:
         reasons = "; ".join(f"client {r.cid}: {r.reason}" for r in stack.rejected)
-        raise UpdateError(f"no valid upload in this round ({reasons})")
+        raise UploadError(f"no valid upload in this round ({reasons})")
     rows = dict(reports or {})
     if label_hists is not None:
         rows.setdefault(LABEL_HIST.name, np.asarray(label_hists))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput
+from fedskew.protocol import Params, RoundInput, State
+from fedskew.server.api import Combine, Diagnostics
 
 BLOCK_ELEMENTS = {"cpu": 1 << 22}  # float64 elements of one K × block working buffer (32 MiB); per device type
 BLOCK_ELEMENTS_DEFAULT = 1 << 26  # accelerators: fewer, larger kernels (512 MiB)
@@ -76,10 +76,12 @@ def weighted_mean(
 
 
 @dataclass(frozen=True)
-class WeightedMean:
+class WeightedMean(Combine):
     """FedAvg's combine: a per-element weighted mean of every state-dict entry (integer buffers: max)."""
 
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, Diagnostics, State]:
         out: Params = {}
         for name, stacked in rin.params.items():
             if not stacked.is_floating_point():
@@ -87,4 +89,4 @@ class WeightedMean:
             else:
                 mask = None if masks is None else masks.get(name)
                 out[name] = weighted_mean(stacked, weights, mask, rin.global_params[name])
-        return out, {}
+        return out, {}, state

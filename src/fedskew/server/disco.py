@@ -32,6 +32,7 @@ from torch import Tensor
 
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
 from fedskew.schema import StrictSettings
+from fedskew.server.api import Weighting
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9
@@ -170,7 +171,7 @@ DISCREPANCY = "disco_discrepancy"  # the client report of FedDisco's d_k
 
 
 @dataclass(frozen=True)
-class DiscoWeights:
+class DiscoWeights(Weighting):
     """FedDisco's :class:`~fedskew.server.api.Weighting`: Eq. 3 from the participants' histograms and sizes.
 
     ``target=None`` means the uniform distribution; otherwise a tuple of ``num_classes`` non-negative numbers

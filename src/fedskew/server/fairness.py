@@ -20,14 +20,16 @@ statistics) take the same coefficients (q-FFL) or the weighted mean (FedFV); int
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
+from fedskew.server.api import Combine, Composition, Diagnostics, Weighting, refuse_masks
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.weights import normalize
 
@@ -117,8 +119,14 @@ def floor_simplex(lam: Tensor, floor: float) -> Tensor:
     return normalize(torch.where(low, torch.full_like(lam, floor), lam))
 
 
+class AflState(NamedTuple):
+    """AFL's mixture ``λ`` over all N clients (``[N]`` float64 on the simplex)."""
+
+    lam: Tensor
+
+
 @dataclass(frozen=True)
-class AflWeights:
+class AflWeights(Weighting):
     """AFL (Mohri, Sivek, Suresh, ICML 2019): minimax over mixtures ``λ`` of the clients' losses.
 
     State ``λ`` ([N] float64 on the simplex, ``1/N`` at start, as fair_flearn and flgo). Each round the participants
@@ -137,10 +145,10 @@ class AflWeights:
     restart: bool = False
     loss: str = LOSS_BEFORE
 
-    def init(self, ctx: ServerContext) -> State:
-        return {"lam": torch.full((ctx.num_clients,), 1.0 / ctx.num_clients, dtype=torch.float64)}
+    def init(self, ctx: ServerContext) -> AflState:
+        return AflState(torch.full((ctx.num_clients,), 1.0 / ctx.num_clients, dtype=torch.float64))
 
-    def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
+    def __call__(self, rin: RoundInput, masks: Params | None, state: AflState) -> tuple[Tensor, AflState]:
         losses = reported(rin, self.loss, "AFL")
         k = rin.num_participants
         if self.restart:
@@ -148,13 +156,13 @@ class AflWeights:
                 project_simplex(torch.full((k,), 1.0 / k, dtype=torch.float64) + self.step * losses), self.floor
             )
             return normalize(lam), state
-        lam = state["lam"]
+        lam = state.lam
         cids = torch.tensor(rin.cids, dtype=torch.long)
         mine = lam[cids]
         weights = normalize(mine) if bool(mine.sum() > 0) else torch.full((k,), 1.0 / k, dtype=torch.float64)
         stepped = lam.clone()
         stepped[cids] += self.step * losses
-        return weights, {"lam": floor_simplex(project_simplex(stepped), self.floor)}
+        return weights, AflState(floor_simplex(project_simplex(stepped), self.floor))
 
 
 # ---------------------------------------------------------------------------------------------------------- q-FFL
@@ -189,7 +197,7 @@ def qffl_lipschitz(lr: Tensor, steps: Tensor, momentum: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class QfflCombine:
+class QfflCombine(Combine):
     """q-FFL's server step (Li, Sanjabi, Beirami, Smith, ICLR 2020; q-FedAvg, Algorithm 2), see
     :func:`qffl_coefficients`. ``lipschitz``: ``"auto"`` (default) each client's :func:`qffl_lipschitz` from its
     reported ``lr``, ``steps`` and ``momentum`` (sound for several local steps with momentum, issue 22); ``"lr"``
@@ -202,10 +210,9 @@ class QfflCombine:
     lipschitz: str | float = "auto"
     default_weights: ClassVar[str] = "uniform"  # the reference's average, unless -m weights=... says otherwise
 
-    def check_composition(self, method: str, client: str, roles: frozenset[str]) -> None:
-        """The step weighs whole client updates; element masks (HEAL's) have no place in its formula."""
-        if "masking" in roles:
-            raise ConfigError(f"method {method!r}: {type(self).__name__} takes whole client updates, not element masks")
+    def check_composition(self, comp: Composition) -> None:
+        """The step weighs whole client deltas; element masks (HEAL's) have no place in its formula."""
+        refuse_masks(comp, f"{type(self).__name__} takes whole client deltas")
 
     def lipschitz_estimates(self, rin: RoundInput) -> Tensor:
         """``[K]`` float64: the ``L_k`` of this round's participants (class docstring)."""
@@ -219,7 +226,9 @@ class QfflCombine:
             raise ConfigError(f"qffl: lipschitz must be 'auto', 'lr' or a positive number, not {self.lipschitz!r}")
         return torch.full((rin.num_participants,), float(self.lipschitz), dtype=torch.float64)
 
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, Diagnostics, State]:
         if masks is not None:
             raise ValueError("q-FFL's step does not take element masks")
         losses = reported(rin, LOSS_BEFORE, "qffl")
@@ -231,7 +240,8 @@ class QfflCombine:
         for name, stacked in rin.params.items():
             if name not in out:
                 out[name] = stacked.max(0).values
-        return {n: out[n] for n in rin.params}, {"qffl_coef": coef.tolist(), "qffl_step": float(coef.sum())}
+        diagnostics = {"qffl_coef": coef.tolist(), "qffl_step": float(coef.sum())}
+        return {n: out[n] for n in rin.params}, diagnostics, state
 
 
 # ---------------------------------------------------------------------------------------------------------- FedFV
@@ -261,8 +271,21 @@ def fedfv_internal(g: Tensor, losses: list[float], weights: Tensor, alpha: float
     return weights.to(torch.float64) @ c
 
 
+class StoredDelta(NamedTuple):
+    """A client's delta as FedFV keeps it for later rounds' external projections."""
+
+    round: int  # the round it was trained in
+    delta: Params  # name -> tensor, the trainable float tensors
+
+
+class FedFVState(NamedTuple):
+    """FedFV's history: the latest delta of every client seen in the window of its step 2."""
+
+    history: Mapping[int, StoredDelta]
+
+
 @dataclass(frozen=True)
-class FedFVCombine:
+class FedFVCombine(Combine):
     """FedFV (Wang et al., Federated Learning with Fair Averaging, IJCAI 2021; official code WwZzz/easyFL
     ``fedfv.py``), a combine with state.
 
@@ -283,17 +306,16 @@ class FedFVCombine:
     tau: int = 1
     default_weights: ClassVar[str] = "uniform"  # the reference's average, unless -m weights=... says otherwise
 
-    def check_composition(self, method: str, client: str, roles: frozenset[str]) -> None:
-        """The step weighs whole client updates; element masks (HEAL's) have no place in its formula."""
-        if "masking" in roles:
-            raise ConfigError(f"method {method!r}: {type(self).__name__} takes whole client updates, not element masks")
+    def check_composition(self, comp: Composition) -> None:
+        """The step weighs whole client deltas; element masks (HEAL's) have no place in its formula."""
+        refuse_masks(comp, f"{type(self).__name__} takes whole client deltas")
 
-    def init(self, ctx: ServerContext) -> State:
-        return {"history": {}}
+    def init(self, ctx: ServerContext) -> FedFVState:
+        return FedFVState({})
 
     def __call__(
-        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
-    ) -> tuple[Params, dict[str, Any], State]:
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: FedFVState
+    ) -> tuple[Params, Diagnostics, FedFVState]:
         if masks is not None:
             raise ValueError("FedFV's combine does not take element masks")
         losses = reported(rin, LOSS_BEFORE, "fedfv").tolist()
@@ -302,12 +324,10 @@ class FedFVCombine:
         updates = {n: rin.delta(n) for n in names}  # [K, ...] each, computed once
         current = [{n: updates[n][i] for n in names} for i in range(k)]
         # stored updates of clients not in this round, still inside the window of step 2
-        old = {
-            cid: h for cid, h in state["history"].items() if cid not in rin.cids and t - self.tau < int(h["round"]) < t
-        }
+        old = {cid: h for cid, h in state.history.items() if cid not in rin.cids and t - self.tau < h.round < t}
         old_cids = sorted(old)
-        vectors = current + [old[c]["update"] for c in old_cids]
-        rounds = [t] * k + [int(old[c]["round"]) for c in old_cids]
+        vectors = current + [old[c].delta for c in old_cids]
+        rounds = [t] * k + [old[c].round for c in old_cids]
         g = gram(vectors, names)
         w = weights.to(torch.float64)
         a = torch.zeros(len(vectors), dtype=torch.float64)
@@ -342,11 +362,9 @@ class FedFVCombine:
                 out[name] = weighted_mean(stacked, weights)
             else:
                 out[name] = stacked.max(0).values
-        history = {
-            cid: h for cid, h in state["history"].items() if cid not in rin.cids and int(h["round"]) > t + 1 - self.tau
-        }
+        history = {cid: h for cid, h in state.history.items() if cid not in rin.cids and h.round > t + 1 - self.tau}
         if self.tau > 1:  # with tau = 1 no stored update is ever read again
             for i, cid in enumerate(rin.cids):
-                history[cid] = {"round": t, "update": {n: current[i][n].clone() for n in names}}
+                history[cid] = StoredDelta(t, {n: current[i][n].clone() for n in names})
         diagnostics = {"fedfv_coef": a[:k].tolist(), "fedfv_external": projected}
-        return {n: out[n] for n in rin.params}, diagnostics, {"history": history}
+        return {n: out[n] for n in rin.params}, diagnostics, FedFVState(history)

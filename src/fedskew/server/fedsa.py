@@ -57,8 +57,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput
-from fedskew.schema import StrictSettings
+from fedskew.protocol import Params, RoundInput, State
+from fedskew.schema import ConfigError, StrictSettings
+from fedskew.server.api import Combine, Composition, Diagnostics, refuse_masks
 from fedskew.server.combine import column_blocks
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")
@@ -444,7 +445,7 @@ FEDSA = FedSAParams()  # the defaults
 
 
 @dataclass(frozen=True)
-class FedSACombine:
+class FedSACombine(Combine):
     """FedSA / FedPake as a :class:`~fedskew.server.api.Combine` (spec 1.3-1.6).
 
     Every **trainable** tensor (``rin.trainable``) goes through :func:`fedsa_layer`, flattened. Buffers
@@ -493,7 +494,18 @@ class FedSACombine:
             if value not in allowed:
                 raise ValueError(f"FedSA {fname} must be one of {allowed}, got {value!r}")
 
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def check_composition(self, comp: Composition) -> None:
+        """No element masks; and with ``low_weighting='uniform'`` no client weights, which it would ignore."""
+        refuse_masks(comp, "FedSA's combine takes no element masks")
+        if self.low_weighting == "uniform" and ("weighting" in comp.roles or comp.weights_given):
+            raise ConfigError(
+                f"method {comp.method!r}: FedSA with low_weighting=uniform ignores client weights; "
+                "add -m low_weighting=samples to use them in the low-dispersion mean"
+            )
+
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, Diagnostics, State]:
         if masks is not None:
             raise ValueError("FedSACombine does not support element masks (FedSA is not used with masking)")
         k = rin.num_participants
@@ -539,4 +551,4 @@ class FedSACombine:
             "fedsa_high_frac": float(total_h / total_m) if total_m else 0.0,
             "fedsa_skew": float(skew_sum / total_m) if total_m else 0.0,
         }
-        return out, diagnostics
+        return out, diagnostics, state

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.schema import StrictSettings
-from fedskew.server.api import Aggregation
+from fedskew.server.api import Aggregation, Masking, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
 
@@ -116,7 +116,7 @@ HEAL = HealParams()  # the defaults
 
 
 @dataclass(frozen=True)
-class HealMasks:
+class HealMasks(Masking):
     """FPHL (paper Eq. 5-9): keep an element of client k's update when its sign agrees with k's history.
 
     ``tau`` (default 0.3, Digits; 0.4 Office-Caltech) is read as the nearest fraction with denominator <= 10^6
@@ -240,7 +240,7 @@ class FaelState:
 
 
 @dataclass(frozen=True)
-class FaelWeights:
+class FaelWeights(Weighting):
     """FAEL (paper Eq. 11-12): momentum-smoothed share of the masked-update distance, accumulated per client.
 
     Per round, for the participants only: ``share = d / Σ d`` (all zero: ``1/K``), ``dp <- (1 - beta)·dp +

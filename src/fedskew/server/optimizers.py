@@ -1,37 +1,47 @@
 """Server optimizers of the FedDisco paper's hosts: FedAvgM's momentum, FedNova's normalized averaging, and the
 "cloud model" correction of FedDyn and FedDC.
 
-* :class:`ServerMomentum` (role ``update``): FedAvgM (Hsu et al., 2019). The combined model ``w̄`` defines the
-  pseudo-gradient ``Δ = w^t − w̄``; the server keeps a momentum buffer ``v`` and steps ``w^{t+1} = w^t − η·v``.
-  ``form="ema"`` is FedDisco's code, ``v ← m·v + (1 − m)·Δ``; ``form="hsu"`` is Hsu et al.'s heavy ball,
-  ``v ← m·v + Δ``. The two are the same method in two parameterizations (``ema`` with η equals ``hsu`` with
-  ``η·(1 − m)``); both are offered so that a value from either source can be used as written.
+* :func:`fedavgm` (role ``step``): FedAvgM (Hsu et al., 2019) as a :class:`~fedskew.server.api.Descent` chain. The
+  combined model ``w̄`` defines the pseudo-gradient ``g = w^t − w̄``; a momentum transform keeps a buffer ``v`` and
+  :class:`Scale` the server learning rate η: ``w^{t+1} = w^t − η·v``. ``form="ema"`` is FedDisco's code,
+  :class:`Ema` ``v ← m·v + (1 − m)·g``; ``form="hsu"`` is Hsu et al.'s heavy ball, :class:`Trace` ``v ← m·v + g``.
+  The two are the same method in two parameterizations (``ema`` with η equals ``hsu`` with ``η·(1 − m)``); both are
+  offered so that a value from either source can be used as written.
 * :class:`NovaCombine` (role ``combine``): FedNova (Wang et al., NeurIPS 2020). Each client's update is divided by
   its normalizer ``a_k`` (its local step count ``τ_k``, from ``RoundInput.metrics["steps"]``), and the weighted mean
   of the normalized updates is scaled back by ``τ_eff = Σ_k p_k a_k``:
   ``w^{t+1} = w^t + Σ_k (p_k τ_eff / a_k)(w_k − w^t)``, with ``p_k`` the weighting's weights (sample shares, or
   Disco's: "Disco re-weighting before FedNova's normalization", spec §2.3).
-* :class:`CloudCorrection` (role ``update``, implied by the ``feddyn`` and ``feddc`` client parts): the server model
+* :class:`CloudCorrection` (role ``step``, implied by the ``feddyn`` and ``feddc`` client parts): the server model
   is the weighted average plus the mean over all N clients of their accumulated updates,
   ``s ← s + (1/N) Σ_{k∈P_t} (w_k − w^t)``, ``w^{t+1} = w̄ + s``. This is FedDyn's ``θ^t = mean − h^t/α`` (Acar et al.,
   Algorithm 1: ``h`` changes by ``−α/N·Σ(w_k − w^t)``, so ``−h/α = s``) and FedDC's ``w̄ + mean_i h_i`` (official
   code; ``h_i`` is client i's accumulated drift). Disco changes only ``w̄`` (spec §2.3); ``s`` keeps its ``1/N``.
 
-Each piece is a small frozen dataclass with explicit state (``init(ctx) -> state``); the arithmetic is in float64
-and the result is cast back to each tensor's dtype. The formulas are pure functions (:func:`momentum_step`,
-:func:`nova_normalizer`, :func:`nova_coefficients`) so tests check them against hand computations.
+Each piece is a small frozen dataclass with explicit, typed state (``init(ctx) -> state``); the arithmetic is in
+float64 and the result is cast back to each tensor's dtype. FedNova's formulas are pure functions
+(:func:`nova_normalizer`, :func:`nova_coefficients`) so tests check them against hand computations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
+from fedskew.server.api import (
+    Combine,
+    Composition,
+    Descent,
+    Diagnostics,
+    GradientTransform,
+    ServerStep,
+    refuse_masks,
+)
 from fedskew.server.combine import weighted_sums
 
 
@@ -40,58 +50,77 @@ def _float_names(params: Params) -> list[str]:
 
 
 # ---- FedAvgM ----------------------------------------------------------------------------------------------------
-def momentum_step(
-    previous: Tensor, combined: Tensor, v: Tensor, *, momentum: float, server_lr: float, form: str
-) -> tuple[Tensor, Tensor]:
-    """One FedAvgM server step on one tensor, in float64: returns ``(w^{t+1}, v')``.
+class MomentumState(NamedTuple):
+    """A momentum transform's buffer ``v``, one per floating state-dict entry, in the entry's dtype."""
 
-    ``Δ = previous − combined``; ``ema``: ``v' = m·v + (1 − m)·Δ``; ``hsu``: ``v' = m·v + Δ``; ``w^{t+1} = previous −
-    server_lr·v'``. With ``m = 0`` and ``server_lr = 1`` the result is ``combined`` (FedAvg)."""
-    w = previous.to(torch.float64)
-    delta = w - combined.to(torch.float64)
-    v_new = momentum * v.to(torch.float64) + ((1.0 - momentum) * delta if form == "ema" else delta)
-    return w - server_lr * v_new, v_new
+    v: Params
+
+
+def _check_momentum(momentum: float) -> None:
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"server momentum must be in [0, 1), got {momentum}")
 
 
 @dataclass(frozen=True)
-class ServerMomentum:
-    """FedAvgM's server momentum (an ``update`` piece). State: ``{"v": name -> buffer}`` over every floating
-    state-dict entry (FedDisco's code applies it to every key); integer buffers take the combined value."""
-
+class _Momentum(GradientTransform):
     momentum: float = 0.9
-    server_lr: float = 1.0
-    form: Literal["ema", "hsu"] = "ema"
+    form: str = "ema"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"server momentum must be in [0, 1), got {self.momentum}")
-        if not self.server_lr > 0:
-            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
-        if self.form not in ("ema", "hsu"):
-            raise ValueError(f"form must be 'ema' or 'hsu', got {self.form!r}")
+        _check_momentum(self.momentum)
 
-    def init(self, ctx: ServerContext) -> State:
-        return {"v": {n: torch.zeros_like(ctx.template[n]) for n in _float_names(ctx.template)}}
+    def init(self, ctx: ServerContext) -> MomentumState:
+        return MomentumState({n: torch.zeros_like(ctx.template[n]) for n in _float_names(ctx.template)})
 
-    def __call__(
-        self, rin: RoundInput, params: Params, weights: Tensor, state: State
-    ) -> tuple[Params, dict[str, Any], State]:
-        out = dict(params)
+    def __call__(self, grads: Params, state: MomentumState) -> tuple[Params, Diagnostics, MomentumState]:
+        m = self.momentum
+        out: Params = {}
         v_new: Params = {}
         sq = 0.0
-        for name, v in state["v"].items():
-            w, v64 = momentum_step(
-                rin.global_params[name],
-                params[name],
-                v,
-                momentum=self.momentum,
-                server_lr=self.server_lr,
-                form=self.form,
-            )
-            out[name] = w.to(params[name].dtype)
-            v_new[name] = v64.to(v.dtype)
-            sq += float((v64**2).sum())
-        return out, {"fedavgm_momentum_norm": sq**0.5}, {"v": v_new}
+        for name, v in state.v.items():
+            g = grads[name]
+            out[name] = m * v.to(torch.float64) + ((1.0 - m) * g if self.form == "ema" else g)
+            v_new[name] = out[name].to(v.dtype)
+            sq += float((out[name] ** 2).sum())
+        return out, {"momentum_norm": sq**0.5}, MomentumState(v_new)
+
+
+@dataclass(frozen=True)
+class Ema(_Momentum):
+    """``v ← m·v + (1 − m)·g`` (FedDisco's FedAvgM; optax's ``ema`` without debiasing)."""
+
+    form: str = "ema"
+
+
+@dataclass(frozen=True)
+class Trace(_Momentum):
+    """``v ← m·v + g``, heavy-ball momentum (Hsu et al.'s FedAvgM; optax's ``trace``)."""
+
+    form: str = "hsu"
+
+
+@dataclass(frozen=True)
+class Scale(GradientTransform):
+    """``g ← lr·g``: the server learning rate."""
+
+    lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"server_lr must be positive, got {self.lr}")
+
+    def __call__(self, grads: Params, state: State) -> tuple[Params, Diagnostics, State]:
+        return {n: self.lr * g for n, g in grads.items()}, {}, state
+
+
+def fedavgm(momentum: float = 0.9, server_lr: float = 1.0, form: Literal["ema", "hsu"] = "ema") -> Descent:
+    """FedAvgM's server step: ``ema`` (or ``hsu``: ``trace``) momentum, then ``scale`` by the server learning rate,
+    over every floating state-dict entry (FedDisco's code applies it to every key); integer buffers take the combined
+    value. Diagnostic: ``fedavgm_momentum_norm``, the norm of the new buffer."""
+    if form not in ("ema", "hsu"):
+        raise ValueError(f"form must be 'ema' or 'hsu', got {form!r}")
+    trace = Ema(momentum) if form == "ema" else Trace(momentum)
+    return Descent((("momentum", trace), ("scale", Scale(server_lr))), prefix="fedavgm")
 
 
 # ---- FedNova ----------------------------------------------------------------------------------------------------
@@ -123,7 +152,7 @@ def nova_coefficients(weights: Tensor, normalizer: Tensor) -> tuple[Tensor, floa
 
 
 @dataclass(frozen=True)
-class NovaCombine:
+class NovaCombine(Combine):
     """FedNova's normalized averaging (a ``combine`` piece) over every floating state-dict entry, as FedDisco's
     code does for every key; integer buffers take the max (as :class:`~fedskew.server.combine.WeightedMean`).
 
@@ -137,14 +166,13 @@ class NovaCombine:
         if not 0.0 <= self.local_momentum < 1.0:
             raise ValueError(f"local_momentum must be in [0, 1), got {self.local_momentum}")
 
-    def check_composition(self, method: str, client: str, roles: frozenset[str]) -> None:
-        """FedNova rescales whole client updates; element masks (HEAL's) have no place in its formula."""
-        if "masking" in roles:
-            raise ConfigError(
-                f"method {method!r}: FedNova's normalized averaging takes one weight per client, not element masks"
-            )
+    def check_composition(self, comp: Composition) -> None:
+        """FedNova rescales whole client deltas; element masks (HEAL's) have no place in its formula."""
+        refuse_masks(comp, "FedNova's normalized averaging takes one weight per client")
 
-    def __call__(self, rin: RoundInput, weights: Tensor, masks: Params | None) -> tuple[Params, dict[str, Any]]:
+    def __call__(
+        self, rin: RoundInput, weights: Tensor, masks: Params | None, state: State
+    ) -> tuple[Params, Diagnostics, State]:
         if masks is not None:
             raise ValueError("FedNova's combine does not take element masks")
         if "steps" not in rin.metrics:
@@ -163,40 +191,47 @@ class NovaCombine:
             total, _ = weighted_sums(stacked.reshape(k, -1), coef)
             w = rin.global_params[name].to(device=total.device, dtype=torch.float64).reshape(-1)
             out[name] = (keep * w + total).reshape(stacked.shape[1:]).to(stacked.dtype)
-        return out, {"fednova_tau_eff": tau_eff, "fednova_coefficients": coef.tolist()}
+        return out, {"fednova_tau_eff": tau_eff, "fednova_coefficients": coef.tolist()}, state
 
 
 # ---- FedDyn / FedDC ---------------------------------------------------------------------------------------------
+class CloudState(NamedTuple):
+    """FedDyn's / FedDC's accumulated mean delta ``s`` (trainable float tensors) over ``num_clients`` clients."""
+
+    s: Params
+    num_clients: int
+
+
 @dataclass(frozen=True)
-class CloudCorrection:
-    """FedDyn's and FedDC's server model (an ``update`` piece): ``w^{t+1} = w̄ + s`` over the trainable parameters,
+class CloudCorrection(ServerStep):
+    """FedDyn's and FedDC's server model (a ``step`` piece): ``w^{t+1} = w̄ + s`` over the trainable parameters,
     ``s ← s + (1/N) Σ_{k∈P_t} (w_k − w^t)`` (N: every client of the federation; absent clients add nothing).
-    Buffers take the combined value. State: ``{"s": name -> tensor, "num_clients": N}``.
+    Buffers take the combined value. State: :class:`CloudState`.
 
     ``clients``: the client parts it belongs to (the registry passes those that imply it)."""
 
     clients: tuple[str, ...] = ("feddyn", "feddc")
 
-    def check_composition(self, method: str, client: str, roles: frozenset[str]) -> None:
-        """Without FedDyn's or FedDC's client regularizer the accumulated mean update grows without bound."""
-        if client not in self.clients:
+    def check_composition(self, comp: Composition) -> None:
+        """Without FedDyn's or FedDC's client regularizer the accumulated mean delta grows without bound."""
+        if comp.client not in self.clients:
             raise ConfigError(
-                f"method {method!r}: 'cloud' is the server side of {' and '.join(self.clients)} (implied by them); "
-                f"with the {client!r} client nothing keeps its accumulated correction bounded"
+                f"method {comp.method!r}: 'cloud' is the server side of {' and '.join(self.clients)} (implied by "
+                f"them); with the {comp.client!r} client nothing keeps its accumulated correction bounded"
             )
 
-    def init(self, ctx: ServerContext) -> State:
+    def init(self, ctx: ServerContext) -> CloudState:
         names = sorted(n for n in ctx.trainable if ctx.template[n].is_floating_point())
-        return {"s": {n: torch.zeros_like(ctx.template[n]) for n in names}, "num_clients": int(ctx.num_clients)}
+        return CloudState({n: torch.zeros_like(ctx.template[n]) for n in names}, int(ctx.num_clients))
 
     def __call__(
-        self, rin: RoundInput, params: Params, weights: Tensor, state: State
-    ) -> tuple[Params, dict[str, Any], State]:
-        n_all = state["num_clients"]
+        self, rin: RoundInput, params: Params, weights: Tensor, state: CloudState
+    ) -> tuple[Params, Diagnostics, CloudState]:
+        n_all = state.num_clients
         out = dict(params)
         s_new: Params = {}
         sq = 0.0
-        for name, s in state["s"].items():
+        for name, s in state.s.items():
             stacked = rin.params[name]
             k = stacked.shape[0]
             total, _ = weighted_sums(stacked.reshape(k, -1), torch.full((k,), 1.0 / n_all, dtype=torch.float64))
@@ -205,4 +240,4 @@ class CloudCorrection:
             s_new[name] = s64.reshape(s.shape).to(s.dtype)
             out[name] = (params[name].to(torch.float64) + s_new[name].to(torch.float64)).to(params[name].dtype)
             sq += float((s64**2).sum())
-        return out, {"cloud_correction_norm": sq**0.5}, {"s": s_new, "num_clients": n_all}
+        return out, {"cloud_correction_norm": sq**0.5}, CloudState(s_new, n_all)

@@ -10,7 +10,7 @@ participant's uploaded buffers into its personalized model. Absent clients keep 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,6 +95,12 @@ def customized_mixing(collab: Tensor) -> Tensor:
     return a / a.sum(1, keepdim=True)
 
 
+class PersonalState(NamedTuple):
+    """A personalized server's state: its weighting's (for the global model it also computes)."""
+
+    weighting: State = None
+
+
 @dataclass(frozen=True)
 class FedCAC:
     """FedCAC (Wu et al., NeurIPS 2023): each participant's next model is ``M_i ⊙ u_i + (1 − M_i) ⊙ w̄`` per trainable
@@ -106,17 +112,17 @@ class FedCAC:
     weighting: Weighting
     beta: float = 100.0
 
-    def init(self, ctx: ServerContext) -> State:
-        return {"weighting": self.weighting.init(ctx)}
+    def init(self, ctx: ServerContext) -> PersonalState:
+        return PersonalState(self.weighting.init(ctx))
 
-    def aggregate(self, rin: RoundInput, state: State) -> tuple[ServerOutput, State]:
+    def aggregate(self, rin: RoundInput, state: PersonalState) -> tuple[ServerOutput, PersonalState]:
         names = [n for n in rin.params if n in rin.trainable]
         missing = [n for n in names if f"{MASK_PREFIX}{n}" not in rin.extras]
         if missing:
             raise ValueError(f"FedCAC needs every client's critical masks; missing for {missing[:3]}")
         masks = {n: rin.extras[f"{MASK_PREFIX}{n}"] for n in names}
-        weights, wstate = self.weighting(rin, None, state["weighting"])
-        wbar, _ = WeightedMean()(rin, weights, None)
+        weights, wstate = self.weighting(rin, None, state.weighting)
+        wbar, _, _ = WeightedMean()(rin, weights, None, None)
         diagnostics: dict[str, Any] = {"weights": weights.tolist()}
         if rin.num_participants == 1:
             collab = torch.zeros(1, 1, dtype=torch.bool)
@@ -141,7 +147,7 @@ class FedCAC:
                 "cac_critical_frac": critical,
             }
         )
-        return ServerOutput(wbar, personal_models(rin, new), diagnostics), {"weighting": wstate}
+        return ServerOutput(wbar, personal_models(rin, new), diagnostics), PersonalState(wstate)
 
 
 # ---- FedAMP ------------------------------------------------------------------------------------------------------
@@ -188,12 +194,12 @@ class FedAMP:
     decay_rate: float = 0.1
     decay_every: int = 30
 
-    def init(self, ctx: ServerContext) -> State:
-        return {"weighting": self.weighting.init(ctx)}
+    def init(self, ctx: ServerContext) -> PersonalState:
+        return PersonalState(self.weighting.init(ctx))
 
-    def aggregate(self, rin: RoundInput, state: State) -> tuple[ServerOutput, State]:
-        weights, wstate = self.weighting(rin, None, state["weighting"])
-        wbar, _ = WeightedMean()(rin, weights, None)
+    def aggregate(self, rin: RoundInput, state: PersonalState) -> tuple[ServerOutput, PersonalState]:
+        weights, wstate = self.weighting(rin, None, state.weighting)
+        wbar, _, _ = WeightedMean()(rin, weights, None, None)
         alpha = self.alpha_k * self.decay_rate ** ((rin.round - 1) // self.decay_every)
         xi, rescaled = amp_mixing(squared_distances(rin), alpha, self.sigma)
         new = {n: mix(xi, t) for n, t in rin.params.items() if n in rin.trainable}
@@ -204,4 +210,4 @@ class FedAMP:
             "amp_self_weight_mean": float(xi.diagonal().mean()),
             "amp_rows_rescaled": rescaled,
         }
-        return ServerOutput(wbar, personal_models(rin, new), diagnostics), {"weighting": wstate}
+        return ServerOutput(wbar, personal_models(rin, new), diagnostics), PersonalState(wstate)

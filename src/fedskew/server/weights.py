@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import Params, RoundInput, State
+from fedskew.server.api import Weighting
 
 
 def normalize(raw: Tensor) -> Tensor:
@@ -19,22 +20,16 @@ def normalize(raw: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class SampleWeights:
+class SampleWeights(Weighting):
     """FedAvg's weights: each participant's share of the round's training samples."""
-
-    def init(self, ctx: ServerContext) -> State:
-        return None
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return normalize(rin.num_samples.to(torch.float64)), state
 
 
 @dataclass(frozen=True)
-class UniformWeights:
+class UniformWeights(Weighting):
     """Unweighted averaging: 1/K each (the control for every re-weighting method)."""
-
-    def init(self, ctx: ServerContext) -> State:
-        return None
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         k = rin.num_participants

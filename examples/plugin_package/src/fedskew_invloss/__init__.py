@@ -5,20 +5,18 @@ from pydantic import Field
 
 from fedskew.registry import ServerPlugin
 from fedskew.schema import StrictSettings
+from fedskew.server.api import Weighting
 
 
 class InvLossParams(StrictSettings):
     power: float = Field(1.0, ge=0)  # -m power=2: sharper preference for low-loss clients
 
 
-class InverseLossWeights:
-    """weights_k ∝ loss_k^(-power), normalized; stateless."""
+class InverseLossWeights(Weighting):
+    """weights_k ∝ loss_k^(-power), normalized; stateless (``Weighting``'s default ``init`` returns ``None``)."""
 
     def __init__(self, power: float) -> None:
         self.power = power
-
-    def init(self, ctx):
-        return None
 
     def __call__(self, rin, masks, state):
         w = rin.metrics["train_loss"].clamp_min(1e-8).pow(-self.power)
