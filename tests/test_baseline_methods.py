@@ -25,15 +25,19 @@ from fedskew.client.baselines import (
     ntd_loss,
     top_parameter_names,
 )
-from fedskew.client.fedgen import LABELS, PREFIX, FedGen, Generator, draw, ensemble_logits
+from fedskew.client.fedgen import FedGen
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.client.personal import PERSONAL
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import dropped_out, sample_clients
 from fedskew.methods import describe_methods, resolve_method
+from fedskew.models.generator import Generator, draw
+from fedskew.protocol import FEDGEN_GENERATOR as PREFIX
+from fedskew.protocol import FEDGEN_LABELS as LABELS
 from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
 from fedskew.schema import ConfigError
 from fedskew.server.api import stack_uploads
+from fedskew.server.fedgen import FedGenServer, ensemble_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64
@@ -157,19 +161,20 @@ def test_ensemble_logits_is_the_share_weighted_sum_of_the_heads():
 
 
 def _fedgen_setup(seed=3, **kw):
-    algo = FedGen(noise_dim=5, hidden_dim=7, server_epochs=30, gen_batch_size=6, **kw)
+    algo = FedGen(noise_dim=5, hidden_dim=7, gen_batch_size=6, **kw)
+    half = FedGenServer(noise_dim=5, hidden_dim=7, server_epochs=30, gen_batch_size=6)
     model, x, y = _tiny()
     model = model.float()
     template = snapshot(model)
     hists = np.array([[5, 0, 1], [0, 4, 2]])
     sctx = ServerContext(2, 3, template, frozenset(template), np.array([6, 6]), hists, seed=seed)
-    return algo, model, x.float(), y, template, sctx
+    return algo, half, model, x.float(), y, template, sctx
 
 
 def test_fedgen_client_objective_gradient_matches_the_written_out_loss():
-    algo, model, x, y, template, sctx = _fedgen_setup(gen_weight=0.5)
-    state = algo.server_init(sctx)
-    bc = algo.broadcast(state)
+    algo, half, model, x, y, template, sctx = _fedgen_setup(gen_weight=0.5)
+    state = half.init(sctx)
+    bc = half.broadcast(state)
     assert torch.allclose(bc[LABELS].double(), torch.tensor([5 / 12, 4 / 12, 3 / 12], dtype=F64))
     ctx = _ctx(model, template, broadcast=bc, generator=torch.Generator().manual_seed(11))
     algo.begin(ctx)
@@ -190,7 +195,7 @@ def test_fedgen_client_objective_gradient_matches_the_written_out_loss():
     )
 
 
-def _fedgen_round(algo, template, rnd=1, seed=0):
+def _fedgen_round(template, rnd=1, seed=0):
     torch.manual_seed(seed + 100)
     ups = []
     for cid in range(2):
@@ -202,32 +207,32 @@ def _fedgen_round(algo, template, rnd=1, seed=0):
 
 
 def test_fedgen_generator_training_is_seeded_changes_the_generator_and_fits_the_heads():
-    algo, _, _, _, template, sctx = _fedgen_setup()
-    s0 = algo.server_init(sctx)
-    assert all(torch.equal(v, algo.server_init(sctx)["generator"][k]) for k, v in s0["generator"].items())
-    other = algo.server_init(dataclasses.replace(sctx, seed=4))
-    assert not torch.equal(other["generator"]["fc.weight"], s0["generator"]["fc.weight"])
-    rin = _fedgen_round(algo, template)
-    s1 = algo.server_update(rin, s0)
-    s1b = algo.server_update(rin, s0)  # same state, same round: same draws
-    assert all(torch.equal(s1["generator"][k], s1b["generator"][k]) for k in s1["generator"])
-    assert not torch.equal(s1["generator"]["fc.weight"], s0["generator"]["fc.weight"])
-    assert s1["optimizer"]["state"][0]["step"] == 30
+    _, half, _, _, _, template, sctx = _fedgen_setup()
+    s0 = half.init(sctx)
+    assert all(torch.equal(v, half.init(sctx).generator[k]) for k, v in s0.generator.items())
+    other = half.init(dataclasses.replace(sctx, seed=4))
+    assert not torch.equal(other.generator["fc.weight"], s0.generator["fc.weight"])
+    rin = _fedgen_round(template)
+    s1 = half.advance(rin, s0)
+    s1b = half.advance(rin, s0)  # same state, same round: same draws
+    assert all(torch.equal(s1.generator[k], s1b.generator[k]) for k in s1.generator)
+    assert not torch.equal(s1.generator["fc.weight"], s0.generator["fc.weight"])
+    assert s1.optimizer["state"][0]["step"] == 30
     assert not torch.equal(
-        algo.server_update(_fedgen_round(algo, template, rnd=2), s0)["generator"]["fc.weight"],
-        s1["generator"]["fc.weight"],
+        half.advance(_fedgen_round(template, rnd=2), s0).generator["fc.weight"],
+        s1.generator["fc.weight"],
     )
 
     def ensemble_loss(state):  # the objective the server minimizes, on fixed draws
         gen = Generator(5, 3, 7, 6)
-        gen.load_state_dict(state["generator"])
-        labels, noise = draw(state["label_shares"], 200, 5, torch.Generator().manual_seed(0))
+        gen.load_state_dict(state.generator)
+        labels, noise = draw(state.label_shares, 200, 5, torch.Generator().manual_seed(0))
         shares = rin.num_samples / rin.num_samples.sum()
         logits = ensemble_logits(gen.train()(labels, noise), rin.params["head.weight"], rin.params["head.bias"], shares)
         return float(F.cross_entropy(logits, labels).detach())
 
-    longer = FedGen(noise_dim=5, hidden_dim=7, server_epochs=300, gen_batch_size=6)
-    assert ensemble_loss(longer.server_update(rin, s0)) < ensemble_loss(s0) - 0.1
+    longer = FedGenServer(noise_dim=5, hidden_dim=7, server_epochs=300, gen_batch_size=6)
+    assert ensemble_loss(longer.advance(rin, s0)) < ensemble_loss(s0) - 0.1
 
 
 # ---- FedBABU --------------------------------------------------------------------------------------------------------
@@ -472,7 +477,7 @@ def test_checkpoint_resume_is_exact(method, args):
     assert rec_first + rec_rest == rec_whole
     assert all(torch.equal(resumed.global_params[k], whole.global_params[k]) for k in whole.global_params)
     if method == "fedgen":
-        g1, g2 = resumed.client_server_state["generator"], whole.client_server_state["generator"]
+        g1, g2 = resumed.server_half_state.generator, whole.server_half_state.generator
         assert all(torch.equal(g1[k], g2[k]) for k in g2)
 
 
@@ -480,5 +485,5 @@ def test_fedgen_runs_are_reproducible_and_broadcast_the_generator():
     a, b = digits_simulation("fedgen", {"server_epochs": 10}), digits_simulation("fedgen", {"server_epochs": 10})
     assert _records(a.run()) == _records(b.run())
     assert all(torch.equal(a.global_params[k], b.global_params[k]) for k in a.global_params)
-    bc = a.method.client.broadcast(a.client_server_state)
+    bc = a.method.server_half.broadcast(a.server_half_state)
     assert LABELS in bc and f"{PREFIX}fc.weight" in bc

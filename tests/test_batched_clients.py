@@ -194,8 +194,8 @@ def test_round_batched_matches_round_with_partial_participation(one_thread):
     for k in seq.global_params:
         _close(seq.global_params[k], bat.global_params[k], f"global {k}")
     _same_states(seq.client_states, bat.client_states)
-    for k in seq.client_server_state["c"]:
-        _close(seq.client_server_state["c"][k], bat.client_server_state["c"][k], f"c {k}")
+    for k in seq.server_half_state.c:
+        _close(seq.server_half_state.c[k], bat.server_half_state.c[k], f"c {k}")
 
 
 def test_groups_of_clients_give_the_same_uploads(one_thread):

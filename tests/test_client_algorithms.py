@@ -12,6 +12,7 @@ from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.protocol import ServerContext
 from fedskew.server.api import stack_uploads
+from fedskew.server.halves import ScaffoldServer
 
 
 def _setup(seed=0):
@@ -119,12 +120,13 @@ def test_scaffold_first_round_is_sgd_and_control_update():
     # server: c <- c + sum(dc)/N over all N clients
     trainable = frozenset(n for n, _ in model.named_parameters())
     sctx = ServerContext(4, 3, g, trainable, np.ones(4), np.ones((4, 3)))
-    s0 = algo.server_init(sctx)
+    half = ScaffoldServer()
+    s0 = half.init(sctx)
     rin = stack_uploads([upd, upd], rnd=1, global_params=g, trainable=trainable, label_hists=np.ones((2, 3)))
-    s1 = algo.server_update(rin, s0)
-    assert torch.allclose(s1["c"]["head.bias"], 2 * upd.extras["scaffold_dc/head.bias"] / 4)
+    s1 = half.advance(rin, s0)
+    assert torch.allclose(s1.c["head.bias"], 2 * upd.extras["scaffold_dc/head.bias"] / 4)
     # a non-zero correction changes the trajectory in its direction
-    bc = algo.broadcast(s1)
+    bc = half.broadcast(s1)
     upd2, _ = _train(Scaffold(), model, g, x, y, state={}, broadcast=bc)
     assert not _close(upd2.params, sgd.params)
 

@@ -15,22 +15,21 @@ from conftest import digits_simulation
 import fedskew.data.federated as fed
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.client.loss_before import LOSS_AFTER, LOSS_BEFORE, MOMENTUM, LossAfter, LossBefore, mean_loss
-from fedskew.client.prototypes import (
-    GLOBAL_PRESENT,
-    GLOBAL_PROTOS,
-    PROTO_COUNT,
-    PROTO_MEAN,
-    FedProc,
-    FedProto,
-    aggregate_prototypes,
-    curriculum_weight,
-)
+from fedskew.client.prototypes import FedProc, FedProto, curriculum_weight
 from fedskew.config import ConfigError, make_config
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
-from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.protocol import (
+    GLOBAL_PRESENT,
+    GLOBAL_PROTOS,
+    PROTO_COUNT,
+    PROTO_MEAN,
+    TIMING_KEYS,
+    ServerContext,
+    Upload,
+)
 from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fairness import (
@@ -42,6 +41,7 @@ from fedskew.server.fairness import (
     qffl_coefficients,
     qffl_lipschitz,
 )
+from fedskew.server.halves import PrototypeServer, aggregate_prototypes
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 F64 = torch.float64
@@ -270,10 +270,10 @@ def test_prototype_aggregation_hand_case():
     protos_s, _ = aggregate_prototypes(means, counts, "samples")
     assert protos_s[0].tolist() == pytest.approx([5 / 3, 0.0])
     assert protos_s[1:3].tolist() == [[0.0, 2.0], [4.0, 4.0]]
-    # the server side: a class no participant of a later round has keeps its prototype
-    algo = FedProto()
-    state = algo.server_init(ServerContext(2, 4, {}, frozenset(), np.ones(2), np.ones((2, 4))))
-    assert algo.broadcast(state) == {}
+    # the server half: a class no participant of a later round has keeps its prototype
+    half = PrototypeServer()
+    state = half.init(ServerContext(2, 4, {}, frozenset(), np.ones(2), np.ones((2, 4))))
+    assert half.broadcast(state) == {}
 
     def rin(m, c):
         ups = [Upload(i, {"w": torch.zeros(1)}, 5, extras={PROTO_MEAN: m[i], PROTO_COUNT: c[i]}) for i in range(len(m))]
@@ -281,10 +281,10 @@ def test_prototype_aggregation_hand_case():
             ups, rnd=1, global_params={"w": torch.zeros(1)}, trainable=frozenset(), label_hists=np.ones((len(m), 4))
         )
 
-    state = algo.server_update(rin(means, counts), state)
+    state = half.advance(rin(means, counts), state)
     later = torch.tensor([[[7.0, 7.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
-    state = algo.server_update(rin(later, torch.tensor([[1.0, 0.0, 0.0, 0.0]])), state)
-    sent = algo.broadcast(state)
+    state = half.advance(rin(later, torch.tensor([[1.0, 0.0, 0.0, 0.0]])), state)
+    sent = half.broadcast(state)
     assert sent[GLOBAL_PROTOS].tolist() == [[7.0, 7.0], [0.0, 2.0], [4.0, 4.0], [0.0, 0.0]]
     assert sent[GLOBAL_PRESENT].tolist() == [True, True, True, False]
 
@@ -417,7 +417,7 @@ def test_loss_before_is_reported_and_changes_nothing_else():
     assert up.metrics[LOSS_BEFORE] == pytest.approx(expected, rel=1e-6) and up.metrics["lr"] == 0.1
     assert up.metrics[MOMENTUM] == 0.0 and up.metrics["steps"] == 2 * 3  # q-FFL's auto Lipschitz estimate reads both
     assert _same_params(up.params, plain.params) and _same_params(up.extras, plain.extras)
-    assert wrapped.name == "fedproto" and wrapped.lam == 1.0  # the host's attributes show through
+    assert type(wrapped.inner).__name__ == "FedProto" and wrapped.lam == 1.0  # the host's attributes show through
     assert isinstance(resolve_method("fedproto+afl+fedfv", {}).client, LossBefore)  # wrapped once for both
 
 
@@ -444,7 +444,7 @@ def test_afl_after_training_reads_the_loss_after_and_needs_validation_splits():
     w, _ = AflWeights(step=0.1, floor=0.0, restart=True, loss=LOSS_AFTER)(rin, None, None)
     assert w.tolist() == pytest.approx([1 / 3 + 0.1, 1 / 3, 1 / 3 - 0.1], abs=1e-12)
     method = resolve_method("fedprox+afl", {"loss": "after", "restart": True})
-    assert isinstance(method.client, LossAfter) and method.client.name == "fedprox"
+    assert isinstance(method.client, LossAfter) and type(method.client.inner).__name__ == "FedProx"
     with pytest.raises(ConfigError, match="set validation"):
         make_config(None, {"method": "fedavg+afl", "method_args": {"loss": "after"}, "db": None})
     sim = digits_simulation("fedavg+afl", {"loss": "after", "restart": True}, rounds=2, validation=0.2)
@@ -461,7 +461,7 @@ def test_fedproto_with_heal_switched_off_equals_fedproto(one_thread):
     b = digits_simulation("fedproto+heal", {"tau": -1.0, "beta": 0.0, "fael_init": "datasize"}, rounds=2)
     ra, rb = a.run(), b.run()
     assert _same_params(a.global_params, b.global_params, tol=1e-6)
-    assert torch.allclose(a.client_server_state["protos"], b.client_server_state["protos"], atol=1e-5)
+    assert torch.allclose(a.server_half_state.protos, b.server_half_state.protos, atol=1e-5)
     assert rb[-1]["proto_acc"] == ra[-1]["proto_acc"] and ra[-1]["global_acc"] == rb[-1]["global_acc"]
 
 
@@ -535,7 +535,7 @@ def test_resume_continues_exactly(tmp_path, method, args, one_thread):
 def test_wrappers_forward_every_hook_by_construction_and_skip_unused_ones():
     """A wrapper forwards each LocalAlgorithm hook (whatever hooks it gains later) to the part it wraps, and the
     training loop sees through the forwarders: a hook the wrapped part does not use is never called."""
-    from fedskew.client.local import HOOKS, LocalAlgorithm, Wrapper, _overrides
+    from fedskew.client.local import HOOKS, LocalAlgorithm, Wrapper, overrides
 
     calls = []
 
@@ -548,9 +548,9 @@ def test_wrappers_forward_every_hook_by_construction_and_skip_unused_ones():
     wrapped = Wrapper()
     wrapped.inner = Recorder()
     for hook in HOOKS:
-        assert getattr(wrapped, hook)(None) == hook and _overrides(wrapped, hook)
+        assert getattr(wrapped, hook)(None) == hook and overrides(wrapped, hook)
     assert calls == list(HOOKS)
     plain = LossBefore(LocalAlgorithm())  # +afl, +qffl, +fedfv on FedAvg: no per-step hook calls at all
-    assert [h for h in ("loss", "after_backward", "after_step", "end") if _overrides(plain, h)] == []
-    assert _overrides(plain, "begin")  # its own work
-    assert _overrides(LossAfter(LossBefore(FedProto())), "loss")  # through two wrappers to FedProto's loss
+    assert [h for h in ("loss", "after_backward", "after_step", "end") if overrides(plain, h)] == []
+    assert overrides(plain, "begin")  # its own work
+    assert overrides(LossAfter(LossBefore(FedProto())), "loss")  # through two wrappers to FedProto's loss

@@ -124,7 +124,7 @@ def test_dropped_upload_does_not_advance_server_side_state(tmp_path, monkeypatch
             ref.round(r)
     assert _same_params(sim.global_params, ref.global_params)
     if method == "scaffold+heal":
-        assert all(torch.equal(sim.client_server_state["c"][n], t) for n, t in ref.client_server_state["c"].items())
+        assert all(torch.equal(sim.server_half_state.c[n], t) for n, t in ref.server_half_state.c.items())
         assert 1 not in sim.server_state.masking and 1 not in sim.server_state.weighting.clients
         assert "scaffold_ci" in sim.client_states[1]  # the client's own control variate did advance
     else:
@@ -137,7 +137,7 @@ def test_round_without_a_valid_upload_keeps_every_model(tmp_path, monkeypatch):
     sim = Simulation(cfg, build_federated(cfg))
     sim.round(1)
     before = copy.deepcopy((sim.global_params, sim.personal))
-    server_state, client_server_state = sim.server_state, sim.client_server_state
+    server_state, server_half_state = sim.server_state, sim.server_half_state
     _corrupt_uploads(monkeypatch, _wrong_dtype, set(range(5)))
     rec = sim.round(2).record
     assert rec["participants"] == 0 and len(rec["dropped"]) == 5
@@ -145,7 +145,7 @@ def test_round_without_a_valid_upload_keeps_every_model(tmp_path, monkeypatch):
     assert rec["train_loss"] is None and "diagnostics" not in rec
     assert _same_params(sim.global_params, before[0])
     assert all(_same_params(sim.personal[c], before[1][c]) for c in before[1])
-    assert sim.server_state is server_state and sim.client_server_state is client_server_state
+    assert sim.server_state is server_state and sim.server_half_state is server_half_state
     assert math.isfinite(rec["global_acc"])  # still evaluated on the cadence
 
 
@@ -305,12 +305,12 @@ def test_round_where_everyone_drops_out_keeps_the_model(tmp_path, monkeypatch):
     sim = Simulation(cfg, build_federated(cfg))
     sim.round(1)
     before = copy.deepcopy(sim.global_params)
-    client_server_state = sim.client_server_state
+    server_half_state = sim.server_half_state
     monkeypatch.setattr(loop, "dropped_out", lambda seed, rnd, sampled, n, p: list(sampled))
     rec = sim.round(2).record
     assert rec["skipped_aggregation"] == "every sampled client dropped out"
     assert rec["participants"] == 0 and rec["train_loss"] is None and rec["bytes_up"] == 0
-    assert _same_params(sim.global_params, before) and sim.client_server_state is client_server_state
+    assert _same_params(sim.global_params, before) and sim.server_half_state is server_half_state
 
 
 def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):

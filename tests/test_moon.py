@@ -9,7 +9,6 @@
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,6 @@ from fedskew.client.algorithms import Moon
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.methods import resolve_method
 from fedskew.models import build_model, projection_width
-from fedskew.protocol import ServerContext
 
 
 def _model(projection=16, seed=0):
@@ -110,13 +108,12 @@ def test_moon_asks_for_the_papers_projection_head(name, args, options):
 
 def test_moon_refuses_a_model_without_the_head_it_expects():
     template = snapshot(build_model("mlp", in_channels=1, image_size=8, num_classes=3))
-    ctx = ServerContext(2, 3, template, frozenset(template), np.ones(2), np.ones((2, 3)))
     with pytest.raises(ValueError, match="projection head of width 256"):
-        Moon(projection=256).server_init(ctx)
-    assert Moon(projection=0).server_init(ctx) is None
+        Moon(projection=256).check_model(template, frozenset(template))
+    Moon(projection=0).check_model(template, frozenset(template))
     with_head = snapshot(_model(projection=256))
     assert projection_width(with_head) == 256
-    Moon(projection=256).server_init(ServerContext(2, 3, with_head, frozenset(), np.ones(2), np.ones((2, 3))))
+    Moon(projection=256).check_model(with_head, frozenset())
 
 
 _sim = digits_simulation

@@ -106,7 +106,7 @@ def test_scaffold_with_momentum_trains_as_well_as_fedavg(one_thread):
     got = scaffold.run()
     for rec in got:
         assert math.isfinite(rec["train_loss"])
-    c = scaffold.client_server_state["c"]
+    c = scaffold.server_half_state.c
     assert all(torch.isfinite(t).all() for t in c.values())
     assert got[-1]["global_acc"] > 0.8
     assert got[-1]["global_acc"] >= ref[-1]["global_acc"] - 0.05

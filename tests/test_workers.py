@@ -84,7 +84,7 @@ def test_batched_clients_setting_matches_the_sequential_run_and_falls_back_with_
     for a, b in zip(seq, bat, strict=True):
         assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)  # float32 rounding may flip a sample
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
-    with pytest.warns(UserWarning, match="batched_clients: .*fedgen"):
+    with pytest.warns(UserWarning, match="batched_clients: .*FedGen"):
         run_experiment(
             make_config(None, {**base, "method": "fedgen", "out": str(tmp_path / "m"), "batched_clients": True})
         )

@@ -37,11 +37,13 @@ from fedskew.registry import (
 )
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import (
+    NO_SERVER_HALF,
     Aggregation,
     Combine,
     Composition,
     Masking,
     Piece,
+    ServerHalf,
     ServerStep,
     ServerStrategy,
     Weighting,
@@ -49,6 +51,7 @@ from fedskew.server.api import (
 from fedskew.server.combine import WeightedMean
 from fedskew.server.disco import DiscoParams, DiscoWeights
 from fedskew.server.fedsa import FedSACombine, FedSAParams
+from fedskew.server.halves import ScaffoldServer
 from fedskew.server.heal import FaelWeights, HealMasks, HealParams
 from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
@@ -119,6 +122,7 @@ _CORE_CLIENTS: dict[str, ClientPart] = {
         "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
         NoParams,
         lambda p: Scaffold(),
+        server_half=lambda p: ScaffoldServer(),
         weights="uniform",
     ),
     "fedrep": ClientPart(
@@ -277,6 +281,8 @@ class Method:
     client: LocalAlgorithm
     server: ServerStrategy
     args: dict[str, Any]  # the resolved hyper-parameters, defaults included
+    # what the server keeps for the client part (SCAFFOLD's c); advanced with each round's uploads before ``server``
+    server_half: ServerHalf = NO_SERVER_HALF
     personalized: bool = False
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
     upload_extras: tuple[UploadExtras, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
@@ -476,7 +482,8 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     )
     server = _server(name, built.roles, weighting)
     algo = client.build(client_params)
-    pieces = (algo, weighting, *(p for r, p in built.roles.items() if r in ROLE_BASES))
+    half = client.server_half(client_params) if client.server_half is not None else NO_SERVER_HALF
+    pieces = (algo, half, weighting, *(p for r, p in built.roles.items() if r in ROLE_BASES))
     reports = unique_reports(r for piece in pieces for r in piece.reports)
     for wrap in built.wrappers:
         algo = wrap(algo)
@@ -485,6 +492,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         algo,
         server,
         _resolved_args(parts, parsed),
+        server_half=half,
         personalized=client.personalized or "personalize" in built.roles or bool(built.local & PERSONAL_GROUPS),
         local=built.local,
         upload_extras=tuple(built.upload_extras),

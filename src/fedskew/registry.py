@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from fedskew.client.local import LocalAlgorithm
 from fedskew.schema import ConfigError, StrictSettings
+from fedskew.server.api import ServerHalf
 from fedskew.tuning.space import Dist
 
 # the roles a server plug-in may fill (each at most once per method), see fedskew.server.api.Aggregation:
@@ -51,6 +52,9 @@ class ClientPart:
     paper: str
     params: type[BaseModel]
     build: Callable[[Any], LocalAlgorithm]
+    # params -> what the server keeps, broadcasts and advances for this client part (SCAFFOLD's global control
+    # variate: fedskew.server.api.ServerHalf); None: it has no server side
+    server_half: Callable[[Any], ServerHalf] | None = None
     implies: tuple[str, ...] = ()  # server plug-ins this client part needs (added when not named)
     # (plug-in, reason) pairs this client part does not compose with: resolve_method refuses them with the reason
     excludes: tuple[tuple[str, str], ...] = ()

@@ -16,6 +16,7 @@ from fedskew.client.baselines import FedALA, FedBABU, FedNTD
 from fedskew.client.fedgen import FedGen
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
+from fedskew.server.fedgen import FedGenServer
 
 _NO_LOCAL = (
     "local",
@@ -72,7 +73,16 @@ CLIENTS: dict[str, ClientPart] = {
         "Zhu, Hong, Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021 "
         "(as implemented in PFLlib)",
         FedGenParams,
-        lambda p: FedGen(**p.model_dump()),
+        lambda p: FedGen(
+            noise_dim=p.noise_dim, hidden_dim=p.hidden_dim, gen_batch_size=p.gen_batch_size, gen_weight=p.gen_weight
+        ),
+        server_half=lambda p: FedGenServer(
+            noise_dim=p.noise_dim,
+            hidden_dim=p.hidden_dim,
+            generator_lr=p.generator_lr,
+            server_epochs=p.server_epochs,
+            gen_batch_size=p.gen_batch_size,
+        ),
         excludes=(_NO_LOCAL,),
     ),
     "fedbabu": ClientPart(

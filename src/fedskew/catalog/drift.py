@@ -20,6 +20,7 @@ from fedskew import registry
 from fedskew.client.drift import FedDC, FedDyn
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.schema import StrictSettings
+from fedskew.server.halves import FedDCServer, FedDynServer
 from fedskew.server.optimizers import CloudCorrection, NovaCombine, fedavgm
 from fedskew.tuning.space import Float, LogFloat
 
@@ -73,6 +74,7 @@ CLIENTS: dict[str, ClientPart] = {
         "Acar et al., Federated Learning Based on Dynamic Regularization, ICLR 2021",
         FedDynParams,
         lambda p: FedDyn(alpha=p.alpha, size_scaling=p.size_scaling, clip=p.clip),
+        server_half=lambda p: FedDynServer(),
         implies=("cloud",),
         excludes=_excludes("FedDyn"),
         tunable={"alpha": LogFloat(1e-3, 0.1)},  # Acar et al. tune {0.1, 0.01, 0.001}
@@ -85,6 +87,7 @@ CLIENTS: dict[str, ClientPart] = {
         "Gao et al., FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction, CVPR 2022",
         FedDCParams,
         lambda p: FedDC(alpha=p.alpha, size_scaling=p.size_scaling, clip=p.clip, correction=p.correction),
+        server_half=lambda p: FedDCServer(correction=p.correction, size_scaling=p.size_scaling),
         implies=("cloud",),
         excludes=_excludes("FedDC"),
         tunable={"alpha": LogFloat(1e-3, 0.1)},  # FedDC's code 0.1 / 0.01, FedDisco's 0.01

@@ -20,6 +20,7 @@ from fedskew.client.prototypes import FedProc, FedProto
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.fairness import AflWeights, FedFVCombine, QfflCombine
+from fedskew.server.halves import PrototypeServer
 from fedskew.tuning.space import Float, Int, LogFloat
 
 
@@ -68,7 +69,8 @@ CLIENTS: dict[str, ClientPart] = {
         "CE + lam * MSE(feature, global class prototype) (lam=1); prototypes averaged per class; proto_acc view",
         "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022",
         FedProtoParams,
-        lambda p: FedProto(lam=p.lam, average=p.average),
+        lambda p: FedProto(lam=p.lam),
+        server_half=lambda p: PrototypeServer(average=p.average),
         tunable={"lam": LogFloat(0.1, 10.0)},  # official code --ld 1, MarsFL 2
     ),
     "fedproc": ClientPart(
@@ -76,7 +78,8 @@ CLIENTS: dict[str, ClientPart] = {
         "alpha * prototypical contrastive loss + (1 - alpha) * CE, alpha = 1 - (t-1)/(T-1) (T = the run's rounds)",
         "Mu et al., FedProc: Prototypical Contrastive Federated Learning on Non-IID Data, FGCS 2023 (arXiv 2109.12273)",
         FedProcParams,
-        lambda p: FedProc(curriculum_rounds=p.curriculum_rounds, temperature=p.temperature, average=p.average),
+        lambda p: FedProc(curriculum_rounds=p.curriculum_rounds, temperature=p.temperature),
+        server_half=lambda p: PrototypeServer(average=p.average),
         tunable={"temperature": Float(0.1, 1.0)},
     ),
 }

@@ -7,7 +7,9 @@ any of them composes with any server aggregation (``fedprox+disco``, ``scaffold+
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import projection_width
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import SCAFFOLD_C, SCAFFOLD_DELTA, Params
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -60,18 +62,27 @@ class Moon(LocalAlgorithm):
     mu: float = 1.0
     tau: float = 0.5
     projection: int = 0  # width of the projection head the model must carry (0: none expected)
-    _frozen: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict, repr=False)
+    # two frozen copies of each training model's architecture (the global and the previous model), made once per
+    # model: a cache, not state (held weakly, never pickled or compared)
+    _frozen: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, nn.Module]] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False, compare=False
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_frozen"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _frozen=weakref.WeakKeyDictionary())
 
     def _aux(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        # two frozen copies of the architecture, created once per training model (a cache, not state)
-        if id(model) not in self._frozen:
+        if model not in self._frozen:
             g, p = copy.deepcopy(model), copy.deepcopy(model)
             for m in (g, p):
                 m.eval()
                 for q in m.parameters():
                     q.requires_grad_(False)
-            self._frozen[id(model)] = (g, p)
-        return self._frozen[id(model)]
+            self._frozen[model] = (g, p)
+        return self._frozen[model]
 
     def begin(self, ctx: LocalContext) -> None:
         previous = ctx.client_state.get("moon_prev")
@@ -98,14 +109,13 @@ class Moon(LocalAlgorithm):
         ctx.client_state["moon_prev"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
         return {}
 
-    def server_init(self, ctx: ServerContext) -> State:
-        width = projection_width(ctx.template)
+    def check_model(self, template: Params, trainable: frozenset[str]) -> None:
+        width = projection_width(template)
         if width != self.projection:
             raise ValueError(
                 f"MOON expects a projection head of width {self.projection} (0: none) but the model has "
                 f"{width or 'none'}; build it with build_model(..., **method.model_options)"
             )
-        return None
 
 
 @dataclass
@@ -113,9 +123,9 @@ class Scaffold(LocalAlgorithm):
     """SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates, global learning rate 1.
 
     Client: after each optimizer step the parameters are shifted by ``−lr·(c − c_i)`` (FedDisco's code); afterwards
-    ``c_i⁺ = c_i − c + (w_global − w_local)/(steps · lr)``, upload ``Δc_i = c_i⁺ − c_i``. Server:
-    ``c ← c + (1/N) Σ_{participants} Δc_i`` (N = all clients, as in FedDisco's code); the model itself is combined by
-    whatever server aggregation the method uses.
+    ``c_i⁺ = c_i − c + (w_global − w_local)/(steps · lr)``, upload ``Δc_i = c_i⁺ − c_i``. Server half
+    (:class:`fedskew.server.halves.ScaffoldServer`): ``c ← c + (1/N) Σ_{participants} Δc_i`` (N = all clients, as in
+    FedDisco's code); the model itself is combined by whatever server aggregation the method uses.
 
     Why a shift after the step and not a gradient term: with plain SGD the two are identical. With momentum β a
     gradient term goes through the momentum buffer and moves the model by about ``lr·(c − c_i)/(1 − β)`` per step,
@@ -128,13 +138,11 @@ class Scaffold(LocalAlgorithm):
     ``lr·(c − c_i)`` keeps replacing the client's mean drift by the federation's, as SCAFFOLD intends.
     """
 
-    prefix: str = "scaffold_dc/"
-
     def begin(self, ctx: LocalContext) -> None:
         names = [n for n, _ in _trainable(ctx.model)]
         c_i = ctx.client_state.get("scaffold_ci") or {n: torch.zeros_like(ctx.received[n]) for n in names}
         ctx.client_state["scaffold_ci"] = c_i
-        c = {n: ctx.broadcast.get(f"scaffold_c/{n}", torch.zeros_like(ctx.received[n])) for n in names}
+        c = {n: ctx.broadcast.get(f"{SCAFFOLD_C}{n}", torch.zeros_like(ctx.received[n])) for n in names}
         params = [p for _, p in _trainable(ctx.model)]
         corr = [c[n] - c_i[n] for n in names]
         ctx.scratch["scaffold_shift"] = (params, corr, -ctx.settings.lr)
@@ -150,17 +158,6 @@ class Scaffold(LocalAlgorithm):
         extras, new_ci = {}, {}
         for n, p in _trainable(ctx.model):
             new_ci[n] = c_i[n] - c[n] + (ctx.received[n] - p.detach()) * scale
-            extras[f"{self.prefix}{n}"] = new_ci[n] - c_i[n]
+            extras[f"{SCAFFOLD_DELTA}{n}"] = new_ci[n] - c_i[n]
         ctx.client_state["scaffold_ci"] = new_ci
         return extras
-
-    def server_init(self, ctx: ServerContext) -> State:
-        return {"c": {n: torch.zeros_like(ctx.template[n]) for n in ctx.trainable}, "num_clients": ctx.num_clients}
-
-    def broadcast(self, state: State) -> Params:
-        return {f"scaffold_c/{n}": t for n, t in state["c"].items()}
-
-    def server_update(self, rin: RoundInput, state: State) -> State:
-        n_all = state["num_clients"]
-        c = {n: t + rin.extras[f"{self.prefix}{n}"].sum(0) / n_all for n, t in state["c"].items()}
-        return {"c": c, "num_clients": n_all}

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, snapshot
 from fedskew.client.personal import PERSONAL, is_head
-from fedskew.protocol import Params, ServerContext, State
+from fedskew.protocol import Params
 from fedskew.schema import ConfigError
 
 # ---- FedNTD ---------------------------------------------------------------------------------------------------------
@@ -288,10 +288,8 @@ class FedALA(LocalAlgorithm):
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(ALA_INIT)
 
-    def server_init(self, ctx: ServerContext) -> State:
-        if self.layer_idx > len(ctx.trainable):
+    def check_model(self, template: Params, trainable: frozenset[str]) -> None:
+        if self.layer_idx > len(trainable):
             raise ConfigError(
-                f"FedALA: layer_idx={self.layer_idx} exceeds the model's {len(ctx.trainable)} trainable parameter "
-                "tensors"
+                f"FedALA: layer_idx={self.layer_idx} exceeds the model's {len(trainable)} trainable parameter tensors"
             )
-        return None

@@ -14,7 +14,8 @@ official codes do). Their server model is the "cloud model" of :class:`fedskew.s
   (K local steps), uploading ``Δc_i = c_i⁺ − c_i``; the server keeps ``c ← c + (1/N)Σ ω_i Δc_i``.
 
 ``α_k = α/ω_k`` with ``ω_k = n_k / mean_j n_j`` (``size_scaling``, both official codes; 1 for a client of average
-size). The mean client size is broadcast by the client part's server side.
+size). The mean client size is broadcast by the client part's server half (``server/halves.py``: FedDynServer,
+FedDCServer, which also keeps FedDC's global ``c``).
 
 How the hooks carry the objectives: the regularizers' gradients (``α_k(θ − anchor) − g_k``) are added in
 ``after_backward`` before clipping, and the returned loss stays the plain cross-entropy, so ``train_loss`` is
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import FEDDC_C, FEDDC_DELTA, FEDDC_MEAN_SAMPLES, FEDDYN_MEAN_SAMPLES, Params
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -70,10 +71,6 @@ def _zeros(ctx: LocalContext) -> Params:
     return {n: torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for n, p in _trainable(ctx.model)}
 
 
-def _mean_samples(ctx: ServerContext) -> float:
-    return float(ctx.num_train.sum()) / max(len(ctx.num_train), 1)
-
-
 @dataclass
 class FedDyn(LocalAlgorithm):
     """FedDyn's client: the dynamic regularizer ``−⟨g_k, θ⟩ + (α_k/2)‖θ − w^t‖²`` with state ``g_k`` (starts at 0).
@@ -85,10 +82,9 @@ class FedDyn(LocalAlgorithm):
     alpha: float = 0.01
     size_scaling: bool = True
     clip: float = 10.0
-    key: str = "feddyn/mean_samples"
 
     def alpha_for(self, ctx: LocalContext) -> float:
-        return self.alpha / size_weight(ctx, self.key) if self.size_scaling else self.alpha
+        return self.alpha / size_weight(ctx, FEDDYN_MEAN_SAMPLES) if self.size_scaling else self.alpha
 
     def begin(self, ctx: LocalContext) -> None:
         named = _trainable(ctx.model)
@@ -112,17 +108,12 @@ class FedDyn(LocalAlgorithm):
         }
         return {}
 
-    def server_init(self, ctx: ServerContext) -> State:
-        return {"mean_samples": _mean_samples(ctx)}
-
-    def broadcast(self, state: State) -> Params:
-        return {self.key: torch.tensor(state["mean_samples"], dtype=torch.float64)}
-
 
 @dataclass
 class FedDC(LocalAlgorithm):
     """FedDC's client: local drift ``h_i`` (penalty ``(α_i/2)‖θ − (w^t − h_i)‖²``) and, with ``correction``, the
-    gradient correction ``c/ω_i − c_i`` with SCAFFOLD-style control variates; server side: the global ``c``.
+    gradient correction ``c/ω_i − c_i`` with SCAFFOLD-style control variates; server half (``FedDCServer``): the
+    global ``c``.
 
     Defaults: α = 0.01 (FedDisco's code; the FedDC code's CIFAR examples use 0.1 and 0.01), ``size_scaling`` on,
     clip 10 (both codes), ``correction`` on (paper and FedDC code; FedDisco's code computes the correction but never
@@ -133,13 +124,10 @@ class FedDC(LocalAlgorithm):
     size_scaling: bool = True
     clip: float = 10.0
     correction: bool = True
-    key: str = "feddc/mean_samples"
-    prefix: str = "feddc_dc/"  # uploaded control-variate deltas
-    c_prefix: str = "feddc_c/"  # broadcast global control variate
 
     def begin(self, ctx: LocalContext) -> None:
         named = _trainable(ctx.model)
-        omega = size_weight(ctx, self.key) if self.size_scaling else 1.0
+        omega = size_weight(ctx, FEDDC_MEAN_SAMPLES) if self.size_scaling else 1.0
         h = ctx.client_state.get("feddc_drift") or _zeros(ctx)
         ctx.client_state["feddc_drift"] = h
         params = [p for _, p in named]
@@ -148,7 +136,7 @@ class FedDC(LocalAlgorithm):
         if self.correction:
             c_i = ctx.client_state.get("feddc_ci") or _zeros(ctx)
             ctx.client_state["feddc_ci"] = c_i
-            c = {n: ctx.broadcast[f"{self.c_prefix}{n}"] / omega for n, _ in named}
+            c = {n: ctx.broadcast[f"{FEDDC_C}{n}"] / omega for n, _ in named}
             ctx.scratch["feddc_c"] = c
             ctx.scratch["feddc_shift"] = [c[n] - c_i[n] for n, _ in named]
 
@@ -172,26 +160,4 @@ class FedDC(LocalAlgorithm):
         scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
         new_ci = {n: c_i[n] - c[n] - delta[n] * scale for n, _ in named}
         ctx.client_state["feddc_ci"] = new_ci
-        return {f"{self.prefix}{n}": new_ci[n] - c_i[n] for n, _ in named}
-
-    def server_init(self, ctx: ServerContext) -> State:
-        c = {n: torch.zeros_like(ctx.template[n]) for n in sorted(ctx.trainable)} if self.correction else {}
-        return {"c": c, "num_clients": int(ctx.num_clients), "mean_samples": _mean_samples(ctx)}
-
-    def broadcast(self, state: State) -> Params:
-        out = {f"{self.c_prefix}{n}": t for n, t in state["c"].items()}
-        out[self.key] = torch.tensor(state["mean_samples"], dtype=torch.float64)
-        return out
-
-    def server_update(self, rin: RoundInput, state: State) -> State:
-        """``c ← c + (1/N) Σ_{i∈P_t} ω_i Δc_i`` (FedDC's code; N: all clients)."""
-        if not self.correction:
-            return state
-        omega = rin.num_samples.to(torch.float64) / state["mean_samples"] if self.size_scaling else None
-        c = {}
-        for n, t in state["c"].items():
-            dc = rin.extras[f"{self.prefix}{n}"]
-            w = torch.ones(dc.shape[0], dtype=torch.float64) if omega is None else omega
-            total = torch.tensordot(w.to(device=dc.device, dtype=dc.dtype), dc, dims=1)
-            c[n] = t + total / state["num_clients"]
-        return {**state, "c": c}
+        return {f"{FEDDC_DELTA}{n}": new_ci[n] - c_i[n] for n, _ in named}

@@ -13,8 +13,14 @@ A local algorithm never copies the loop. It overrides hooks:
                        personal model, then the global one),
 * ``personal_model``   the model the client keeps for itself, if it keeps one apart from what it uploads (Ditto),
 
-and, for algorithms with a server-side part, ``server_init`` / ``broadcast`` / ``server_update``, which the engine
-calls around the server aggregation (SCAFFOLD's global control variate). Everything is seeded by the engine.
+* ``check_model``      refuse a model the algorithm cannot train (MOON: no projection head of its width),
+* ``eval_views``       views it adds to the evaluation of the global model (FedProto: nearest-prototype accuracy),
+                       from what the server broadcasts.
+
+What the server keeps for an algorithm across rounds (SCAFFOLD's global control variate) is its *server half*, a
+:class:`fedskew.server.api.ServerHalf` the registry pairs with it; the two exchange tensors only, through the
+broadcast and the upload's extras, under names defined in :mod:`fedskew.protocol`. Everything is seeded by the
+engine.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.sgd import sgd
 
-from fedskew.protocol import ClientReport, Params, RoundInput, ServerContext, State, Upload
+from fedskew.protocol import STEPS, TRAIN_LOSS, ClientReport, Params, Upload
 
 
 @dataclass(frozen=True)
@@ -125,15 +131,18 @@ class LocalAlgorithm:
         """The model this client keeps for itself apart from its upload (``None``: it keeps none)."""
         return None
 
-    # server-side part
-    def server_init(self, ctx: ServerContext) -> State:
+    # checks and evaluation
+    def check_model(self, template: Params, trainable: frozenset[str]) -> None:
+        """Raise when this algorithm cannot train a model with this state dict (``template``) and these trainable
+        entries; called once, before round 1."""
         return None
 
-    def broadcast(self, state: State) -> Params:
+    def eval_views(
+        self, model: nn.Module, broadcast: Params, x: Tensor, y: Tensor, owner: Tensor, num_owners: int, batch_size: int
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """Views this algorithm adds to the evaluation of the global model in ``model``, given what the server
+        broadcasts: per view name, ``(correct, loss_sum)`` per owner (domain, or one for the whole test set)."""
         return {}
-
-    def server_update(self, rin: RoundInput, state: State) -> State:
-        return state
 
 
 class LocalSGD:
@@ -222,7 +231,7 @@ class Wrapper(LocalAlgorithm):
     """A client part around another one (``inner``), adding work of its own: every hook of :class:`LocalAlgorithm`
     and every attribute goes to ``inner`` unless the wrapper's class defines it. The forwarding is built from
     :data:`HOOKS`, so a hook added to ``LocalAlgorithm`` later is forwarded too, and the training loop sees through
-    the forwarders (:func:`_overrides`): a hook ``inner`` does not use is never called."""
+    the forwarders (:func:`overrides`): a hook ``inner`` does not use is never called."""
 
     inner: LocalAlgorithm
 
@@ -240,11 +249,11 @@ for _hook in HOOKS:
     setattr(Wrapper, _hook, _forward(_hook))
 
 
-def _overrides(algo: LocalAlgorithm, hook: str) -> bool:
+def overrides(algo: LocalAlgorithm, hook: str) -> bool:
     """Whether ``algo`` does anything in ``hook`` (a wrapper's forwarder counts as its inner part's hook)."""
     method = getattr(type(algo), hook)
     if getattr(method, "forwarded", False):
-        return _overrides(algo.inner, hook)  # type: ignore[attr-defined]
+        return overrides(algo.inner, hook)  # type: ignore[attr-defined]
     return method is not getattr(LocalAlgorithm, hook)
 
 
@@ -279,8 +288,8 @@ def local_train(
     sizes: list[int] = []
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     # hooks the algorithm does not override are not called in the hot loop
-    after_backward = algo.after_backward if _overrides(algo, "after_backward") else None
-    after_step = algo.after_step if _overrides(algo, "after_step") else None
+    after_backward = algo.after_backward if overrides(algo, "after_backward") else None
+    after_step = algo.after_step if overrides(algo, "after_step") else None
     for phase in algo.phases(ctx):
         ctx.phase = phase.name
         if phase.start is not None:
@@ -326,5 +335,5 @@ def local_train(
         params=trained,
         num_samples=n,
         extras=extras,
-        metrics={**ctx.metrics, "train_loss": train_loss, "steps": float(ctx.steps)},
+        metrics={**ctx.metrics, TRAIN_LOSS: train_loss, STEPS: float(ctx.steps)},
     )

@@ -33,12 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext, Wrapper
-from fedskew.protocol import Params
+from fedskew.protocol import LEARNING_RATE, LOSS_AFTER, LOSS_BEFORE, MOMENTUM, Params
 
-LOSS_BEFORE = "loss_before"
-LOSS_AFTER = "loss_after"
-LEARNING_RATE = "lr"
-MOMENTUM = "momentum"
 EVAL_BATCH = 1024  # samples per forward pass of the loss computation (no effect on the value beyond float rounding)
 
 

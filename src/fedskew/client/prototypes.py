@@ -7,9 +7,9 @@ methods work the same way around the one training loop:
   (no extra pass: the ``loss`` hook sees the features anyway), and uploads them with the model as extras:
   :data:`PROTO_MEAN` (``[C, D]``, zeros for a class it has no sample of) and :data:`PROTO_COUNT` (``[C]``, samples
   behind each mean, so that the server can tell a missing class from a zero feature);
-* the server side of the client part (``server_init`` / ``broadcast`` / ``server_update``, the SCAFFOLD seam) averages
-  them per class over the clients that hold the class (:func:`aggregate_prototypes`) and broadcasts the result
-  (:data:`GLOBAL_PROTOS`, :data:`GLOBAL_PRESENT`); the model itself is aggregated by whatever server step the method
+* the client part's server half (:class:`fedskew.server.halves.PrototypeServer`) averages them per class over the
+  clients that hold the class and broadcasts the result (:data:`GLOBAL_PROTOS`, :data:`GLOBAL_PRESENT`); the model
+  itself is aggregated by whatever server step the method
   has (FedAvg's mean, HEAL's masks and FAEL weights, AFL's weights, ...), so ``fedproto+heal`` is HEAL on the model
   and FedProto on the prototypes;
 * the local objective uses the global prototypes: FedProto adds ``lam`` times the squared distance of each feature to
@@ -24,22 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import GLOBAL_PRESENT, GLOBAL_PROTOS, PROTO_COUNT, PROTO_MEAN, Params
 
-PROTO_MEAN = "proto/mean"  # upload: [C, D] the client's mean feature per class (0 where it has no sample)
-PROTO_COUNT = "proto/count"  # upload: [C] the number of features behind each mean
-GLOBAL_PROTOS = "proto/global"  # broadcast: [C, D] the global prototypes
-GLOBAL_PRESENT = "proto/present"  # broadcast: [C] bool, which classes have a global prototype
 EVAL_VIEW = "proto"  # the evaluation view's record prefix: proto_acc, proto_loss, proto_domain_acc_avg, ...
-
-Average = Literal["clients", "samples"]
 
 
 def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
@@ -50,30 +43,12 @@ def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tens
     return sums, counts
 
 
-def aggregate_prototypes(means: Tensor, counts: Tensor, average: Average = "clients") -> tuple[Tensor, Tensor]:
-    """Global prototypes from the clients' per-class means (``[K, C, D]``) and counts (``[K, C]``).
-
-    ``average='clients'`` (both reference codes): the plain mean, per class, over the clients that have the class;
-    ``'samples'``: weighted by each client's count of the class. A client without a class (count 0) never enters
-    that class's average. Returns ``(protos [C, D] float64, present [C] bool)``; a class no client has is 0 and
-    not present."""
-    counts = counts.to(torch.float64)
-    w = (counts > 0).to(torch.float64) if average == "clients" else counts
-    total = w.sum(0)
-    present = total > 0
-    sums = torch.einsum("kc,kcd->cd", w, means.to(torch.float64))
-    protos = sums / torch.where(present, total, torch.ones_like(total)).unsqueeze(1)
-    return protos, present
-
-
 @dataclass
 class PrototypeLearning(LocalAlgorithm):
-    """What FedProto and FedProc share: last-epoch prototype collection, the per-class server average, the
-    nearest-prototype evaluation. Subclasses define the local objective (:meth:`loss`) and :meth:`_eval_scores`."""
+    """What FedProto and FedProc share: last-epoch prototype collection and the nearest-prototype evaluation (the
+    per-class average is the server half's). Subclasses define the local objective (:meth:`loss`) and
+    :meth:`_eval_scores`."""
 
-    average: Average = "clients"
-
-    # ---- client side ------------------------------------------------------------------------------------------
     def begin(self, ctx: LocalContext) -> None:
         assert ctx.x is not None
         s = ctx.settings
@@ -114,27 +89,6 @@ class PrototypeLearning(LocalAlgorithm):
         means = sums / torch.where(counts > 0, counts, torch.ones_like(counts)).unsqueeze(1)
         return {PROTO_MEAN: means.to(torch.float32), PROTO_COUNT: counts.to(torch.float32)}
 
-    # ---- server side ------------------------------------------------------------------------------------------
-    def server_init(self, ctx: ServerContext) -> State:
-        # the feature width is learned from the first uploads; until then nothing is broadcast
-        return {"protos": None, "present": torch.zeros(ctx.num_classes, dtype=torch.bool)}
-
-    def broadcast(self, state: State) -> Params:
-        if state["protos"] is None:
-            return {}
-        return {GLOBAL_PROTOS: state["protos"], GLOBAL_PRESENT: state["present"]}
-
-    def server_update(self, rin: RoundInput, state: State) -> State:
-        """The round's per-class average; a class none of this round's participants has keeps its previous
-        prototype (under full participation no class is ever in that case)."""
-        protos, present = aggregate_prototypes(rin.extras[PROTO_MEAN], rin.extras[PROTO_COUNT], self.average)
-        protos = protos.to(torch.float32).cpu()
-        present = present.cpu()
-        old = state["protos"]
-        if old is not None:
-            protos = torch.where(present.unsqueeze(1), protos, old)
-        return {"protos": protos, "present": present | state["present"]}
-
     # ---- evaluation -------------------------------------------------------------------------------------------
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         """Per sample: the prediction from the prototypes and the loss the view reports."""
@@ -142,13 +96,13 @@ class PrototypeLearning(LocalAlgorithm):
 
     @torch.inference_mode()
     def eval_views(
-        self, model: nn.Module, state: State, x: Tensor, y: Tensor, owner: Tensor, num_owners: int, batch_size: int
+        self, model: nn.Module, broadcast: Params, x: Tensor, y: Tensor, owner: Tensor, num_owners: int, batch_size: int
     ) -> dict[str, tuple[Tensor, Tensor]]:
         """The ``proto`` view of the model in ``model``: per owner (domain, or one for the global test set), the
         number of samples whose nearest global prototype is their class, and the summed per-sample loss."""
-        if state is None or state["protos"] is None:
+        if GLOBAL_PROTOS not in broadcast:
             return {}
-        protos, present = state["protos"].to(x.device), state["present"].to(x.device)
+        protos, present = broadcast[GLOBAL_PROTOS].to(x.device), broadcast[GLOBAL_PRESENT].to(x.device)
         was_training = model.training
         model.eval()
         correct = torch.zeros(num_owners, dtype=torch.float64, device=x.device)

@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, snapshot
 from fedskew.engine.batched_steps import BATCHED_STEPS, batchable, clip_rows, pull_rows, unwrapped
 from fedskew.engine.stacked import FrozenTermFn, stackable, stacked_step_function
-from fedskew.protocol import Params, Upload
+from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
@@ -385,7 +385,7 @@ def _train_group(
                 params=trained,
                 num_samples=ns[k],
                 extras=extras,
-                metrics={**ctx.metrics, "train_loss": losses[k] / max(int(seen[k]), 1), "steps": float(ctx.steps)},
+                metrics={**ctx.metrics, TRAIN_LOSS: losses[k] / max(int(seen[k]), 1), STEPS: float(ctx.steps)},
             )
         )
     return updates

@@ -3,9 +3,9 @@
 Everything random is keyed by (seed, round, client) (``fedskew/seeding.py``), so a round depends only on this state and
 on the round number: the global model, the models the server sent to clients (personalized methods), the models
 clients hold after training, every client's persistent state (control variates, MOON's previous model, Ditto's and
-FedAMP's own models, local head / BN groups), and the server-side state of the strategy and of the local algorithm
-(Disco, HEAL, FedCAC, FedAMP, SCAFFOLD's global control variate). The reusable training module itself carries no
-state between rounds: every client loads what it received.
+FedAMP's own models, local head / BN groups), the server strategy's state (HEAL, FedCAC, FedAMP, FedAvgM, ...) and
+the client part's server half's (SCAFFOLD's global control variate). The reusable training module itself carries
+no state between rounds: every client loads what it received.
 
 The three per-client maps (``personal``, ``trained``, ``client_states``) come from the simulation's client-state
 store (``engine/state_store.py``): in RAM the checkpoint holds the dicts; on disk it holds a
@@ -21,8 +21,9 @@ from typing import Any
 from fedskew.engine.loop import Simulation
 from fedskew.engine.state_store import MAPS
 
-STATE_ATTRS = ("global_params", "personal", "trained", "client_states", "server_state", "client_server_state")
-FORMAT = 1
+STATE_ATTRS = ("global_params", "personal", "trained", "client_states", "server_state", "server_half_state")
+# 2: typed server state (AggregationState, ...) and the client part's server half's (before: client_server_state)
+FORMAT = 2
 
 
 def capture(sim: Simulation) -> dict[str, Any]:

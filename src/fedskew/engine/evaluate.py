@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.protocol import ClientScores  # defined beside the exchange types: the results store reads it too
+from fedskew.client.local import LocalAlgorithm, overrides
+from fedskew.protocol import ClientScores, Params  # ClientScores: beside the exchange types, the results store reads it
 
 if TYPE_CHECKING:
     from fedskew.data.federated import FederatedData
@@ -145,17 +146,17 @@ def pooled(prefix: str, s: ClientScores) -> dict[str, float]:
 
 
 def client_part_views(
-    algo: object, state: object, model: nn.Module, data: FederatedData, batch_size: int
+    algo: LocalAlgorithm, broadcast: Params, model: nn.Module, data: FederatedData, batch_size: int
 ) -> dict[str, float]:
     """Views a client part adds to the evaluation of the global model already in ``model`` (FedProto's and FedProc's
-    nearest-prototype accuracy, ``proto_acc``), from its optional hook ``eval_views(model, state, x, y, owner,
-    num_owners, batch_size)``, which returns per view name ``(correct, loss_sum)`` tensors per owner, on the global
-    test set. Owners are the domains under domain skew (the record then also holds ``<view>_domain_acc/<name>``,
-    ``<view>_domain_acc_avg``, ``<view>_domain_acc_std``), else the whole set. ``state``: the part's server-side
-    state."""
-    hook = getattr(algo, "eval_views", None)
-    if hook is None:
+    nearest-prototype accuracy, ``proto_acc``), from its hook ``eval_views(model, broadcast, x, y, owner, num_owners,
+    batch_size)``, which returns per view name ``(correct, loss_sum)`` tensors per owner, on the global test set.
+    Owners are the domains under domain skew (the record then also holds ``<view>_domain_acc/<name>``,
+    ``<view>_domain_acc_avg``, ``<view>_domain_acc_std``), else the whole set. ``broadcast``: what the client part's
+    server half sends this round (FedProto's global prototypes)."""
+    if not overrides(algo, "eval_views"):
         return {}
+    hook = algo.eval_views
     x, y, domains = data.x_test, data.y_test, data.domains
     if domains:
         assert data.test_domain is not None
@@ -164,7 +165,7 @@ def client_part_views(
         owner, num_owners = torch.zeros(x.shape[0], dtype=torch.long, device=x.device), 1
     count = torch.bincount(owner, minlength=num_owners).double().cpu().numpy()
     rec: dict[str, float] = {}
-    for view, (correct, loss_sum) in hook(model, state, x, y, owner, num_owners, batch_size).items():
+    for view, (correct, loss_sum) in hook(model, broadcast, x, y, owner, num_owners, batch_size).items():
         s = ClientScores(correct.double().cpu().numpy(), loss_sum.double().cpu().numpy(), count)
         rec.update(pooled(view, s))
         if domains:

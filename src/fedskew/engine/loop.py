@@ -50,6 +50,7 @@ from fedskew.engine.model_init import (
 )
 from fedskew.engine.probe import skew_probe
 from fedskew.engine.rounds import (
+    LOCAL_PARAMS,
     Diverged,
     RoundPlan,
     RoundResult,
@@ -65,6 +66,7 @@ from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import (
     LABEL_HIST,
+    TRAIN_LOSS,
     NonFiniteUploadError,
     Params,
     ServerContext,
@@ -113,13 +115,14 @@ def global_views(server: Any, global_params: Params) -> dict[str, float]:
     """The server-side views of the global model (loaded into ``server.model``): on the global test set (per domain
     under domain skew, skipped when it is exactly the clients' test splits, scored there), plus the views the client
     part adds (FedProto's nearest-prototype accuracy). ``server``: a :class:`Simulation` or a deployment's server
-    (Flower's), with ``model``, ``data``, ``eval_batch``, ``method``, ``client_server_state``,
+    (Flower's), with ``model``, ``data``, ``eval_batch``, ``method``, ``server_half_state``,
     ``global_is_local_union`` and ``local_names``."""
     data, bs, model = server.data, server.eval_batch, server.model
     model.load_state_dict(global_params)
     rec: dict[str, float] = {}
     # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
-    rec.update(client_part_views(server.method.client, server.client_server_state, model, data, bs))
+    broadcast = server.method.server_half.broadcast(server.server_half_state)
+    rec.update(client_part_views(server.method.client, broadcast, model, data, bs))
     if data.domains and data.test_domain is not None:  # one pass, per domain; the global numbers pool the domains
         assert data.test_domain is not None
         ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
@@ -189,7 +192,7 @@ class Simulation:
             self.method,
             self.global_params,
             data.num_clients,
-            default_state=(lambda: {"local_params": initial}) if initial else dict,
+            default_state=(lambda: {LOCAL_PARAMS: initial}) if initial else dict,
             directory=state_dir,
             owner=owner,
         )
@@ -205,7 +208,9 @@ class Simulation:
         # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
         self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
         self.server_state = self.method.server.init(self.ctx)
-        self.client_server_state = self.method.client.server_init(self.ctx)
+        self.method.client.check_model(self.global_params, self.trainable)
+        # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
+        self.server_half_state = self.method.server_half.init(self.ctx)
         self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
         self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
@@ -257,7 +262,7 @@ class Simulation:
         t0 = time.perf_counter()
         sampled = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
         gone = set(dropped_out(cfg.seed, rnd, sampled, data.num_clients, cfg.client_dropout))
-        broadcast = method.client.broadcast(self.client_server_state)
+        broadcast = method.server_half.broadcast(self.server_half_state)
         stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
         plan = RoundPlan(rnd, sampled, gone, broadcast, stack, t0)
         plan.bytes_down = sum(self.wire_bytes(self.params_for(cid)) + payload_bytes(broadcast) for cid in sampled)
@@ -271,7 +276,7 @@ class Simulation:
         if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
             self._keep_trained(cid, upload)
         if rejected is None or self.cfg.on_bad_update == "fail":
-            plan.losses.append((cid, upload.num_samples, upload.metrics.get("train_loss", math.nan)))
+            plan.losses.append((cid, upload.num_samples, upload.metrics.get(TRAIN_LOSS, math.nan)))
         self.state_store.release(cid)  # this round is done with the client's state: to disk (a disk store)
 
     def close_round(self, plan: RoundPlan) -> RoundResult:
@@ -298,7 +303,7 @@ class Simulation:
         if stack.count:
             rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
             rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
-            self.client_server_state = method.client.server_update(rin, self.client_server_state)
+            self.server_half_state = method.server_half.advance(rin, self.server_half_state)
             out, self.server_state = method.server.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)
             self.global_params = out.global_params
@@ -387,7 +392,7 @@ class Simulation:
         """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),
         with the state-dict entries it keeps for itself (``method.local``) overlaid."""
         params = base if base is not None else self.personal.get(cid, self.global_params)
-        own = peek_entry(self.client_states, cid, "local_params")
+        own = peek_entry(self.client_states, cid, LOCAL_PARAMS)
         return {**params, **own} if own else params
 
     def personal_params(self, cid: int) -> Params:

@@ -17,6 +17,9 @@ from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
 
+# a client's state-dict entries that never travel (method.local: FedPer's head, FedBN's norms), in its client_state
+LOCAL_PARAMS = "local_params"
+
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
     from fedskew.methods import Method
@@ -136,16 +139,16 @@ def train_client(
 
 
 def keep_trained(
-    method: Method, local_names: frozenset[str], client_state: dict[str, Any], update: Upload
+    method: Method, local_names: frozenset[str], client_state: dict[str, Any], upload: Upload
 ) -> Params | None:
     """What a client keeps of the model it trained: its local entries (``method.local``) go into
-    ``client_state["local_params"]``; for a personalized method the model the ``trained`` view evaluates is returned
+    ``client_state[LOCAL_PARAMS]``; for a personalized method the model the ``trained`` view evaluates is returned
     (the model it keeps for itself, else the one it trained), otherwise ``None``."""
     if local_names:
-        client_state["local_params"] = {k: update.params[k] for k in local_names}
+        client_state[LOCAL_PARAMS] = {k: upload.params[k] for k in local_names}
     if method.personalized:
         own = method.client.personal_model(client_state)
-        return own if own is not None else update.params
+        return own if own is not None else upload.params
     return None
 
 

@@ -39,7 +39,7 @@ from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import ClientData
 from fedskew.engine.evaluate import predict_scores
 from fedskew.engine.model_init import init_model
-from fedskew.engine.rounds import keep_trained, train_client, train_settings, with_local
+from fedskew.engine.rounds import LOCAL_PARAMS, keep_trained, train_client, train_settings, with_local
 from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
 from fedskew.flower.hello import NodeReport
 from fedskew.flower.node_data import NodePart, cached_part, own_part
@@ -109,7 +109,7 @@ def _checked(client: _Client, msg: Message) -> ConfigRecord:
 
 def _local(client_state: dict[str, Any], initial: Params, names: list[str]) -> Params:
     """The entries the client keeps for itself: its own after it first trained, the initial model's before."""
-    return client_state.get("local_params") or {k: initial[k] for k in names}
+    return client_state.get(LOCAL_PARAMS) or {k: initial[k] for k in names}
 
 
 @app.query("hello")
@@ -146,8 +146,8 @@ def train(msg: Message, context: Context) -> Message:
     names = list(conf["local_names"])  # type: ignore[arg-type]
     state, trained = load_state(context.state, dev)
     if names:  # as in the simulator, the state holds the local entries from the start
-        state["local_params"] = _local(state, sh.initial, names)
-    received = with_local(from_record(msg.content["model"], dev), state.get("local_params"), sh.initial)  # type: ignore[arg-type]
+        state[LOCAL_PARAMS] = _local(state, sh.initial, names)
+    received = with_local(from_record(msg.content["model"], dev), state.get(LOCAL_PARAMS), sh.initial)  # type: ignore[arg-type]
     broadcast = from_record(msg.content["broadcast"], dev)  # type: ignore[arg-type]
     rnd = int(conf["round"])  # type: ignore[arg-type]
     args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)

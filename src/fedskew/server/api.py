@@ -2,7 +2,8 @@
 
 Everything a server method needs arrives as a :class:`RoundInput`: the K participants' uploads stacked along a
 leading client axis (``params[name]`` has shape ``[K, *shape]``), their sample counts, any extra tensors they
-uploaded, and the model that was broadcast. A server method is a :class:`ServerStrategy`; the common case is an
+uploaded, and the model that was broadcast. A client part may have a server side, a :class:`ServerHalf` (SCAFFOLD's
+global control variate), which advances first. The server method is a :class:`ServerStrategy`; the common case is an
 :class:`Aggregation`, the composition, in this order:
 
     masks   = masking(round_input, state)                  # optional: which client values enter each element (HEAL)
@@ -134,6 +135,25 @@ class ServerStep(Piece):
         self, rin: RoundInput, params: Params, weights: Tensor, state: State
     ) -> tuple[Params, Diagnostics, State]:
         raise NotImplementedError
+
+
+class ServerHalf(Piece):
+    """The server's side of a client part: what the server keeps for that client algorithm across rounds, what it
+    broadcasts with the model, and how a round's uploads advance it (SCAFFOLD's and FedDC's global control variate,
+    FedDyn's mean client size, FedGen's generator, FedProto's global prototypes; ``server/halves.py``). It runs before
+    the aggregation, on the same :class:`RoundInput`. This base keeps nothing and broadcasts nothing (the client parts
+    without a server side)."""
+
+    def broadcast(self, state: State) -> Params:
+        """The tensors every sampled client receives with its model this round."""
+        return {}
+
+    def advance(self, rin: RoundInput, state: State) -> State:
+        """The state after this round's uploads."""
+        return state
+
+
+NO_SERVER_HALF = ServerHalf()
 
 
 CombineFn = Callable[[RoundInput, Tensor, "Params | None"], "tuple[Params, Diagnostics]"]

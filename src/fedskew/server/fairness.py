@@ -27,16 +27,11 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import LEARNING_RATE, LOSS_BEFORE, MOMENTUM, STEPS, Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
 from fedskew.server.api import Combine, Composition, Diagnostics, Weighting, refuse_masks
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.weights import normalize
-
-LOSS_BEFORE = "loss_before"  # the metric the clients report (fedskew.client.loss_before.LOSS_BEFORE)
-LEARNING_RATE = "lr"  # fedskew.client.loss_before.LEARNING_RATE
-MOMENTUM = "momentum"  # fedskew.client.loss_before.MOMENTUM
-STEPS = "steps"  # local optimizer steps, reported by every client (fedskew.client.local.local_train)
 
 
 def reported(rin: RoundInput, metric: str, who: str) -> Tensor:

@@ -31,7 +31,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.protocol import STEPS, Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
 from fedskew.server.api import (
     Combine,
@@ -175,12 +175,12 @@ class NovaCombine(Combine):
     ) -> tuple[Params, Diagnostics, State]:
         if masks is not None:
             raise ValueError("FedNova's combine does not take element masks")
-        if "steps" not in rin.metrics:
+        if STEPS not in rin.metrics:
             raise ValueError(
                 "FedNova needs every client's local step count (RoundInput.metrics['steps']); "
                 f"the uploads reported only {sorted(rin.metrics)}"
             )
-        coef, tau_eff = nova_coefficients(weights, nova_normalizer(rin.metrics["steps"], self.local_momentum))
+        coef, tau_eff = nova_coefficients(weights, nova_normalizer(rin.metrics[STEPS], self.local_momentum))
         keep = 1.0 - float(coef.sum())
         out: Params = {}
         for name, stacked in rin.params.items():
