@@ -38,7 +38,7 @@ from torch import nn
 
 from fedskew.client.personal import CriticalMasks
 from fedskew.models import build_model
-from fedskew.protocol import Upload, RoundInput
+from fedskew.protocol import RoundInput, Upload
 from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
 from fedskew.server.fedsa import FedSACombine

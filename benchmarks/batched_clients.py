@@ -216,7 +216,7 @@ def main() -> None:
         # the same round for both: same generators, received models and broadcast
         rnd = rep + 1
         received = {c: seq.params_for(c) for c in cids}
-        broadcast = seq.method.client.broadcast(seq.client_server_state)
+        broadcast = seq.method.server_half.broadcast(seq.server_half_state)
 
         def sequential(received=received, broadcast=broadcast, rnd=rnd) -> list[Upload]:
             return [seq._train(c, rnd, received[c], broadcast) for c in cids]

@@ -34,8 +34,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 METHODS = ("fedavg", "fedsa", "heal")
+
+
+def _masking(state: Any) -> Any:
+    return state.masking if hasattr(state, "masking") else state["masking"]
 
 
 def _status_kib(field: str) -> int:
@@ -62,9 +67,9 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
     from fedskew.server import api, heal
 
     try:
-        from fedskew.protocol import Upload, ServerContext
+        from fedskew.protocol import ServerContext, Upload
     except ImportError:  # --src of a checkout from before fedskew/protocol.py
-        from fedskew.server.api import Upload, ServerContext
+        from fedskew.server.api import ServerContext, Upload
     from fedskew.server.api import Aggregation
     from fedskew.server.combine import WeightedMean
     from fedskew.server.fedsa import FedSACombine
@@ -93,10 +98,12 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     if method == "heal":  # every client has participated 3 times before (tables in the dtype fedskew keeps them)
         dtype = heal.count_dtype(4) if hasattr(heal, "count_dtype") else torch.int32
-        state["masking"] = {
+        tables = {
             c: heal.SignHistory({n: torch.randint(0, 4, t.shape, generator=g, dtype=dtype) for n, t in glob.items()}, 3)
             for c in range(clients)
         }
+        # an AggregationState (typed, since issue 32) or the dict of older sources (--src)
+        state = state._replace(masking=tables) if hasattr(state, "_replace") else {**state, "masking": tables}
     scales = torch.exp(0.5 * torch.randn(clients, generator=g))
 
     def upload(cid: int) -> Upload:  # global + client noise, log-normal spread over clients and positions
@@ -135,7 +142,7 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
     state_bytes = 0
     if method == "heal":
         state_bytes = sum(
-            t.numel() * t.element_size() for h in new_state["masking"].values() for t in h.nonneg.values()
+            t.numel() * t.element_size() for h in _masking(new_state).values() for t in h.nonneg.values()
         )
     return {
         "method": method,

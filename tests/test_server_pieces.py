@@ -137,6 +137,7 @@ def test_reports_are_declared_on_pieces_and_halves_and_wrappers_forward_them():
         unregister("histo_w")
     fedgen = resolve_method("fedgen", {})
     assert fedgen.server_half.reports == (LABEL_HIST,) and fedgen.reports == (LABEL_HIST,)
+
     class Reporting(LocalAlgorithm):
         reports = (LABEL_HIST,)
 
