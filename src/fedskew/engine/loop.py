@@ -4,11 +4,12 @@ One round, as a reader should see it::
 
     sampled = sample(round) - dropped_out(round)       # both seeded by (seed, round), independent streams
     for cid in sampled:
-        received = personal[cid] or global             # what this client gets (+ server broadcast extras)
+        received = personal[cid] or global             # what this client gets (+ the server half's broadcast)
         upload   = local_train(method.client, ...)     # one reusable model, resident tensors, seeded order
         stack.add(upload)                              # validated into preallocated [K, ...] buffers (or rejected)
     rin      = stack.round_input()                     # on_bad_update: fail raises, drop aggregates the rest
-    server   = method.server.aggregate(rin, state)     # weights -> masks -> combine, or personalized
+    half     = method.server_half.advance(rin, half)   # the client part's server side (SCAFFOLD's c)
+    server   = method.server.aggregate(rin, state)     # masks -> weights -> combine -> step, or personalized
     evaluate(global / global_local / personal views)   # on the eval cadence
     record   -> metrics.jsonl, SQLite, progress bar
 """

@@ -61,7 +61,7 @@ def gram(vectors: list[Params], names: list[str]) -> Tensor:
     return g
 
 
-def update_sq_norms(rin: RoundInput, names: list[str]) -> Tensor:
+def delta_sq_norms(rin: RoundInput, names: list[str]) -> Tensor:
     """``[K]`` float64 ``‖w_k − W‖²`` over ``names``."""
     k = rin.num_participants
     sq = torch.zeros(k, dtype=torch.float64)
@@ -228,7 +228,7 @@ class QfflCombine(Combine):
             raise ValueError("q-FFL's step does not take element masks")
         losses = reported(rin, LOSS_BEFORE, "qffl")
         lipschitz = self.lipschitz_estimates(rin)
-        sq = update_sq_norms(rin, _trainable_float(rin))
+        sq = delta_sq_norms(rin, _trainable_float(rin))
         coef = qffl_coefficients(losses, sq, weights, self.q, lipschitz)
         floats = [n for n, t in rin.params.items() if t.is_floating_point()]
         out = apply_coefficients(rin, coef, floats)

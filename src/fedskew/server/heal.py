@@ -189,7 +189,7 @@ class HealMasks(Masking):
 # ----------------------------------------------------------------------------------------------------- FAEL
 
 
-def masked_update_sq_norms(x: Tensor, start: Tensor, mask: Tensor | None = None) -> Tensor:
+def masked_delta_sq_norms(x: Tensor, start: Tensor, mask: Tensor | None = None) -> Tensor:
     """``[K]`` float64 squared Euclidean norms of the rows of ``(x - start) ⊙ mask`` (``x``: ``[K, M]``), computed
     block by block of columns (no ``K × M`` float64 copy)."""
     k, m = x.shape
@@ -220,7 +220,7 @@ def fael_distances(rin: RoundInput, masks: Params | None, distance: str = "l2_pe
         if name not in rin.trainable or not stacked.is_floating_point():
             continue
         mask = None if masks is None or name not in masks else masks[name].reshape(k, -1)
-        sq = masked_update_sq_norms(stacked.reshape(k, -1), rin.global_params[name].reshape(-1), mask)
+        sq = masked_delta_sq_norms(stacked.reshape(k, -1), rin.global_params[name].reshape(-1), mask)
         d += (sq.sqrt() if distance == "l2_per_tensor" else sq).cpu()
     return d.numpy()
 
