@@ -33,7 +33,7 @@ def _metrics(root: Path) -> dict[str, list[dict]]:
     return out
 
 
-def one(kind: str, spec: SweepSpec, root: Path) -> tuple[float, int]:
+def one(kind: str, spec: SweepSpec, root: Path, address: str | None = None) -> tuple[float, int]:
     runs = expand(spec, out=root / "runs", db=root / "fedskew.db")
     executor = None
     jobs = 1
@@ -43,7 +43,7 @@ def one(kind: str, spec: SweepSpec, root: Path) -> tuple[float, int]:
         from fedskew.ray_executor import RayExecutor, check_ray
 
         check_ray()
-        executor = RayExecutor(jobs=2)
+        executor = RayExecutor(address=address, jobs=2)
     t0 = time.perf_counter()
     outcome = run_sweep(runs, jobs=jobs, executor=executor)
     wall = time.perf_counter() - t0
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="jobs1,jobs2,ray", help="which executors (jobs1, jobs2, ray)")
     p.add_argument("--rotate", type=int, default=0, help="start the order at this position")
     p.add_argument("--out", default=None, help="keep the sweeps here (default: a temporary folder)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="run the Ray sweep on this running Ray instance (ray start --head --num-cpus 2) instead of starting one",
+    )
     args = p.parse_args(argv)
     spec = SweepSpec(
         name="sweep-scaling",
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(args.out) if args.out else Path(tmp)
         walls: dict[str, float] = {}
         for kind in kinds:
-            wall, n = one(kind, spec, base / kind)
+            wall, n = one(kind, spec, base / kind, args.address)
             walls[kind] = wall
             print(f"{kind:6} {n} runs in {wall:7.1f} s: {3600 * n / wall:8.0f} runs/hour", flush=True)
         metrics = {k: _metrics(base / k) for k in kinds}
