@@ -275,6 +275,13 @@ def test_generic_adapter_with_fedavg_equals_flowers_fedavg(one_thread):
     (a, _), (b, _) = disco.aggregate_train(1, replies), named_disco.aggregate_train(1, replies)
     assert_close(a.to_torch_state_dict(), b.to_torch_state_dict(), atol=0)
     assert disco.history[0].weights == named_disco.history[0].weights
-    for bad, match in (("fedcac", "personalized"), ("fedavg+nope", "unknown"), ("fedavg", "on_bad_update")):
+    cases = (
+        ("fedcac", "personalized"),
+        ("fedavg+nope", "unknown"),
+        ("fedavg", "on_bad_update"),
+        ("scaffold", "server half .ScaffoldServer"),  # its global control variate would be silently dropped
+        ("fedproto+heal", "server half .PrototypeServer"),
+    )
+    for bad, match in cases:
         with pytest.raises(ValueError, match=match):
             FedskewStrategy(bad, on_bad_update="x" if match == "on_bad_update" else "fail")

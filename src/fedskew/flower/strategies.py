@@ -53,6 +53,7 @@ from torch import Tensor
 from fedskew.flower.codec import from_record, to_record
 from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
 from fedskew.server.api import (
+    NO_SERVER_HALF,
     ON_BAD_UPDATE,
     Aggregation,
     Masking,
@@ -284,6 +285,11 @@ def _resolve(name: str, args: Mapping[str, Any]) -> ServerStrategy:
         raise ValueError(f"{name!r} is personalized (one model per client); a Flower strategy sends one model")
     if method.upload_extras:
         raise ValueError(f"{name!r} needs extra tensors from the clients, which a Flower strategy does not collect")
+    if method.server_half is not NO_SERVER_HALF:
+        raise ValueError(
+            f"{name!r}: its client part has a server half ({type(method.server_half).__name__}: state the server keeps "
+            "and broadcasts), which a Flower strategy does not run; use fedskew's own Flower app (fedskew flower new)"
+        )
     if method.local - {"buffers"}:
         raise ValueError(f"{name!r} keeps {sorted(method.local)} on the clients; not a one-model server step")
     return method.server
