@@ -173,3 +173,14 @@ def test_moon_frozen_copies_are_a_weak_cache_never_pickled():
     del model, glob, prev
     gc.collect()
     assert len(moon._frozen) == 0  # gone with the model: no copy outlives it, no id can be reused
+
+
+def test_a_checkpoint_of_the_untyped_format_is_refused_with_what_to_do():
+    from fedskew.engine.checkpoint import FORMAT, capture, restore
+
+    sim = digits_simulation("scaffold+heal", rounds=2)
+    sim.round(1)
+    state = capture(sim)
+    assert FORMAT == 2 and isinstance(state["server_state"], AggregationState)
+    with pytest.raises(ValueError, match=r"format 1 \(another fedskew version\).*start it over"):
+        restore(digits_simulation("scaffold+heal", rounds=2), {**state, "format": 1})

@@ -36,7 +36,11 @@ def capture(sim: Simulation) -> dict[str, Any]:
 def restore(sim: Simulation, state: dict[str, Any]) -> None:
     """Put a captured state back into a simulation built from the same configuration."""
     if state.get("format") != FORMAT:
-        raise ValueError(f"checkpoint format {state.get('format')!r} is not {FORMAT}; it cannot be resumed")
+        raise ValueError(
+            f"its checkpoint is of format {state.get('format')!r} (another fedskew version), this fedskew reads "
+            f"format {FORMAT}: it cannot be resumed; start it over (fedskew run --overwrite; in a sweep, delete the "
+            "run's checkpoint.pt and the sweep starts that run over; the numbers are the same)"
+        )
     missing = [name for name in STATE_ATTRS if name not in state]
     if missing:
         raise ValueError(f"checkpoint lacks {', '.join(missing)}")
