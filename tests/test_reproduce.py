@@ -107,6 +107,21 @@ def test_smoke_fedsa_and_its_rerun_is_idempotent(tmp_path, capsys):
     assert "4 runs: 4 skipped" in again and _ours(data2) == ours
 
 
+def test_table_only_tabulates_what_is_finished_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "fedsa"
+    args = ["reproduce", "fedsa", "--scale", "smoke", "--rows", "fedavg", "--out", str(out), "--quiet"]
+    assert main(args) == 0  # seed 0, both settings
+    capsys.readouterr()
+    before = sorted(p.name for p in (out / "runs").iterdir())
+    assert main([*args, "--seeds", "0,1", "--table-only"]) == 0
+    captured = capsys.readouterr()
+    assert "2 of 4 runs finished" in captured.err
+    assert sorted(p.name for p in (out / "runs").iterdir()) == before  # seed 1 was not run
+    data = json.loads((out / "table.json").read_text())
+    assert all(len(v) == 2 and all(v) for v in _ours(data).values())  # seed 0's cells
+    assert "over the last 10 evaluated rounds here" in captured.out  # the statistic's window at this scale
+
+
 def test_smoke_feddisco_compares_the_plug_in_gain(tmp_path, capsys):
     _, text, data = _smoke(tmp_path, capsys, "feddisco", "fedavg,fedavg+disco")
     assert "| FedAvg+Disco |" in text and "89.56" in text

@@ -426,6 +426,24 @@ class SweepOutcome:
         return [r.run_id for r in self.results if r.run_id]
 
 
+def sweep_state(runs: list[PlannedRun]) -> SweepOutcome:
+    """What a sweep's folders hold now, running nothing: each finished run as ``skipped`` (with its run id, recorded in
+    the database when it is not there yet), a folder holding something else as ``failed``, every other run (new,
+    unfinished, running in another process) as ``not started``."""
+    results = []
+    for run in runs:
+        state, detail = run_state(run)
+        out = str(run.cfg.out)
+        if state == "done":
+            run_id, error = _finished_id(out, run.cfg.db)
+            results.append(RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail))
+        elif state == "blocked":
+            results.append(RunResult(run.name, "failed", out, error=detail))
+        else:
+            results.append(RunResult(run.name, "not started", out, detail=detail))
+    return SweepOutcome(results)
+
+
 def _finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
     """(run id, error) of a finished run directory, recording it in the database when it is not there yet."""
     from fedskew.runner import record_in_db

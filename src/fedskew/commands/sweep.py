@@ -77,6 +77,12 @@ def add_parsers(sub: Any) -> None:
     rp.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
     add_executor_flags(rp)
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
+    rp.add_argument(
+        "--table-only",
+        action="store_true",
+        help="write the tables of the runs already finished in --out (a stopped sweep, or one still running); run "
+        "nothing",
+    )
     rp.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -295,7 +301,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     import torch
 
     from fedskew.config import ConfigError
-    from fedskew.reproduce import load_paper, make_plan, planned_runs, run_reproduction
+    from fedskew.reproduce import load_paper, make_plan, planned_runs, run_reproduction, tabulate
     from fedskew.reproduce.table import check_against
 
     paper = load_paper(args.paper)
@@ -335,6 +341,14 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print(tuned_note(runs, plan.tuned), file=sys.stderr)
     if args.dry_run:
         print("\n".join(_states(runs)))
+        return 0
+    if args.table_only:
+        rep = tabulate(plan)
+        done = len(rep.outcome.by_status("skipped"))
+        print(rep.markdown)
+        print(
+            f"{done} of {len(runs)} runs finished; written: {', '.join(str(p) for p in rep.files[:2])}", file=sys.stderr
+        )
         return 0
     with Display(len(runs), args.quiet) as display:
         display.labels = {r.name: r.label for r in runs}

@@ -27,9 +27,29 @@ from typing import Any
 from fedskew.reproduce.papers import SCALES, Paper, load_paper, paper_names
 from fedskew.reproduce.plan import Plan, make_plan
 from fedskew.reproduce.table import BuiltTable, build_tables, compute_table, render_markdown, tables_json
-from fedskew.sweep import Event, PlannedRun, RunResult, SweepOutcome, dump_spec, expand, run_sweep, with_log
+from fedskew.sweep import (
+    Event,
+    PlannedRun,
+    RunResult,
+    SweepOutcome,
+    dump_spec,
+    expand,
+    run_sweep,
+    sweep_state,
+    with_log,
+)
 
-__all__ = ["SCALES", "Paper", "Plan", "Reproduction", "load_paper", "make_plan", "paper_names", "run_reproduction"]
+__all__ = [
+    "SCALES",
+    "Paper",
+    "Plan",
+    "Reproduction",
+    "load_paper",
+    "make_plan",
+    "paper_names",
+    "run_reproduction",
+    "tabulate",
+]
 
 
 @dataclass
@@ -63,6 +83,15 @@ def run_reproduction(
     runs = planned_runs(plan)
     outcome = run_sweep(runs, jobs=jobs, on_event=on_event, on_result=on_result, executor=executor)
     return assemble(plan, runs, outcome)
+
+
+def tabulate(plan: Plan) -> Reproduction:
+    """The tables, compute and figures of the runs the plan's folder holds now, running nothing (``reproduce
+    --table-only``: a sweep that was stopped, or one still running in another process); unfinished runs count as
+    not run."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    runs = planned_runs(plan)
+    return assemble(plan, runs, sweep_state(runs))
 
 
 def _curve_metrics(paper: Paper) -> list[str]:

@@ -97,6 +97,12 @@ def show(v: tuple[float, float | None] | None) -> str:
     return f"{v[0]:.2f}" + (f" ± {v[1]:.2f}" if v[1] is not None else "")
 
 
+def _here(plan: Plan) -> str:
+    """The statistic's window at this scale, when it is a last-N mean (a scale may shorten the paper's window)."""
+    n = plan.base.get("last_n")
+    return f" over the last {n} evaluated rounds here" if plan.paper.metric.statistic == "last_n_mean" and n else ""
+
+
 def _value(summary: dict[str, Any], keys: list[str], statistic: str) -> float | None:
     for key in keys:
         s = summary.get(key)
@@ -277,10 +283,10 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
             s.setting.label + (f" (domains: {', '.join(s.domains)})" if s.domains else "") for s in plan.settings
         )
         + ".",
-        f"Metric: {paper.metric.description.strip()} ({paper.metric.statistic}). Ours: mean ± std (population, "
-        f"ddof=0) over seeds {', '.join(map(str, plan.seeds))}; a single seed shows its value alone. Paper: as "
-        "published. A column marked (paper: X) runs the paper's protocol on an offline dataset and is set beside "
-        "the paper's number for X, a different dataset: compare orderings, not values.",
+        f"Metric: {paper.metric.description.strip()} ({paper.metric.statistic}{_here(plan)}). Ours: mean ± std "
+        f"(population, ddof=0) over seeds {', '.join(map(str, plan.seeds))}; a single seed shows its value alone. "
+        "Paper: as published. A column marked (paper: X) runs the paper's protocol on an offline dataset and is set "
+        "beside the paper's number for X, a different dataset: compare orderings, not values.",
         "",
         "Δ: our paired difference against the row's reference (column vs: "
         + (f"the row {plan.against!r}" if plan.against else "FedAvg; a host+plug-in row against its host")
