@@ -7,16 +7,16 @@ import signal
 
 import pytest
 
-from fedskew import sweep
-from fedskew.sweep import Task, worker_device
+from fedskew import sweep_pool as sweep
+from fedskew.sweep import Task
 
 
 def test_workers_take_the_gpus_round_robin():
-    assert [worker_device("cuda", i, 3) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
-    assert worker_device("cuda", 4, 1) == "cuda"  # one GPU: every worker shares it
-    assert worker_device("cuda", 4, 0) == "cuda"
-    assert worker_device("cuda:1", 0, 4) == "cuda:1"  # a device chosen by the user stays
-    assert worker_device("cpu", 1, 4) == "cpu"
+    assert [sweep.worker_device("cuda", i, 3) for i in range(5)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"]
+    assert sweep.worker_device("cuda", 4, 1) == "cuda"  # one GPU: every worker shares it
+    assert sweep.worker_device("cuda", 4, 0) == "cuda"
+    assert sweep.worker_device("cuda:1", 0, 4) == "cuda:1"  # a device chosen by the user stays
+    assert sweep.worker_device("cpu", 1, 4) == "cpu"
 
 
 def test_gpus_are_counted_only_for_cuda_runs(monkeypatch):

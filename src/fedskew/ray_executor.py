@@ -45,7 +45,8 @@ import yaml
 
 from fedskew.config import ConfigError
 from fedskew.results.rundir import CHECKPOINT, LOCK, ROUND_FILES, STATUS, RunDirectory, RunDirError, write_atomic
-from fedskew.sweep import Event, PlannedRun, RunResult, Task, _finished_id, execute_run, run_state
+from fedskew.sweep import PlannedRun, _finished_id, run_state
+from fedskew.sweep_run import Event, RunResult, Task, execute_run
 
 INSTALL_HINT = "--executor ray needs Ray: pip install 'fedskew[ray]' (on the driver and on every node)"
 MAX_RETRIES = 3  # re-submissions of a run whose worker or node died

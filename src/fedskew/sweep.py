@@ -14,18 +14,11 @@ over. A run that fails is listed at the end with its error; the others go on.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import itertools
 import json
-import os
 import re
-import signal
-import threading
-import time
-import traceback
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +29,13 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
+from fedskew.sweep_run import Event, RunResult, Task, execute_run
 from fedskew.tuning.tuned import apply_tuned
 
 # keys every run gets from the sweep itself, never from an axis
 _SWEEP_OWNED = ("out", "db", "seed")
 # identity keys already in the default run-folder name (store.default_run_dir), or shown elsewhere
 _NAMED = ("method", "method_args", "dataset", "partition")
-
-Event = tuple[Any, ...]  # ("start", name, first_round, rounds, pid) | ("round", name, rnd, info) | ("note", name, msg)
 
 
 class MethodEntry(StrictSettings):
@@ -302,114 +294,6 @@ def run_state(run: PlannedRun) -> tuple[str, str]:
     return "restart", f"status {status.get('status', 'unknown')}, no checkpoint"
 
 
-# ---- running -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Task:
-    """What a worker process needs for one run (plain data: it crosses a process boundary)."""
-
-    name: str
-    values: dict[str, Any]
-    state: str
-
-
-@dataclass
-class RunResult:
-    name: str
-    status: str  # finished | diverged | skipped | failed | interrupted | not started
-    run_dir: str
-    run_id: str | None = None
-    error: str | None = None
-    detail: str = ""
-    trace: str = ""
-    wall_time: float = 0.0
-
-
-def _info(record: dict[str, Any]) -> str:
-    for key in ("global_acc", "domain_acc_avg", "personal_acc_mean", "global_local_acc"):
-        if key in record:
-            return f"{key} {100 * record[key]:.2f}%"
-    return ""
-
-
-def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
-    """Run (or resume) one planned run; never raises: a failure comes back as a result with its error."""
-    from fedskew.runner import RunInterrupted, run_experiment
-
-    t0 = time.perf_counter()
-    out = str(task.values.get("out"))
-    detail = {"resume": "resumed", "restart": "started over"}.get(task.state, "")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            cfg = make_config(task.values)
-            outcome = run_experiment(
-                cfg,
-                overwrite=task.state == "restart",
-                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
-                on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
-                on_note=lambda msg: emit(("note", task.name, msg)),
-            )
-            status = "diverged" if outcome.summary.get("diverged") else "finished"
-            result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
-        except RunInterrupted as exc:
-            result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
-        except KeyboardInterrupt:
-            result = RunResult(task.name, "interrupted", out, detail="before its first round ended (nothing kept)")
-        except Exception as exc:  # noqa: BLE001 - any error of one run is reported, never stops the sweep
-            result = RunResult(
-                task.name, "failed", out, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
-            )
-    for w in caught:
-        emit(("note", task.name, str(w.message)))
-    result.wall_time = time.perf_counter() - t0
-    return result
-
-
-_QUEUE: Any = None
-_DEVICE: tuple[int, int] = (0, 0)  # (this worker's index, GPUs visible)
-
-
-def worker_device(device: str, index: int, gpus: int) -> str:
-    """The device of pool worker ``index``: ``cuda`` with several GPUs visible is ``cuda:<index mod gpus>`` (runs
-    spread one GPU per worker, round-robin); any other device stays as it is."""
-    return f"cuda:{index % gpus}" if device == "cuda" and gpus > 1 else device
-
-
-def _init_worker(queue: Any, counter: Any = None, gpus: int = 0) -> None:
-    global _QUEUE, _DEVICE
-    _QUEUE = queue
-    if counter is not None:
-        with counter.get_lock():
-            _DEVICE, counter.value = (counter.value, gpus), counter.value + 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # between runs; a run installs its own checkpointing handler
-
-
-def _pool_task(task: Task) -> RunResult:
-    device = task.values.get("device")
-    if device == "cuda" and worker_device(device, *_DEVICE) != device:
-        task = Task(task.name, {**task.values, "device": worker_device(device, *_DEVICE)}, task.state)
-    return execute_run(task, _QUEUE.put)
-
-
-def _visible_gpus(todo: list[Task]) -> int:
-    """GPUs to spread the pool's runs over: counted only when some run asks for plain ``cuda``."""
-    if not any(t.values.get("device") == "cuda" for t in todo):
-        return 0
-    import torch
-
-    return int(torch.cuda.device_count())
-
-
-def _mp_context() -> Any:
-    import multiprocessing as mp
-
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")  # workers fork from a clean server: no inherited threads or locks
-        ctx.set_forkserver_preload(["fedskew.runner"])
-        return ctx
-    return mp.get_context("spawn")
-
-
 @dataclass
 class SweepOutcome:
     results: list[RunResult]
@@ -508,102 +392,7 @@ def run_sweep(
                     results[rest.name] = RunResult(rest.name, "not started", str(rest.values.get("out")))
                 break
     else:
-        interrupted = _run_pool(todo, jobs, emit, results, report)
+        from fedskew.sweep_pool import run_pool  # the local process pool (its own module: sweep_pool.py)
+
+        interrupted = run_pool(todo, jobs, emit, results, report)
     return SweepOutcome([results[r.name] for r in runs if r.name in results], interrupted)
-
-
-def _run_pool(
-    todo: list[Task],
-    jobs: int,
-    emit: Callable[[Event], None],
-    results: dict[str, RunResult],
-    report: Callable[[RunResult], None],
-) -> bool:
-    from concurrent.futures import CancelledError, ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
-
-    ctx = _mp_context()
-    queue = ctx.Queue()
-    pids: dict[str, int] = {}
-
-    def drain() -> None:
-        while (ev := queue.get()) is not None:
-            if ev[0] == "start":
-                pids[ev[1]] = ev[4]
-            emit(ev)
-
-    listener = threading.Thread(target=drain, daemon=True)
-    listener.start()
-    interrupted = False
-    on_main = threading.current_thread() is threading.main_thread()
-
-    def forward_term(signum: int, frame: object) -> None:  # SIGTERM to the sweep: the running runs checkpoint
-        for pid in list(pids.values()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, forward_term) if on_main else None
-
-    worker_args = (queue, ctx.Value("i", 0), _visible_gpus(todo))
-
-    def new_pool() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=worker_args)
-
-    pool = new_pool()
-    waiting = list(reversed(todo))  # submitted only as workers free up: after Ctrl-C no new run starts
-    running: dict[Any, Task] = {}
-
-    def finish(task: Task, res: RunResult) -> None:
-        pids.pop(task.name, None)
-        results[task.name] = res
-        report(res)
-
-    def step() -> bool:
-        """Submit what fits, wait for one run, record it; False when nothing is left."""
-        nonlocal pool, interrupted
-        while waiting and len(running) < jobs and not interrupted:
-            task = waiting.pop()
-            try:
-                fut = pool.submit(_pool_task, task)
-            except BrokenProcessPool:  # a worker died earlier: the others went with it; start fresh ones
-                pool.shutdown(wait=False, cancel_futures=True)
-                pool = new_pool()
-                fut = pool.submit(_pool_task, task)
-            running[fut] = task
-        if interrupted:
-            for task in reversed(waiting):
-                finish(task, RunResult(task.name, "not started", str(task.values.get("out"))))
-            waiting.clear()
-        if not running:
-            return False
-        fut = next(as_completed(running))
-        task = running.pop(fut)
-        try:
-            res = fut.result()
-        except (CancelledError, BrokenProcessPool):
-            res = RunResult(
-                task.name,
-                "failed",
-                str(task.values.get("out")),
-                error="its worker process died (killed, or out of memory?); run the sweep again to resume it "
-                "from its last checkpoint",
-            )
-        interrupted = interrupted or res.status == "interrupted"
-        finish(task, res)
-        return True
-
-    try:
-        while True:
-            try:
-                if not step():
-                    break
-            except KeyboardInterrupt:  # the workers got the signal too: their runs checkpoint after this round
-                interrupted = True
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        queue.put(None)
-        listener.join(timeout=5)
-    return interrupted

@@ -310,9 +310,9 @@ def tune(
 def _parallel(spec: TuneSpec, index: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
 
-    from fedskew.sweep import _mp_context
+    from fedskew.sweep_pool import mp_context
 
-    with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=_mp_context()) as pool:
+    with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=mp_context()) as pool:
         futures = [pool.submit(_worker, spec.model_dump_json(), index, w + 1) for w in range(spec.jobs)]
         for f in futures:
             f.result()

@@ -1,0 +1,80 @@
+"""One run of a sweep, as any executor runs it: :class:`Task` (plain data that crosses a process or machine
+boundary), :func:`execute_run` (never raises: a failure comes back as a :class:`RunResult` with its error) and the
+progress :data:`Event` it emits. The local pool (``sweep_pool.py``) and the Ray executor (``ray_executor.py``) both
+call it; ``sweep.py`` decides which runs to give them."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fedskew.config import make_config
+
+Event = tuple[Any, ...]  # ("start", name, first_round, rounds, pid) | ("round", name, rnd, info) | ("note", name, msg)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a worker process needs for one run (plain data: it crosses a process boundary)."""
+
+    name: str
+    values: dict[str, Any]
+    state: str
+
+
+@dataclass
+class RunResult:
+    name: str
+    status: str  # finished | diverged | skipped | failed | interrupted | not started
+    run_dir: str
+    run_id: str | None = None
+    error: str | None = None
+    detail: str = ""
+    trace: str = ""
+    wall_time: float = 0.0
+
+
+def _info(record: dict[str, Any]) -> str:
+    for key in ("global_acc", "domain_acc_avg", "personal_acc_mean", "global_local_acc"):
+        if key in record:
+            return f"{key} {100 * record[key]:.2f}%"
+    return ""
+
+
+def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
+    """Run (or resume) one planned run; never raises: a failure comes back as a result with its error."""
+    from fedskew.runner import RunInterrupted, run_experiment
+
+    t0 = time.perf_counter()
+    out = str(task.values.get("out"))
+    detail = {"resume": "resumed", "restart": "started over"}.get(task.state, "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cfg = make_config(task.values)
+            outcome = run_experiment(
+                cfg,
+                overwrite=task.state == "restart",
+                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
+                on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
+                on_note=lambda msg: emit(("note", task.name, msg)),
+            )
+            status = "diverged" if outcome.summary.get("diverged") else "finished"
+            result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
+        except RunInterrupted as exc:
+            result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
+        except KeyboardInterrupt:
+            result = RunResult(task.name, "interrupted", out, detail="before its first round ended (nothing kept)")
+        except Exception as exc:  # noqa: BLE001 - any error of one run is reported, never stops the sweep
+            result = RunResult(
+                task.name, "failed", out, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
+            )
+    for w in caught:
+        emit(("note", task.name, str(w.message)))
+    result.wall_time = time.perf_counter() - t0
+    return result
