@@ -317,15 +317,21 @@ def sweep_state(runs: list[PlannedRun]) -> SweepOutcome:
     results = []
     for run in runs:
         state, detail = run_state(run)
-        out = str(run.cfg.out)
-        if state == "done":
-            run_id, error = _finished_id(out, run.cfg.db)
-            results.append(RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail))
-        elif state == "blocked":
-            results.append(RunResult(run.name, "failed", out, error=detail))
-        else:
-            results.append(RunResult(run.name, "not started", out, detail=detail))
+        settled = _settled(run, state, detail)
+        results.append(settled or RunResult(run.name, "not started", str(run.cfg.out), detail=detail))
     return SweepOutcome(results)
+
+
+def _settled(run: PlannedRun, state: str, detail: str) -> RunResult | None:
+    """The result of a run that needs no running (``done``: skipped, or failed when its folder cannot be read;
+    ``blocked``: failed), else ``None``."""
+    out = str(run.cfg.out)
+    if state == "done":
+        run_id, error = _finished_id(out, run.cfg.db)
+        return RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail)
+    if state == "blocked":
+        return RunResult(run.name, "failed", out, error=detail)
+    return None
 
 
 def _finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
@@ -361,13 +367,8 @@ def run_sweep(
     todo: list[Task] = []
     for run in runs:
         state, detail = run_state(run)
-        out = str(run.cfg.out)
-        if state == "done":
-            run_id, error = _finished_id(out, run.cfg.db)
-            res = RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail)
-        elif state == "blocked":
-            res = RunResult(run.name, "failed", out, error=detail)
-        else:
+        res = _settled(run, state, detail)
+        if res is None:
             todo.append(Task(run.name, run.cfg.model_dump(), state))
             continue
         results[run.name] = res
