@@ -63,14 +63,28 @@ def shrink_clients(data: FederatedData, fraction: float) -> FederatedData:
 
 
 def max_error(a: list[Upload], b: list[Upload]) -> float:
-    """The largest absolute difference between two lists of uploads (parameters, buffers and extras)."""
+    """The largest absolute difference between two lists of uploads (parameters, buffers and numeric extras; boolean
+    extras, FedCAC's masks, are counted by :func:`flipped` instead)."""
     err = 0.0
     for u, v in zip(a, b, strict=True):
         for k in u.params:
             err = max(err, (u.params[k].double() - v.params[k].double()).abs().max().item())
         for k in u.extras:
-            err = max(err, (u.extras[k].double() - v.extras[k].double()).abs().max().item())
+            if u.extras[k].dtype != torch.bool:
+                err = max(err, (u.extras[k].double() - v.extras[k].double()).abs().max().item())
     return err
+
+
+def flipped(a: list[Upload], b: list[Upload]) -> tuple[int, int]:
+    """Boolean extras (FedCAC's critical masks): entries that differ between the two lists, and all entries. A mask
+    is a threshold on a sensitivity, so float rounding of the trained model flips the entries at the threshold."""
+    diff = total = 0
+    for u, v in zip(a, b, strict=True):
+        for k in u.extras:
+            if u.extras[k].dtype == torch.bool:
+                diff += int((u.extras[k] != v.extras[k]).sum())
+                total += u.extras[k].numel()
+    return diff, total
 
 
 def one_ulp(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +178,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if args.path == "vmap":
         vmap_step = batched_module._vmap_step_function
-        batched_module._step_function = lambda model, names, mu, term=None: vmap_step(model, names, mu)
+        batched_module._step_function = lambda model, names, mu, term=None, head_term=None: vmap_step(model, names, mu)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -211,7 +225,7 @@ def main() -> None:
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
 
     cids = list(range(args.clients))
-    rows, errors = [], []
+    rows, errors, flips = [], [], []
     for rep in range(args.repeats + 1):  # repeat 0 warms both paths up and is not timed into the medians
         # the same round for both: same generators, received models and broadcast
         rnd = rep + 1
@@ -248,6 +262,7 @@ def main() -> None:
             else f"mean {statistics.mean(sampler.samples):.0f}%, max {max(sampler.samples)}%"
         )
         errors.append(err)
+        flips.append(flipped(a, b))
         if rep:
             rows.append((t_seq, t_bat, c_seq, c_bat))
         label = f"repeat {rep}" if rep else "warm-up"
@@ -261,6 +276,9 @@ def main() -> None:
     print(f"\nspeedup batched/sequential: {t_seq / t_bat:.2f}x (median; sequential {t_seq:.3f}s, batched {t_bat:.3f}s)")
     print(f"speedup in this process's CPU time: {c_seq / c_bat:.2f}x (the figure to read on a shared, busy machine)")
     print(f"max equivalence error: {max(errors):.2e} (every run, warm-up included)")
+    diff, total = (sum(col) for col in zip(*flips, strict=True))
+    if total:
+        print(f"mask entries that differ: {diff} of {total} (every run; entries at the threshold flip with rounding)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Pieces (each a subprocess with its own time limit; its result lands in ``OUT/<pi
 there is skipped, so running the suite again continues where the last call stopped):
 
 - ``env``: the card, the driver's CUDA, torch and fedskew versions.
-- ``batched-<method>`` for every method family the batched path trains (fedavg, fedprox, scaffold): batched clients
+- ``batched-<method>`` for every family of batched step (:data:`BATCHED_METHODS`): batched clients
   against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
   clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
   the speedup (median of the timed repeats) and the largest difference between the two paths' uploads;
@@ -40,7 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BATCHED_METHODS = ("fedavg", "fedprox", "scaffold")
+# one client part per family of batched step (engine/batched_steps.py): plain SGD, a proximal term, a shift after the
+# step, a pull after the backward pass, terms against frozen models, a term on drawn inputs, a start after begin,
+# phases, prototype collection, uploads computed from the trained model
+BATCHED_METHODS = (
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "feddyn",
+    "moon",
+    "fedntd",
+    "fedgen",
+    "fedala",
+    "ditto",
+    "fedbabu",
+    "fedproto",
+    "fedcac",
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,7 @@ def figures(piece: Piece, stdout: str) -> dict:
             ("max_error", r"max equivalence error: ([\d.e+-]+)"),
             ("utilization", r"GPU utilization \(batched\) (mean [^\n|]*)"),
             ("workload", r"^(.*clients, \d+ training samples.*)$"),
+            ("mask_flips", r"mask entries that differ: (\d+ of \d+)"),
         ):
             m = re.search(pattern, stdout, re.M)
             if m and key == "speedup":

@@ -206,6 +206,25 @@ def _fedgen_round(template, rnd=1, seed=0):
     )
 
 
+def test_generator_forward_rows_is_one_training_forward_per_row():
+    """``forward_rows`` (the batched FedGen step): R batches at once, each row's BatchNorm statistics its own, equal to
+    R training-mode forwards; running statistics untouched."""
+    torch.manual_seed(0)
+    gen = Generator(6, 4, 8, 5).train()
+    with torch.no_grad():  # a trained-looking BatchNorm affine
+        gen.fc1[1].weight.uniform_(0.5, 2.0)
+        gen.fc1[1].bias.uniform_(-1.0, 1.0)
+    labels, noise = torch.randint(0, 4, (3, 7)), torch.rand(3, 7, 6)
+    before = gen.fc1[1].running_mean.clone()
+    rows = gen.forward_rows(labels, noise)
+    assert torch.equal(gen.fc1[1].running_mean, before)
+    one_by_one = torch.stack([gen(labels[r], noise[r]) for r in range(3)])
+    assert rows.shape == (3, 7, 5)
+    assert torch.allclose(rows, one_by_one, atol=1e-6)
+    # the statistics are per row: the rows together as one batch give other features
+    assert not torch.allclose(gen(labels.reshape(-1), noise.reshape(21, 6)).view(3, 7, 5), rows, atol=1e-3)
+
+
 def test_fedgen_generator_training_is_seeded_changes_the_generator_and_fits_the_heads():
     _, half, _, _, _, template, sctx = _fedgen_setup()
     s0 = half.init(sctx)

@@ -27,13 +27,16 @@ def test_smoke_suite_runs_every_piece_then_resumes(tmp_path):
     second = _suite(out, "--papers", "feddisco", "--rows", "fedavg")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "env: done earlier, skipped" in second.stdout
-    names = ["batched-fedavg", "batched-fedprox", "batched-scaffold", "batched-fedavg-vmap", "pfl-batched"]
+    names = [f"batched-{m}" for m in ("fedavg", "fedprox", "scaffold", "feddyn", "moon", "fedntd", "fedgen")]
+    names += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "fedcac", "fedavg-vmap")]
+    names += ["pfl-batched"]
     names += ["pfl-sequential", "run100", "reproduce-feddisco"]
     for name in names:
         result = json.loads((out / f"{name}.json").read_text())
         assert result["ok"], (name, result)
-    batched = json.loads((out / "batched-fedavg.json").read_text())
-    assert batched["speedup"] > 0 and batched["max_error"] < 1e-3
+    for name in [n for n in names if n.startswith("batched-")]:
+        batched = json.loads((out / f"{name}.json").read_text())
+        assert batched["speedup"] > 0 and batched["max_error"] < 1e-3, (name, batched)
     assert "batched step vmap" in json.loads((out / "batched-fedavg-vmap.json").read_text())["workload"]
     pfl = json.loads((out / "pfl-batched.json").read_text())
     assert pfl["rounds"] == 3 and 0 <= pfl["global_acc"]["final"] <= 1

@@ -47,61 +47,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, snapshot
-from fedskew.engine.batched_steps import BATCHED_STEPS, batchable, clip_rows, pull_rows, unwrapped
-from fedskew.engine.stacked import FrozenTermFn, stackable, stacked_step_function
+from fedskew.client.local import LocalAlgorithm, LocalContext, snapshot
+from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
+from fedskew.engine.batched_steps import BATCHED_STEPS, GeneratedTerm, batchable, clip_rows, pull_rows, unwrapped
+from fedskew.engine.stacked import FrozenTermFn, HeadTermFn, stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
     from fedskew.engine.rounds import RoundResult
-
-
-@dataclass
-class _Schedule:
-    """Every client's batches: global row indices into the round's concatenated training tensors."""
-
-    order: np.ndarray  # all clients' epoch permutations, offset to global rows, concatenated
-    base: np.ndarray  # [K] where client k's permutations start in ``order``
-    n: np.ndarray  # [K] training samples
-    bs: np.ndarray  # [K] batch size min(batch_size, n)
-    nb: np.ndarray  # [K] batches per epoch
-    steps: np.ndarray  # [K] epochs · batches per epoch
-
-    def at(self, t: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Step ``t``'s buckets: ``(batch size, client rows, [rows, size] sample indices)`` per distinct size."""
-        active = np.nonzero(t < self.steps)[0]
-        if active.size == 0:
-            return []
-        nb, bs, n = self.nb[active], self.bs[active], self.n[active]
-        e, b = t // nb, t % nb
-        size = np.minimum(bs, n - b * bs)
-        start = self.base[active] + e * n + b * bs
-        out = []
-        for s in np.unique(size):
-            sel = size == s
-            out.append((int(s), active[sel], self.order[start[sel][:, None] + np.arange(s)]))
-        return out
-
-
-def _schedule(
-    ns: Sequence[int], offsets: Sequence[int], settings: TrainSettings, generators: Sequence[torch.Generator]
-) -> _Schedule:
-    """The clients' batch orders: ``settings.epochs`` permutations per client drawn from its generator in epoch
-    order, as ``local_train`` draws them, with the same batch size and count."""
-    n = np.asarray(ns, dtype=np.int64)
-    if (n < 1).any():
-        raise ValueError(f"every client needs at least one training sample, got sizes {n.tolist()}")
-    bs = np.minimum(settings.batch_size, n)
-    nb = n // bs if settings.drop_last else -(-n // bs)
-    parts = []
-    for n_k, off, gen in zip(ns, offsets, generators, strict=True):
-        for _ in range(settings.epochs):
-            parts.append(torch.randperm(n_k, generator=gen).numpy() + off)
-    order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    base = np.concatenate([[0], np.cumsum(n[:-1] * settings.epochs)]).astype(np.int64)
-    return _Schedule(order, base, n, bs, nb, nb * settings.epochs)
 
 
 class _Flat:
@@ -122,16 +77,22 @@ class _Flat:
 
 
 def _step_function(
-    model: nn.Module, names: list[str], mu: float, term: FrozenTermFn | None = None
+    model: nn.Module,
+    names: list[str],
+    mu: float,
+    term: FrozenTermFn | None = None,
+    head_term: HeadTermFn | None = None,
 ) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
     layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
     as ``vmap(grad(loss))`` of one client's step."""
     if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu, term)
-    if term is not None:
-        raise ValueError("a loss term against frozen models is batched for models of standard layers only")
+        return stacked_step_function(model, names, mu, term, head_term)
+    if term is not None or head_term is not None:
+        raise ValueError(
+            "a loss term against frozen models or through the head is batched for models of standard layers only"
+        )
     return _vmap_step_function(model, names, mu)
 
 
@@ -220,62 +181,6 @@ class _Stack:
         self.live = self.live[keep]
 
 
-def _upload(a: np.ndarray, device: torch.device) -> Tensor:
-    """A host array on ``device`` without waiting for the device: a copy from pageable memory would first wait for
-    every queued kernel (a stream sync per step); from pinned memory it is queued like a kernel."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-@dataclass
-class _Bucket:
-    size: int  # batch size of its clients at this step
-    rows: int  # how many clients
-    members: slice  # their positions in the group (client order), in the round's index tensor
-    sample: slice  # their [rows, size] sample indices, flattened, in the round's index tensor
-    pos: slice | None  # their positions among the live rows (None: all of them, in order)
-
-
-@dataclass
-class _StepPlan:
-    keep: np.ndarray | None  # retire first: which live rows stay (None: all)
-    sel: slice | None  # their positions, in the round's index tensor
-    buckets: list[_Bucket]
-
-
-def _plan(sched: _Schedule, device: torch.device) -> tuple[list[_StepPlan], Tensor]:
-    """Every step's retirements and buckets, computed on the host before training, with all their index arrays in
-    one tensor uploaded once: the step loop then only slices it and never waits for the device."""
-    parts: list[np.ndarray] = []
-    used = 0
-
-    def put(a: np.ndarray) -> slice:
-        nonlocal used
-        parts.append(a.reshape(-1))
-        used += a.size
-        return slice(used - a.size, used)
-
-    steps: list[_StepPlan] = []
-    live = np.arange(sched.n.size)
-    for t in range(int(sched.steps.max(initial=0)) + 1):  # the last "step" retires everyone
-        buckets = sched.at(t)
-        active = np.sort(np.concatenate([rows for _, rows, _ in buckets])) if buckets else np.zeros(0, np.int64)
-        keep = sel = None
-        if active.size < live.size:
-            keep = np.isin(live, active)
-            sel = put(np.nonzero(keep)[0])
-            live = live[keep]
-        planned = []
-        for size, rows, idx in buckets:
-            pos = None if rows.size == live.size else put(np.searchsorted(live, rows))
-            planned.append(_Bucket(size, int(rows.size), put(rows), put(idx), pos))
-        steps.append(_StepPlan(keep, sel, planned))
-    flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return steps, _upload(flat, device)
-
-
 @dataclass
 class _PhasePlan:
     """One phase of every client's local training (``LocalAlgorithm.phases``): the same name, epochs, trained
@@ -319,6 +224,8 @@ def _train_group(
     # begin: per client, on a real context and the received model in training mode, as local_train calls it
     # (SCAFFOLD initializes c_i and prepares its shift; the loss-before wrapper scores the received model)
     contexts = []
+    rule = BATCHED_STEPS[type(unwrapped(algo))]
+    begun: dict[int, Params] = {}
     own_begin = type(algo).begin is not LocalAlgorithm.begin  # the default begin reads nothing of the model
     for cid in cids:
         if own_begin:
@@ -335,10 +242,14 @@ def _train_group(
             settings=s,
             x=client.x_train,
             y=client.y_train,
+            x_val=client.x_val,
+            y_val=client.y_val,
             generator=torch_generator(sim.cfg.seed, Purpose.SHUFFLE, cid, rnd),
         )
         algo.begin(ctx)
         contexts.append(ctx)
+        if rule.start_after_begin:  # FedALA: its begin built the client's start in the model
+            begun[cid] = snapshot(model)
 
     xs = [sim.data.clients[c].x_train for c in cids]
     ys = [sim.data.clients[c].y_train for c in cids]
@@ -346,18 +257,23 @@ def _train_group(
     offsets = np.concatenate([[0], np.cumsum(ns[:-1])]).astype(np.int64).tolist()
     x_all, y_all = torch.cat(xs), torch.cat(ys)
     k_all = len(cids)
-    states: list[Params] = [received[c] for c in cids]  # each client's model, phase after phase
+    states: list[Params] = [begun.get(c, received[c]) for c in cids]  # each client's model, phase after phase
     loss_sums = torch.zeros(k_all, dtype=torch.float64, device=x_all.device)
     seen = np.zeros(k_all, dtype=np.int64)
     steps = np.zeros(k_all, dtype=np.int64)
+    generated = rule.generated(unwrapped(algo), contexts[0]) if rule.generated is not None else None
     for phase in _phase_plans(algo, contexts, trainable):
         for ctx in contexts:
             ctx.phase = phase.name
         starts = [st if st is not None else states[k] for k, st in enumerate(phase.starts)]
         # each phase draws its epochs' permutations from the client's generator after the previous phase's, as the
         # sequential loop does
-        sched = _schedule(ns, offsets, replace(s, epochs=phase.epochs), [ctx.generator for ctx in contexts])  # type: ignore[misc]
-        states, phase_loss = _run_phase(sim, contexts, cids, received, starts, phase, sched, x_all, y_all, order)
+        gens = [ctx.generator for ctx in contexts]
+        draw = generated.draw if generated is not None else None
+        sched = schedule(ns, offsets, replace(s, epochs=phase.epochs), gens, draw)  # type: ignore[arg-type]
+        states, phase_loss = _run_phase(
+            sim, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated
+        )
         loss_sums += phase_loss
         seen += (sched.nb * sched.bs if s.drop_last else sched.n) * phase.epochs
         steps += sched.steps
@@ -424,10 +340,11 @@ def _run_phase(
     received: dict[int, Params],
     starts: list[Params],
     phase: _PhasePlan,
-    sched: _Schedule,
+    sched: Schedule,
     x_all: Tensor,
     y_all: Tensor,
     order: list[str],
+    generated: GeneratedTerm | None = None,
 ) -> tuple[list[Params], Tensor]:
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
@@ -472,10 +389,11 @@ def _run_phase(
                 for m, states in models.items()
                 if m in rule.frozen
             }
-    step = _step_function(model, names, mu, term)
+    step = _step_function(model, names, mu, term, generated.term if generated is not None else None)
+    drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = _Collect(contexts, sim.data.num_classes, device) if rule.collect else None
 
-    plan, index = _plan(sched, device)
+    plan, index = plan_steps(sched, device)
     for t, step_plan in enumerate(plan):
         if step_plan.keep is not None:
             stack.retire(step_plan.keep, index[step_plan.sel])
@@ -497,7 +415,15 @@ def _run_phase(
                 frozen = {m: {k: take(v) for k, v in st.items()} for m, st in stack.frozen_models.items()}
                 rows = (frozen, None if stack.term_mask is None else take(stack.term_mask))
             args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
-            grads, (loss, new_bufs, *feats) = step(*args, rows) if rows is not None else step(*args)
+            drawn = None
+            if drawn_all is not None and generated is not None and bucket.drawn is not None:
+                at = index[bucket.drawn]
+                with torch.no_grad():
+                    drawn = generated.inputs(*(t[at] for t in drawn_all))
+            if drawn is not None:
+                grads, (loss, new_bufs, *feats) = step(*args, rows, drawn)
+            else:
+                grads, (loss, new_bufs, *feats) = step(*args, rows) if rows is not None else step(*args)
             if collect is not None:  # FedProto/FedProc: the last epoch's class sums of the features, per client
                 collect.add(t, index[bucket.members], feats[0], y_all[sample])
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows

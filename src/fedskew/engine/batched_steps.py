@@ -18,20 +18,35 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.algorithms import FedProx, Moon, Scaffold
-from fedskew.client.baselines import FedBABU, FedNTD, not_true_logits
+from fedskew.client.baselines import FedALA, FedBABU, FedNTD, not_true_logits
 from fedskew.client.drift import FedDC, FedDyn
+from fedskew.client.fedgen import FedGen
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.client.loss_before import LossBefore
+from fedskew.client.loss_before import LossAfter, LossBefore
 from fedskew.client.personal import AmpClient, Ditto, FedRep
 from fedskew.client.prototypes import FedProc, FedProto, prototypical_contrastive
-from fedskew.engine.stacked import FrozenTermFn, stackable
-from fedskew.protocol import Params
+from fedskew.engine.stacked import FrozenTermFn, HeadTermFn, stackable
+from fedskew.models.generator import draw
+from fedskew.protocol import FEDGEN_LABELS, Params
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
 
 
 HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
+
+
+@dataclass(frozen=True)
+class GeneratedTerm:
+    """A loss term on inputs every client draws at every step from its own generator, through its trained head
+    (FedGen's ``gen_weight · CE(head(G(ŷ, ε)), ŷ)``). ``draw``: one client's draw for one step (on the CPU; the
+    schedule makes the draws in the sequential loop's order: after each epoch's permutation, one per batch);
+    ``inputs``: the drawn rows of a step's clients stacked (``[R, ...]``) → what ``term`` reads, computed without
+    gradient; ``term``: (the clients' trained head on stacked inputs, those inputs) → the term per client ``[R]``."""
+
+    draw: Callable[[torch.Generator], tuple[Tensor, ...]]
+    inputs: Callable[..., Any]
+    term: HeadTermFn
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,11 @@ class BatchedStep:
     # FedProto/FedProc: each client's last-epoch class sums of its features, handed to its own `end` (the prototypes
     # it uploads) in ``ctx.scratch`` as the sequential loop's ``collect`` leaves them
     collect: bool = False
+    # FedGen: a term through the trained head on inputs each client draws from its own generator at every step
+    generated: Callable[[LocalAlgorithm, LocalContext], GeneratedTerm | None] | None = None
+    # FedALA: the client trains from the model its ``begin`` leaves (the received model with its ALA-blended top
+    # layers), not from the received model
+    start_after_begin: bool = False
 
 
 def _scaffold_shift(ctx: LocalContext) -> tuple[list[Tensor], float]:
@@ -159,6 +179,27 @@ def _proc_term(algo: LocalAlgorithm, ctx: LocalContext) -> FrozenTermFn | None:
     return term
 
 
+def _fedgen_term(algo: LocalAlgorithm, ctx: LocalContext) -> GeneratedTerm | None:
+    """``FedGen.loss``'s regularizer per client: ``gen_weight · CE(head(z), ŷ)``, ``z`` the round's generator (the
+    one ``FedGen.begin`` loaded from the broadcast, in training mode) on the labels and noise the client drew."""
+    weight, batch, noise_dim = float(algo.gen_weight), int(algo.gen_batch_size), int(algo.noise_dim)  # type: ignore[attr-defined]
+    if weight == 0:
+        return None
+    shares, gen = ctx.broadcast[FEDGEN_LABELS], ctx.scratch["fedgen"]
+
+    def inputs(labels: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+        return gen.forward_rows(labels, noise), labels
+
+    def term(head: Callable[[Tensor], Tensor], drawn: tuple[Tensor, Tensor]) -> Tensor:
+        z, labels = drawn
+        logits = head(z)
+        r, g = labels.shape
+        ce = F.cross_entropy(logits.reshape(r * g, -1), labels.reshape(r * g), reduction="none")
+        return weight * ce.view(r, g).mean(1)
+
+    return GeneratedTerm(draw=lambda generator: draw(shares, batch, noise_dim, generator), inputs=inputs, term=term)
+
+
 # the client parts whose local step is batched (exact types: a subclass may override any hook)
 BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     LocalAlgorithm: BatchedStep(),
@@ -175,11 +216,15 @@ BATCHED_STEPS: dict[type[LocalAlgorithm], BatchedStep] = {
     AmpClient: BatchedStep(prox_mu=lambda algo, phase: float(algo.mu)),  # type: ignore[attr-defined]
     FedRep: BatchedStep(),
     FedBABU: BatchedStep(),
+    FedGen: BatchedStep(generated=_fedgen_term),
+    # the weight learning runs in begin, per client on its own data and generator, as the sequential loop runs it
+    FedALA: BatchedStep(start_after_begin=True),
 }
 
-# wrappers that add work in ``begin`` only (on the received model, before training) and hand every other hook to the
-# client part they wrap: the loss before training that AFL, q-FFL and FedFV read
-WRAPPERS: tuple[type[LocalAlgorithm], ...] = (LossBefore,)
+# wrappers that add work in ``begin`` (on the received model, before training) or ``end`` (on the trained model), which
+# the batched path runs per client on a real context, and hand every other hook to the client part they wrap: the
+# loss before training that AFL, q-FFL and FedFV read, the loss after training on the validation split (AFL loss=after)
+WRAPPERS: tuple[type[LocalAlgorithm], ...] = (LossBefore, LossAfter)
 
 
 def unwrapped(algo: LocalAlgorithm) -> LocalAlgorithm:
@@ -196,12 +241,13 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
     Batched: the client parts of :data:`BATCHED_STEPS` (FedAvg's plain SGD, FedProx, SCAFFOLD, FedDyn, FedDC, MOON,
-    FedNTD, Ditto, FedRep, FedBABU, FedAMP's client, FedProto, FedProc), with their uploads (FedCAC's masks) and any
-    server plug-in (disco, heal, fedsa, fedper, fedbn, local, ...), since those change only what each client receives
-    or how the server aggregates, or wrapped in :data:`WRAPPERS` (the loss before training that AFL, q-FFL and FedFV
-    read). Refused, with the reason: any other client part (FedALA, FedGen), MOON's, FedNTD's, FedProto's or
-    FedProc's term on a model without a stacked form, a model with random layers (dropout) or a cumulative-average
-    BatchNorm (``momentum=None``)."""
+    FedNTD, FedGen, Ditto, FedRep, FedBABU, FedALA, FedAMP's client, FedProto, FedProc), with their uploads (FedCAC's
+    masks) and any server plug-in (disco, heal, fedsa, fedper, fedbn, local, ...), since those change only what each
+    client receives or how the server aggregates, or wrapped in :data:`WRAPPERS` (the loss before training that AFL,
+    q-FFL and FedFV read; the loss after training that AFL's ``loss=after`` reads). Refused, with the reason: a
+    client part not listed (a user's own), MOON's, FedNTD's, FedGen's, FedProto's or FedProc's term on a model
+    without a stacked form, a model with random layers (dropout) or a cumulative-average BatchNorm
+    (``momentum=None``)."""
     algo = unwrapped(method.client)
     if type(algo) not in BATCHED_STEPS:
         hooks = [h for h in HOOKS if getattr(type(algo), h, None) is not getattr(LocalAlgorithm, h)]
@@ -217,11 +263,11 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
         if not (hasattr(model, "body") and hasattr(model, "head")):
             return "the model has no body/head split"
         rule = BATCHED_STEPS[type(algo)]
-        if rule.term is not None or rule.collect:
+        if rule.term is not None or rule.collect or rule.generated is not None:
             why = stackable(model.body) or stackable(model.head)
             if why is not None:
                 name = type(algo).__name__
-                return f"{name}'s term against frozen models is batched for standard-layer models only ({why})"
+                return f"{name}'s loss term is batched for standard-layer models only ({why})"
     return None
 
 

@@ -22,6 +22,7 @@ the caller uses ``vmap``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,10 +120,17 @@ def stacked_forward(
 # an extra loss term against frozen models: (trained body output [K, B, d], logits [K, B, C], labels [K, B],
 # {model name: its (body output, logits)}) -> the term per client [K]
 FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
+# a loss term through the trained head on inputs drawn for the step (FedGen's generated features): (the clients'
+# trained head on stacked inputs [K, G, d] -> [K, G, C], the step's drawn inputs) -> the term per client [K]
+HeadTermFn = Callable[[Callable[[Tensor], Tensor], Any], Tensor]
 
 
 def stacked_step_function(
-    model: nn.Module, names: list[str], mu: float, term: FrozenTermFn | None = None
+    model: nn.Module,
+    names: list[str],
+    mu: float,
+    term: FrozenTermFn | None = None,
+    head_term: HeadTermFn | None = None,
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
     ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers,
@@ -133,7 +141,10 @@ def stacked_step_function(
     ``term``: a loss term against frozen models on the same batch (MOON's model-contrastive term, FedNTD's not-true
     distillation), for which ``step`` takes ``rows = (models, mask)``: per model name the clients' full state dicts
     (run in eval mode, without gradient, as the client parts' frozen copies are) and a ``[K]`` 0/1 mask of the
-    clients the term applies to (``None``: all; a masked client's loss is exactly the cross-entropy)."""
+    clients the term applies to (``None``: all; a masked client's loss is exactly the cross-entropy).
+
+    ``head_term``: a loss term through the trained head on inputs drawn for the step (FedGen's generated features),
+    for which ``step`` takes ``drawn``, the step's inputs (``None``: the term is off for the step)."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -146,6 +157,7 @@ def stacked_step_function(
         x: Tensor,
         y: Tensor,
         rows: tuple[dict[str, dict[str, Tensor]], Tensor | None] | None = None,
+        drawn: Any = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         new_buffers = {n: v.clone() for n, v in buffers.items()}
@@ -168,6 +180,9 @@ def stacked_step_function(
                         outs[name] = (f, stacked_forward(head, part(frozen, "head."), f, training=False))
                 extra = term(feats, logits, y, outs)
                 loss = loss + (extra if mask is None else mask * extra)
+            if head_term is not None and drawn is not None:
+                head_state = part(state, "head.")
+                loss = loss + head_term(lambda z: stacked_forward(head, head_state, z), drawn)
             grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
         return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers, feats.detach())
 

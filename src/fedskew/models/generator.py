@@ -23,6 +23,20 @@ class Generator(nn.Module):
         onehot = F.one_hot(labels, self.num_classes).to(noise.dtype)
         return self.fc(self.fc1(torch.cat([noise, onehot], dim=1)))
 
+    def forward_rows(self, labels: Tensor, noise: Tensor) -> Tensor:
+        """R independent training-mode forwards at once: ``labels [R, G]``, ``noise [R, G, noise_dim]`` →
+        ``[R, G, feature_dim]``, each row's BatchNorm statistics over its own ``G`` draws (as R calls of
+        :meth:`forward` on a module in training mode; the running statistics, which training mode never reads, are
+        left as they are)."""
+        lin, bn, act = self.fc1
+        r, g = labels.shape
+        onehot = F.one_hot(labels, self.num_classes).to(noise.dtype)
+        h = F.linear(torch.cat([noise, onehot], dim=2), lin.weight, lin.bias)  # [R, G, hidden]
+        width = h.shape[2]
+        rows = h.transpose(0, 1).reshape(g, r * width)  # each row's channels side by side: per-row statistics
+        rows = F.batch_norm(rows, None, None, bn.weight.repeat(r), bn.bias.repeat(r), True, 0.0, bn.eps)
+        return self.fc(act(rows.view(g, r, width).transpose(0, 1)))
+
 
 def draw(shares: Tensor, batch: int, noise_dim: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """``batch`` labels drawn with replacement from the class shares (PFLlib: uniformly from the pooled list of all
