@@ -13,6 +13,8 @@ there is skipped, so running the suite again continues where the last call stopp
   1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
   (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
   round times.
+- ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
+  device: the speed-up per level and the best (what a sweep on CUDA should use).
 - ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
 - ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
   left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
@@ -113,6 +115,13 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     run100 += ["--clients", "10" if smoke else "100", "--batched-clients"]
     argv = fedskew("run", *run100, "--rounds", str(r100), "--eval-every", str(r100), "--out", str(run100_dir))
     found.append(Piece("run100", argv, 20 if smoke else 120, 120 if smoke else 400, run100_dir))
+    # several runs sharing one device (issue 27, item 2): the same 8 seeds one at a time, then 2, 4 and 8 at a time
+    argv = [sys.executable, str(HERE / "runs_per_gpu.py"), "--device", device]
+    if smoke:
+        argv += ["--smoke", "--jobs", "1,2", "--runs", "2"]
+    else:
+        argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--jobs", "1,2,4,8", "--runs", "8", "--rounds", "10"]
+    found.append(Piece("runs-per-gpu", argv, 30 if smoke else 300, 120 if smoke else 540))
     for paper in args.papers:
         argv = fedskew("reproduce", paper, "--scale", "smoke" if smoke else "small", "--device", device)
         argv += ["--out", str(out / "reproduce" / paper), "--jobs", str(args.jobs), "--quiet"]
@@ -160,6 +169,14 @@ def figures(piece: Piece, stdout: str) -> dict:
                 got.update(speedup=float(m[1]), sequential_s=float(m[2]), batched_s=float(m[3]))
             elif m:
                 got[key] = float(m[1]) if key == "max_error" else m[1].strip()
+    if piece.name == "runs-per-gpu":
+        got["speedup_by_jobs"] = {
+            int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)
+        }
+        m = re.search(r"^best: jobs (\d+)", stdout, re.M)
+        got["best_jobs"] = int(m[1]) if m else None
+        m = re.search(r"^metrics identical whatever the concurrency: (\w+)", stdout, re.M)
+        got["identical"] = m[1] == "True" if m else None
     if piece.run_dir is not None:
         s = json.loads((piece.run_dir / "summary.json").read_text())
         got.update({k: s.get(k) for k in ("rounds", "wall_time", "mean_time_round", "mean_time_train", "method")})

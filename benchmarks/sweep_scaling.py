@@ -25,7 +25,7 @@ from fedskew.protocol import TIMING_KEYS
 from fedskew.sweep import SweepSpec, expand, run_sweep
 
 
-def _metrics(root: Path) -> dict[str, list[dict]]:
+def metrics_of(root: Path) -> dict[str, list[dict]]:
     out = {}
     for f in sorted(root.glob("runs/*/metrics.jsonl")):
         lines = f.read_text().splitlines()
@@ -37,8 +37,8 @@ def one(kind: str, spec: SweepSpec, root: Path, address: str | None = None) -> t
     runs = expand(spec, out=root / "runs", db=root / "fedskew.db")
     executor = None
     jobs = 1
-    if kind == "jobs2":
-        jobs = 2
+    if kind.startswith("jobs"):  # jobsN: the local pool with N processes
+        jobs = int(kind.removeprefix("jobs"))
     elif kind == "ray":
         from fedskew.ray_executor import RayExecutor, check_ray
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--kinds", default="jobs1,jobs2,ray", help="which executors (jobs1, jobs2, ray)")
+    p.add_argument("--kinds", default="jobs1,jobs2,ray", help="which executors (jobsN: the pool of N; ray)")
     p.add_argument("--rotate", type=int, default=0, help="start the order at this position")
     p.add_argument("--out", default=None, help="keep the sweeps here (default: a temporary folder)")
     p.add_argument(
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             wall, n = one(kind, spec, base / kind, args.address)
             walls[kind] = wall
             print(f"{kind:6} {n} runs in {wall:7.1f} s: {3600 * n / wall:8.0f} runs/hour", flush=True)
-        metrics = {k: _metrics(base / k) for k in kinds}
+        metrics = {k: metrics_of(base / k) for k in kinds}
         same = all(m == metrics[kinds[0]] for m in metrics.values())
     print(f"metrics identical across executors: {same}")
     if "jobs1" in walls:

@@ -30,7 +30,7 @@ def test_smoke_suite_runs_every_piece_then_resumes(tmp_path):
     names = [f"batched-{m}" for m in ("fedavg", "fedprox", "scaffold", "feddyn", "moon", "fedntd", "fedgen")]
     names += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "fedcac", "fedavg-vmap")]
     names += ["pfl-batched"]
-    names += ["pfl-sequential", "run100", "reproduce-feddisco"]
+    names += ["pfl-sequential", "run100", "runs-per-gpu", "reproduce-feddisco"]
     for name in names:
         result = json.loads((out / f"{name}.json").read_text())
         assert result["ok"], (name, result)
@@ -38,6 +38,9 @@ def test_smoke_suite_runs_every_piece_then_resumes(tmp_path):
         batched = json.loads((out / f"{name}.json").read_text())
         assert batched["speedup"] > 0 and batched["max_error"] < 1e-3, (name, batched)
     assert "batched step vmap" in json.loads((out / "batched-fedavg-vmap.json").read_text())["workload"]
+    shared = json.loads((out / "runs-per-gpu.json").read_text())
+    assert sorted(shared["speedup_by_jobs"]) == ["1", "2"] and shared["identical"] is True
+    assert shared["best_jobs"] in (1, 2)
     pfl = json.loads((out / "pfl-batched.json").read_text())
     assert pfl["rounds"] == 3 and 0 <= pfl["global_acc"]["final"] <= 1
     assert (out / "reproduce" / "feddisco" / "table.md").exists()
