@@ -93,19 +93,21 @@ def _ours(data, table=0):
 
 
 def test_smoke_fedsa_and_its_rerun_is_idempotent(tmp_path, capsys):
-    out, text, data = _smoke(tmp_path, capsys, "fedsa", "fedavg,fedsa")  # fedavg: both FedAvg rows (method)
+    out, text, data = _smoke(tmp_path, capsys, "fedsa", "fedavg,fedsa")  # both FedAvg rows, both FedSA rows (method)
     assert "| FedAvg |" in text and "90.79 ± 0.08" in text and "91.36 ± 0.23" in text  # the paper beside ours
     assert "Patho digits (8x8) (paper: Patho CIFAR-10)" in text
     ours = _ours(data)
-    assert set(ours) == {"fedavg", "fedavg_uniform", "fedsa"} and all(len(v) == 2 and all(v) for v in ours.values())
+    assert set(ours) == {"fedavg", "fedavg_uniform", "fedsa", "fedsa_rank"}
+    assert all(len(v) == 2 and all(v) for v in ours.values())
     assert "| FedAvg, equal weights |" in text  # the weighting control, no paper number
+    assert "| FedSA/FedPake, rank cv (ours) |" in text  # the ablation row, no paper number
     assert "Kendall tau" in text and "training sample passes" in text
     assert len(list((out / "figures").glob("curves-*.png"))) == 2  # one per setting
     # the sweep it wrote re-expands to the very same runs, and running again does nothing twice
     runs = expand(load_spec(out / "sweep.yaml"))
     assert sorted(r.name for r in runs) == sorted(p.name for p in (out / "runs").iterdir())
     _, again, data2 = _smoke(tmp_path, capsys, "fedsa", "fedavg,fedsa")
-    assert "6 runs: 6 skipped" in again and _ours(data2) == ours
+    assert "8 runs: 8 skipped" in again and _ours(data2) == ours
 
 
 def test_table_only_tabulates_what_is_finished_and_runs_nothing(tmp_path, capsys):
