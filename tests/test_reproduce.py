@@ -135,7 +135,7 @@ def test_smoke_feddisco_compares_the_plug_in_gain(tmp_path, capsys):
 def test_smoke_fedcac_uses_personalized_accuracy(tmp_path, capsys):
     _, text, data = _smoke(tmp_path, capsys, "fedcac", "fedavg,fedcac")
     assert "| FedCAC |" in text and "89.77 ± 1.14" in text
-    assert "| FedCAC, beta = 20% of the rounds (ours) |" in text  # the schedule ablation (method fedcac), no paper number
+    assert "| FedCAC, beta = 20% of the rounds (ours) |" in text  # our ablation: no paper number
     assert all(all(v) for t in range(2) for v in _ours(data, t).values())
 
 
