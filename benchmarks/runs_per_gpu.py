@@ -20,23 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from sweep_scaling import metrics_of
+from sweep_scaling import metrics_of, one
 
-from fedskew.sweep import SweepSpec, expand, run_sweep
-
-
-def sweep(spec: SweepSpec, root: Path, jobs: int) -> float:
-    runs = expand(spec, out=root / "runs", db=root / "fedskew.db")
-    t0 = time.perf_counter()
-    outcome = run_sweep(runs, jobs=jobs)
-    wall = time.perf_counter() - t0
-    failed = [r for r in outcome.results if r.status not in ("finished", "skipped")]
-    if failed:
-        raise SystemExit(f"jobs {jobs}: runs failed: {[(r.name, r.status, r.error) for r in failed]}")
-    return wall
+from fedskew.sweep import SweepSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedskew-runs-per-gpu-") as tmp:
         base = Path(args.out) if args.out else Path(tmp)
         for jobs in levels:
-            walls[jobs] = sweep(spec, base / f"jobs{jobs}", jobs)
+            walls[jobs], _ = one(f"jobs{jobs}", spec, base / f"jobs{jobs}")
             rate = 3600 * args.runs / walls[jobs]
             print(
                 f"jobs {jobs}: {args.runs} runs in {walls[jobs]:.1f} s, {rate:.0f} runs/hour, "
