@@ -71,3 +71,34 @@ def test_a_ray_task_reserves_its_threads_and_needs_a_gpu_share_for_cuda():
     assert RayExecutor().resources({"device": "cpu", "threads": 3, "workers": 2}) == {"num_cpus": 3}
     with pytest.raises(ConfigError, match="gpus-per-run"):
         RayExecutor(gpus_per_run=0).resources({"device": "cuda"})
+
+
+def test_default_runs_at_a_time_follow_the_devices():
+    # the CPU: one at a time, without asking torch about CUDA (gpus=None would)
+    assert sweep.default_jobs(["cpu", None]) == 1
+    # CUDA: RUNS_PER_GPU per visible GPU (the level runs_per_gpu.py measured best), at most one per core
+    assert sweep.RUNS_PER_GPU == 8
+    assert sweep.default_jobs(["cuda"], gpus=1, cpus=16) == 8
+    assert sweep.default_jobs(["cuda"], gpus=1, cpus=4) == 4
+    assert sweep.default_jobs(["cuda", "cpu"], gpus=2, cpus=64) == 16
+    assert sweep.default_jobs(["cuda"], gpus=0, cpus=16) == 1  # no GPU: the runs fail with their own clear error
+    assert sweep.default_jobs(["cuda:1"], gpus=4, cpus=64) == 8  # one named GPU holds them all
+    assert sweep.default_jobs(["cuda:0", "cuda:1"], gpus=4, cpus=64) == 16
+    assert sweep.default_jobs(["cuda:0", "cuda"], gpus=4, cpus=64) == 32
+
+
+def test_the_sweep_and_reproduce_say_which_default_they_took(tmp_path, monkeypatch, capsys):
+    from fedskew.cli import main
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nbase: {{dataset: digits, rounds: 1, clients: 3}}\nout: {tmp_path / 'sw'}\n")
+    seen = []
+    monkeypatch.setattr(sweep, "default_jobs", lambda devices: seen.append(devices) or 5)
+    assert main(["sweep", str(spec), "--dry-run"]) == 0
+    assert "5 at a time (the default on CUDA; --jobs to change)" in capsys.readouterr().err
+    assert seen == [["cpu"]]
+    assert main(["sweep", str(spec), "--dry-run", "--jobs", "2"]) == 0
+    assert "2 at a time;" in capsys.readouterr().err and len(seen) == 1  # a given --jobs is not second-guessed
+    out = tmp_path / "rp"
+    assert main(["reproduce", "feddisco", "--scale", "smoke", "--out", str(out), "--dry-run", "--rows", "fedavg"]) == 0
+    assert "5 at a time (the default on CUDA" in capsys.readouterr().err and len(seen) == 2

@@ -16,6 +16,10 @@ SCALE_HELP = (
     "on 2 cores with --jobs 2; needs those files); small: a stated reduction (about an hour on one GPU); paper: the "
     "paper's rounds, local epochs, clients and model"
 )
+JOBS_HELP = (
+    "runs at a time, each in its own process (default: 1 on the CPU; on CUDA 8 per visible GPU, at most one per CPU "
+    "core, the level benchmarks/runs_per_gpu.py measured best)"
+)
 
 
 def add_parsers(sub: Any) -> None:
@@ -29,7 +33,7 @@ def add_parsers(sub: Any) -> None:
         "on. Ctrl-C checkpoints the running runs; the same command continues.",
     )
     sw.add_argument("spec", help="the sweep spec (YAML)")
-    sw.add_argument("--jobs", "-j", type=int, default=None, help="runs at a time, each in its own process (default 1)")
+    sw.add_argument("--jobs", "-j", type=int, default=None, help=JOBS_HELP)
     sw.add_argument("--out", default=None, help="root of the run directories (default: the spec's out)")
     sw.add_argument("--db", default=None, help="the results database (default: the spec's db, or OUT/fedskew.db)")
     sw.add_argument("--metric", action="append", default=None, help="metric(s) of the final table (default: spec's)")
@@ -54,7 +58,7 @@ def add_parsers(sub: Any) -> None:
     )
     rp.add_argument("paper", help="fedsa (fedpake), feddisco, fedcac or fedheal")
     rp.add_argument("--scale", choices=SCALES, default="smoke", help=SCALE_HELP)
-    rp.add_argument("--jobs", "-j", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    rp.add_argument("--jobs", "-j", type=int, default=None, help=JOBS_HELP)
     rp.add_argument("--out", default=None, help="output folder (default runs/reproduce/PAPER-SCALE)")
     rp.add_argument("--data-dir", default=None, help="dataset folder (default $FEDSKEW_DATA)")
     rp.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
@@ -216,6 +220,17 @@ def with_device(runs: list[Any], device: str) -> list[Any]:
     ]
 
 
+def default_jobs(runs: list[Any]) -> int:
+    """Runs at a time when neither --jobs nor the spec says (:func:`fedskew.sweep_pool.default_jobs`)."""
+    from fedskew.sweep_pool import default_jobs as by_devices
+
+    return by_devices([r.cfg.device for r in runs])
+
+
+def at_a_time(jobs: int, given: int | None) -> str:
+    return f"{jobs} at a time" + ("" if given or jobs == 1 else " (the default on CUDA; --jobs to change)")
+
+
 def _states(runs: list[Any]) -> list[str]:
     from fedskew.sweep import run_state
 
@@ -270,16 +285,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     if args.tuned:
         spec = spec.model_copy(update={"tuned": args.tuned})
-    jobs = args.jobs or spec.jobs or 1
-    if jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    if (args.jobs or spec.jobs or 1) < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs or spec.jobs}")
     # on Ray, --device applies on the nodes (this machine may have no GPU); --jobs caps the runs at a time
     executor = make_executor(args, args.jobs or spec.jobs, args.device)
     runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
     if args.device and executor is None:
         runs = with_device(runs, args.device)
+    jobs = args.jobs or spec.jobs or default_jobs(runs)
     db = runs[0].cfg.db if runs else None
-    at = f"on {executor.where()}" if executor else f"{jobs} at a time"
+    at = f"on {executor.where()}" if executor else at_a_time(jobs, args.jobs or spec.jobs)
     print(f"sweep {spec.name}: {len(runs)} runs, {at}; database {db}", file=sys.stderr)
     if spec.tuned:
         print(tuned_note(runs, spec.tuned), file=sys.stderr)
@@ -310,9 +325,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
         raise ConfigError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
-    executor = make_executor(args, args.jobs if args.jobs > 1 else None, args.device)
+    executor = make_executor(args, args.jobs if args.jobs and args.jobs > 1 else None, args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() and args.scale != "smoke" else None)
     if executor is not None:
         device = None  # on Ray, --device applies on the nodes
@@ -335,7 +350,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print("error: nothing to run here (see the reasons above)", file=sys.stderr)
         return 2
     runs = planned_runs(plan)
-    at = f"on {executor.where()}" if executor else f"{args.jobs} at a time"
+    jobs = args.jobs or default_jobs(runs)
+    at = f"on {executor.where()}" if executor else at_a_time(jobs, args.jobs)
     print(f"{len(runs)} runs, {at}, into {plan.out}/", file=sys.stderr)
     if plan.tuned:
         print(tuned_note(runs, plan.tuned), file=sys.stderr)
@@ -353,7 +369,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     with Display(len(runs), args.quiet) as display:
         display.labels = {r.name: r.label for r in runs}
         rep = run_reproduction(
-            plan, jobs=args.jobs, on_event=display.event, on_result=display.result, executor=executor
+            plan, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor
         )
     print(rep.markdown)
     print(f"written: {', '.join(str(p) for p in rep.files[:3])}; {len(rep.files) - 3} figure(s) in {plan.out}/figures/")
