@@ -314,6 +314,42 @@ def test_two_processes_tune_one_study(tmp_path):
     assert len(pids) == 2 and os.getpid() not in pids
 
 
+def _pop_queued(url: str, start: float, out) -> None:  # a process of the test below
+    from fedskew.tuning.storage import open_storage
+
+    study = optuna.load_study(study_name="q", storage=open_storage(url))
+    while time.time() < start:  # every process asks at once
+        pass
+    claimed = []
+    while (trial_id := study._pop_waiting_trial_id()) is not None:
+        claimed.append(trial_id)
+    out.put(claimed)
+
+
+def test_a_queued_trial_is_claimed_by_one_process(tmp_path):
+    """Retried trials are queued; on an SQLite file (no row locks) two --jobs workers could both claim one and run it
+    twice (seen: 4 processes claimed 40 queued trials 47 to 51 times). The storage serializes the claims."""
+    import multiprocessing as mp
+
+    from fedskew.tuning.storage import open_storage
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="q", storage=open_storage(url))
+    for i in range(40):
+        study.enqueue_trial({"x": i})
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    start = time.time() + 4
+    procs = [ctx.Process(target=_pop_queued, args=(url, start, queue)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    claimed = [queue.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join()
+    every = sorted(t for c in claimed for t in c)
+    assert every == sorted(t._trial_id for t in study.get_trials()), [len(c) for c in claimed]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (extra [ray])")
 def test_ray_tasks_tune_one_study(tmp_path):
     """`fedskew tune --executor ray --jobs 2` (its own process, as a user runs it; a local Ray instance of 2 CPUs): the

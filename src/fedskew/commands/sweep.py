@@ -368,9 +368,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     with Display(len(runs), args.quiet) as display:
         display.labels = {r.name: r.label for r in runs}
-        rep = run_reproduction(
-            plan, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor
-        )
+        rep = run_reproduction(plan, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor)
     print(rep.markdown)
     print(f"written: {', '.join(str(p) for p in rep.files[:3])}; {len(rep.files) - 3} figure(s) in {plan.out}/figures/")
     return _closing(rep.outcome, plan.out)

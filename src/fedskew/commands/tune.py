@@ -123,13 +123,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from fedskew.config import ConfigError
-    from fedskew.tuning.study import load_tune_spec, searched_spaces, trial_row, tune
-    from fedskew.tuning.tuned import format_args
 
     try:
         import optuna  # noqa: F401
     except ImportError:
         raise ConfigError("fedskew tune needs Optuna: pip install 'fedskew[tune]' (or pip install optuna)") from None
+    from fedskew.tuning.study import load_tune_spec, searched_spaces, trial_row, tune
+    from fedskew.tuning.tuned import format_args
+
     updates = _updates(args)
     if not args.spec and not updates["methods"]:
         raise ConfigError("name the methods to tune: --methods fedprox,qffl (or a tune spec with methods:)")

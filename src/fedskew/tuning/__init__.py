@@ -9,8 +9,10 @@
 * :mod:`~fedskew.tuning.trials`: one trial: its runs on the validation splits, the pruning curve, the objective;
 * :mod:`~fedskew.tuning.study`: the studies, one per method, with Optuna (the optional extra ``fedskew[tune]``):
   storage, resumption, parallel processes, the trials table, ``tuned.yaml`` and the figures
-  (:mod:`~fedskew.tuning.plots`).
+  (:mod:`~fedskew.tuning.plots`);
+* :mod:`~fedskew.tuning.storage`: the studies' storage (heartbeats, retries, and queued trials claimed by exactly one
+  process on an SQLite file).
 
-Only the study and trial modules import Optuna (inside their functions), so a sweep that applies a ``tuned.yaml``
-needs nothing beyond fedskew.
+Only the study, trial and storage modules import Optuna (the first two inside their functions, the storage module
+when a search opens its storage), so a sweep that applies a ``tuned.yaml`` needs nothing beyond fedskew.
 """

@@ -64,44 +64,13 @@ def study_name(spec: TuneSpec, entry: MethodEntry) -> str:
     return name
 
 
-def storage(spec: TuneSpec) -> Any:
-    """The RDB storage, with heartbeats (a trial whose process stopped beating for 3 minutes is failed and retried
-    by the next process that tunes the study, on any machine)."""
-    import warnings
-
-    import optuna
-
-    url = spec.storage_url
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna; they are what resumption needs
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=kwargs,
-            heartbeat_interval=60,
-            grace_period=180,
-            heartbeat_stale_trial_callback=_retry(),
-        )
-
-
-def _retry() -> Any:
-    """Optuna's callback that queues a failed trial again with the same arguments (at most 3 times)."""
-    import warnings
-
-    import optuna
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
-
-
 def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[Any, dict[str, Dist], str]:
     """(study, space, metric) of ``entry``; the study is created in the storage or loaded (refused when it was run
     with other settings). ``worker``: which of the ``--jobs`` processes asks (each samples from its own seed, so
     that processes starting together do not draw the same arguments)."""
     import optuna
+
+    from fedskew.tuning.storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = dict(searched_spaces(spec)[spec.method_entries().index(entry)][1])
@@ -116,7 +85,7 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[
         pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=warmup)
     study = optuna.create_study(
         study_name=study_name(spec, entry),
-        storage=storage(spec),
+        storage=open_storage(spec.storage_url),
         sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(5, max(spec.trials // 2, 1))),
         pruner=pruner,
         direction=direction,
@@ -166,6 +135,7 @@ def recover_dead_trials(study: Any) -> list[int]:
     from optuna.trial import TrialState
 
     from fedskew.results.rundir import pid_alive
+    from fedskew.tuning.storage import retry_callback
 
     host, recovered = socket.gethostname(), []
     trials = study.get_trials(deepcopy=False)
@@ -178,7 +148,7 @@ def recover_dead_trials(study: Any) -> list[int]:
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         elif not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried):
             continue
-        _retry()(study, study._storage.get_trial(t._trial_id))
+        retry_callback()(study, study._storage.get_trial(t._trial_id))
         recovered.append(t.number)
     return recovered
 
