@@ -281,13 +281,13 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fedskew.commands import console as make_console
     from fedskew.results.rundir import stale_runs
     from fedskew.runner import RunInterrupted, run_experiment
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = make_console(stderr=True, soft_wrap=True)
     cfg = _config_from_args(args)
     out_root = Path(cfg.out).parent if cfg.out else Path("runs")
     for stale in stale_runs(out_root):
@@ -345,9 +345,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
+    from fedskew.commands import console as make_console
 
     args = ", ".join(f"{k}={v}" for k, v in sorted(cfg.method_args.items()))  # fedavg (weights=uniform)
     method = escape(f"{cfg.method} ({args})" if args else cfg.method)  # a list value is not rich markup
@@ -388,7 +389,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
             f"{100 * s['best']:.2f}% ({s['best_round']})",
             f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%",
         )
-    console = Console()
+    console = make_console()
     if summary["rounds"]:
         console.print(table)
         console.print(

@@ -131,10 +131,11 @@ class Display:
     Notes (a missing domain, a taken-over lock) are printed once each, above the bars."""
 
     def __init__(self, total: int, quiet: bool) -> None:
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.console = Console(stderr=True, soft_wrap=True)
+        from fedskew.commands import console as make_console
+
+        self.console = make_console(stderr=True, soft_wrap=True)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),

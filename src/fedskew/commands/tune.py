@@ -118,10 +118,10 @@ def _updates(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
+    from fedskew.commands import console as make_console
     from fedskew.config import ConfigError
 
     try:
@@ -135,7 +135,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not args.spec and not updates["methods"]:
         raise ConfigError("name the methods to tune: --methods fedprox,qffl (or a tune spec with methods:)")
     spec = load_tune_spec(args.spec, updates)
-    console = Console(stderr=True, soft_wrap=True)
+    console = make_console(stderr=True, soft_wrap=True)
     console.print(
         f"tune {spec.name}: {len(spec.methods)} method(s), {spec.trials} trials each, seeds {spec.seed_list()}, "
         f"validation {spec.validation:g} of each client's training split; storage {spec.storage_url}",
@@ -191,9 +191,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             escape(args_text or ("(defaults)" if best else "no complete trial")),
             f"{r.counts['complete']}/{r.counts['pruned']}/{r.counts['fail']}",
         )
-    out = Console()
+    out = make_console()
     if not out.is_terminal:  # a log file: no wrapping at 80 columns
-        out = Console(width=200)
+        out = make_console(width=200)
     out.print(table)
     print(f"tuned: {spec.tuned_path}   trials: {spec.db_path} (table trials)   figures: {spec.root / 'figures'}/")
     missing = [r.entry.display() for r in results if r.best is None]
