@@ -300,6 +300,24 @@ def test_tune_resumes_after_a_kill(tmp_path):
     assert load_tuned(out / "tuned.yaml")[0].method == "fedprox"
 
 
+def test_a_resumed_search_does_not_redraw_the_first_arguments(tmp_path):
+    """A search continued later samples from a stream of its own: while TPE is in its random start, the first search's
+    seed would draw the first trials' arguments again (seen: a resumed MOON search re-ran mu 0.0693)."""
+    from optuna.distributions import FloatDistribution
+
+    spec = _spec(tmp_path, ["fedprox"], trials=8)
+    entry = spec.method_entries()[0]
+    space = {"mu": FloatDistribution(1e-4, 1.0, log=True)}
+    study, _, _ = tune_study.open_study(spec, entry)
+    first = study.ask(space)
+    study.tell(first, 0.5)
+    resumed, _, _ = tune_study.open_study(spec, entry)
+    again = resumed.ask(space)
+    assert again.params != first.params
+    fresh, _, _ = tune_study.open_study(_spec(tmp_path / "b", ["fedprox"], trials=8), entry)
+    assert fresh.ask(space).params == first.params  # a new search is reproducible: the same first draw
+
+
 def test_two_processes_tune_one_study(tmp_path):
     """--jobs 2: two processes share the study through its storage; the budget is met (at most one trial over, when
     both started one together) and every trial is recorded once."""

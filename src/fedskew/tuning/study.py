@@ -83,14 +83,22 @@ def open_study(spec: TuneSpec, entry: MethodEntry, *, worker: int = 0) -> tuple[
     pruner: Any = optuna.pruners.NopPruner()
     if spec.prune:
         pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=warmup)
+
+    def sampler(seed: int) -> Any:
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(5, max(spec.trials // 2, 1)))
+
     study = optuna.create_study(
         study_name=study_name(spec, entry),
         storage=open_storage(spec.storage_url),
-        sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(5, max(spec.trials // 2, 1))),
+        sampler=sampler(seed),
         pruner=pruner,
         direction=direction,
         load_if_exists=True,
     )
+    if earlier := len(study.get_trials(deepcopy=False)):
+        # a resumed search: a stream of its own (a function of the trials so far, so still reproducible), not the
+        # first search's again, whose first draws repeat the first trials' arguments while TPE is in its random start
+        study.sampler = sampler(seed + 100_003 * earlier)
     saved = study.user_attrs.get("fingerprint")
     if saved is None:
         study.set_user_attr("fingerprint", fp)
