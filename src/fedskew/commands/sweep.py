@@ -12,9 +12,9 @@ from typing import Any
 SCALE_HELP = (
     "smoke: a pipeline check on a small subset (minutes on a CPU); laptop: the paper's protocol on the embedded 8x8 "
     "digits, offline (6 to 17 minutes per paper on 2 cores with --jobs 2); cpu: the paper's protocol on MNIST / "
-    "Fashion-MNIST with their official test sets and 5 seeds, sized to resolve differences (about an hour per paper "
-    "on 2 cores with --jobs 2; needs those files); small: a stated reduction (about an hour on one GPU); paper: the "
-    "paper's rounds, local epochs, clients and model"
+    "Fashion-MNIST with their official test sets and 5 seeds, sized to resolve differences (measured on 2 cores with "
+    "--jobs 2: 1 to 1.5 hours per paper, fedsa 2.5; needs those files); small: a stated reduction (about an hour on "
+    "one GPU); paper: the paper's rounds, local epochs, clients and model"
 )
 JOBS_HELP = (
     "runs at a time, each in its own process (default: 1 on the CPU; on CUDA 8 per visible GPU, at most one per CPU "

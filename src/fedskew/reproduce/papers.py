@@ -9,8 +9,8 @@ setting). A file describes:
 * ``rows``: the methods of the tables as fedskew compositions with their hyper-parameters;
 * ``scales``: ``paper`` (the paper's rounds, epochs, clients, model), ``small`` (a stated reduction, about an hour
   on one GPU), ``cpu`` (the paper's protocol on MNIST / Fashion-MNIST with their official test sets and 5 seeds,
-  about an hour per paper on 2 cores: sized to resolve differences, issue 23), ``laptop`` (the paper's protocol on
-  the embedded 8x8 digits, 6 to 17 minutes per paper on 2 cores, offline) and ``smoke`` (a pipeline check);
+  1 to 1.5 hours per paper on 2 cores, fedsa 2.5: sized to resolve differences, issue 23), ``laptop`` (the paper's
+  protocol on the embedded 8x8 digits, 6 to 17 minutes per paper on 2 cores, offline) and ``smoke`` (a pipeline check);
 * ``tables``: columns (a setting, and a metric when the columns are metrics of one setting) and the paper's values.
 """
 
