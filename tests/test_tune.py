@@ -3,6 +3,7 @@ after a kill, and sweeps that apply the tuned arguments."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -316,6 +317,45 @@ def test_a_resumed_search_does_not_redraw_the_first_arguments(tmp_path):
     assert again.params != first.params
     fresh, _, _ = tune_study.open_study(_spec(tmp_path / "b", ["fedprox"], trials=8), entry)
     assert fresh.ask(space).params == first.params  # a new search is reproducible: the same first draw
+
+
+def test_sigterm_to_a_parallel_search_stops_its_workers(tmp_path):
+    """`fedskew tune --jobs 2` sent SIGTERM (the parent alone, as `kill PID` does): the workers, which ignore SIGINT and
+    are children of the fork server, get it too; their trials checkpoint, are marked interrupted, and no worker runs
+    on (seen: orphaned workers went on training for half an hour beside the next search)."""
+    from fedskew.results.rundir import pid_alive
+
+    out = tmp_path / "tune"
+    cmd = [
+        sys.executable, "-m", "fedskew.cli", "tune", "--methods", "fedprox", "--trials", "4", "--jobs", "2",
+        "--rounds", "400", "--clients", "4", "--checkpoint-every", "1", "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        running = []
+        while time.time() < deadline and len(running) < 2 and proc.poll() is None:
+            states = [json.loads(f.read_text()) for f in out.glob("trials/*/*/status.json")]
+            running = [st for st in states if st.get("status") == "running" and (st.get("checkpoint_round") or 0) >= 2]
+            time.sleep(0.2)
+        assert len(running) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no two trials running"
+        os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1].decode()
+        assert "interrupted: finished trials are kept" in err, err[-3000:]
+        study = optuna.load_study(study_name="tune:fedprox", storage=f"sqlite:///{out / 'optuna.db'}")
+        workers = {t.user_attrs["pid"] for t in study.trials}
+        assert len(workers) == 2 and sum(bool(t.user_attrs.get("interrupted")) for t in study.trials) == 2
+        deadline = time.time() + 30
+        while time.time() < deadline and any(pid_alive(pid) for pid in workers):
+            time.sleep(0.2)
+        assert not any(pid_alive(pid) for pid in workers)
+        for f in out.glob("trials/*/*/status.json"):  # both runs stopped at a checkpoint, well before their end
+            st = json.loads(f.read_text())
+            assert st["status"] != "running" and st["checkpoint_round"] < 400
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_two_processes_tune_one_study(tmp_path):

@@ -109,6 +109,9 @@ class RunInterrupted(Exception):
         super().__init__(f"interrupted by {signal.Signals(signum).name} after round {completed}")
         self.signum, self.run_dir, self.completed = signum, run_dir, completed
 
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (a worker's trial or run, to its parent)
+        return (type(self), (self.signum, self.run_dir, self.completed))
+
 
 class StopRun(Exception):
     """Raised by an ``on_round`` callback to end a run early on purpose (``fedskew tune`` pruning a hopeless trial):

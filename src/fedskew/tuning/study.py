@@ -22,6 +22,7 @@ Output, in ``OUT`` (default ``runs/tune-<name>``): ``tuned.yaml`` (the best argu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -286,14 +287,36 @@ def tune(
 
 
 def _parallel(spec: TuneSpec, index: int) -> None:
+    """``spec.jobs`` worker processes on one study. SIGTERM or Ctrl-C to this process reaches the workers as SIGTERM:
+    their running trials checkpoint after the round and are retried by the next run of the search (the workers ignore
+    SIGINT themselves, and are not this process's children in the OS sense, so nothing else would stop them)."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
     from concurrent.futures import ProcessPoolExecutor
 
     from fedskew.sweep_pool import mp_context
 
-    with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=mp_context()) as pool:
-        futures = [pool.submit(_worker, spec.model_dump_json(), index, w + 1) for w in range(spec.jobs)]
-        for f in futures:
-            f.result()
+    def stop_workers(*_: Any) -> None:
+        for proc in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+
+    on_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, stop_workers) if on_main else None
+    try:
+        with ProcessPoolExecutor(max_workers=spec.jobs, mp_context=mp_context()) as pool:
+            futures = [pool.submit(_worker, spec.model_dump_json(), index, w + 1) for w in range(spec.jobs)]
+            try:
+                for f in futures:
+                    f.result()
+            except KeyboardInterrupt:
+                stop_workers()
+                raise
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 def summarize(spec: TuneSpec, entry: MethodEntry) -> MethodResult:
