@@ -224,9 +224,8 @@ def test_pruned_run_stops_keeps_its_rounds_and_resumes(tmp_path):
     assert seen == [1, 2, 3, 4, 5] and summary["rounds"] == 5
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
-    seen.clear()  # done: nothing runs, the whole curve is replayed, and a prune decision is ignored (its value is
-    # known: a trial that drew these arguments again completes with it)
-    assert tune_study.run_trial_run(cfg, report, "global_acc")["rounds"] == 5
+    seen.clear()  # done: nothing runs, the whole curve is replayed
+    assert tune_study.run_trial_run(cfg, lambda r, v: seen.append(r), "global_acc")["rounds"] == 5
     assert seen == [1, 2, 3, 4, 5]
 
 

@@ -45,10 +45,9 @@ def run_trial_run(
     state, detail = run_state(PlannedRun(Path(cfg.out).name, cfg, ""))
     if state == "blocked":
         raise ConfigError(detail)
-    if state == "resume":  # the pruner sees the whole curve, whichever process ran its rounds
-        _replay(Path(cfg.out), report, metric, every=False)
-    if state == "done":  # the same arguments ran to the end before: their value is known, pruning would save nothing
-        _replay(Path(cfg.out), report, metric, every=True, prunable=False)
+    if state in ("done", "resume"):  # the pruner sees the whole curve, whichever process ran its rounds
+        _replay(Path(cfg.out), report, metric, every=state == "done")
+    if state == "done":
         return json.loads((Path(cfg.out) / "summary.json").read_text())
 
     class _Stop(StopRun, Pruned):
@@ -85,23 +84,15 @@ def _wait_for_other_writer(run_dir: Path, poll: float = 0.5) -> None:
         time.sleep(poll)
 
 
-def _replay(
-    run_dir: Path, report: Callable[[int, float], None], metric: str, *, every: bool, prunable: bool = True
-) -> None:
-    """Report the rounds a run directory already holds (all of them, or those up to its checkpoint). With
-    ``prunable`` false a prune decision is ignored: the whole curve is reported (seen: a trial that drew a finished
-    trial's arguments again was pruned on the replayed curve, a PRUNED twin of a COMPLETE trial)."""
+def _replay(run_dir: Path, report: Callable[[int, float], None], metric: str, *, every: bool) -> None:
+    """Report the rounds a run directory already holds (all of them, or those up to its checkpoint)."""
     from fedskew.results.rundir import RunDirectory
 
     rd = RunDirectory(run_dir)
     upto = None if every else rd.status().get("checkpoint_round")
     for rec in rd.read_lines("metrics.jsonl"):
         if (upto is None or rec["round"] <= upto) and metric in rec and rec.get("evaluated", True):
-            try:
-                report(int(rec["round"]), float(rec[metric]))
-            except Pruned:
-                if prunable:
-                    raise
+            report(int(rec["round"]), float(rec[metric]))
 
 
 def make_objective(
