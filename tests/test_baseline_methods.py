@@ -387,6 +387,47 @@ def test_ala_weight_learning_follows_its_gradient_and_stays_in_the_unit_interval
     assert all(float(t.min()) >= 0 and float(t.max()) <= 1 for t in w2.values())
 
 
+def test_ala_weight_learning_reuses_the_body_features_bit_for_bit():
+    """With every ALA tensor in the head the body holds the received model throughout, so each batch's features are
+    computed once for all passes; the result equals recomputing them every pass (a BatchNorm body in train mode, whose
+    features depend on the batch; 5 passes)."""
+    from fedskew.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("lenet_bn", in_channels=1, image_size=8, num_classes=3)
+    model.train()
+    received = snapshot(model)
+    names = top_parameter_names(model, 2)
+    local = {n: received[n] + 0.3 * torch.randn_like(received[n]) for n in names}
+    ones = {n: torch.ones_like(received[n]) for n in names}
+    x, y = torch.randn(40, 1, 8, 8), torch.randint(0, 3, (40,))
+    kw = dict(rand_percent=0.8, batch_size=6, eta=1.0, threshold=0.0, num_pre_loss=2, max_epochs=5)
+    blended, w, passes = learn_ala_weights(
+        model, received, local, ones, x, y, torch.Generator().manual_seed(3), until_converged=True, **kw
+    )
+    assert passes == 5
+    # the loop recomputing the features every pass
+    model.load_state_dict(received)
+    params = dict(model.named_parameters())
+    want = {n: ones[n].clone() for n in names}
+    with torch.no_grad():
+        for n in names:
+            params[n].copy_(ala_combine(local[n], received[n], want[n]))
+    m = int(0.8 * 40)
+    start = int(torch.randint(0, 40 - m + 1, (1,), generator=torch.Generator().manual_seed(3)))
+    for _ in range(5):
+        for b in range(start, start + m, 6):
+            end = min(b + 6, start + m)
+            loss = F.cross_entropy(model.head(model.body(x[b:end])), y[b:end])
+            grads = torch.autograd.grad(loss, [params[n] for n in names])
+            with torch.no_grad():
+                for n, g in zip(names, grads, strict=True):
+                    want[n] = ala_weight_step(want[n], g, local[n], received[n], 1.0)
+                    params[n].copy_(ala_combine(local[n], received[n], want[n]))
+    assert all(torch.equal(w[n], want[n]) for n in names)
+    assert all(torch.equal(blended[n], params[n].detach()) for n in names)
+
+
 def test_fedala_learns_weights_in_the_unit_interval_and_keeps_lower_layers_global():
     sim = digits_simulation("fedala", {"layer_idx": 2}, rounds=3)
     recs = sim.run()

@@ -196,6 +196,12 @@ def learn_ala_weights(
     names = list(weights)
     params = dict(model.named_parameters())
     top = [params[n] for n in names]
+    # the body holds the received model throughout when every ALA tensor is in the head: each batch's features are
+    # the same in every pass, so they are computed once (the start phase runs up to max_epochs passes; without random
+    # layers, whose draws would change, the result is bit-identical to recomputing them)
+    reuse = all(n.startswith("head.") for n in names) and not any(
+        isinstance(mod, nn.modules.dropout._DropoutNd) for mod in model.body.modules()
+    )
     w = {n: weights[n].clone() for n in names}
     n_samples = x.shape[0]
     m = int(rand_percent * n_samples)
@@ -207,10 +213,16 @@ def learn_ala_weights(
         start = int(torch.randint(0, n_samples - m + 1, (1,), generator=generator))
         xs, ys = x[start : start + m], y[start : start + m]
         losses: list[float] = []
+        features: dict[int, Tensor] = {}
         while True:
             loss = torch.zeros(())
             for b in range(0, m, batch_size):
-                loss = F.cross_entropy(model.head(model.body(xs[b : b + batch_size])), ys[b : b + batch_size])
+                if not reuse:
+                    z = model.body(xs[b : b + batch_size])
+                elif (z := features.get(b)) is None:
+                    with torch.no_grad():
+                        z = features[b] = model.body(xs[b : b + batch_size])
+                loss = F.cross_entropy(model.head(z), ys[b : b + batch_size])
                 grads = torch.autograd.grad(loss, top)
                 with torch.no_grad():
                     for n, g in zip(names, grads, strict=True):
