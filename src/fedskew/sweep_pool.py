@@ -50,6 +50,13 @@ def worker_device(device: str, index: int, gpus: int) -> str:
     return f"cuda:{index % gpus}" if device == "cuda" and gpus > 1 else device
 
 
+def terminate(pids: list[int]) -> None:
+    """SIGTERM to each of ``pids`` that still exists: a run there checkpoints after its round and stops."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def _init_worker(queue: Any, counter: Any = None, gpus: int = 0) -> None:
     global _QUEUE, _DEVICE
     _QUEUE = queue
@@ -111,9 +118,7 @@ def run_pool(
     on_main = threading.current_thread() is threading.main_thread()
 
     def forward_term(signum: int, frame: object) -> None:  # SIGTERM to the sweep: the running runs checkpoint
-        for pid in list(pids.values()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        terminate(list(pids.values()))
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, forward_term) if on_main else None

@@ -67,9 +67,10 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     """The storage of ``url`` (an SQLAlchemy URL), with heartbeats: a trial whose process stopped beating for
     :data:`GRACE_S` seconds is failed and retried by the next process that tunes the study, on any machine."""
     path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
-    if path and path != ":memory:":
+    on_disk = path not in ("", ":memory:")  # an SQLite file: other processes may open it too
+    if on_disk:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    kind = SQLiteStudyStorage if path and path != ":memory:" and fcntl else optuna.storages.RDBStorage
+    kind = SQLiteStudyStorage if on_disk and fcntl else optuna.storages.RDBStorage
     with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna; they are what resumption needs
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return kind(

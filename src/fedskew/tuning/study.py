@@ -22,7 +22,6 @@ Output, in ``OUT`` (default ``runs/tune-<name>``): ``tuned.yaml`` (the best argu
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -291,17 +290,14 @@ def _parallel(spec: TuneSpec, index: int) -> None:
     their running trials checkpoint after the round and are retried by the next run of the search (the workers ignore
     SIGINT themselves, and are not this process's children in the OS sense, so nothing else would stop them)."""
     import multiprocessing
-    import os
     import signal
     import threading
     from concurrent.futures import ProcessPoolExecutor
 
-    from fedskew.sweep_pool import mp_context
+    from fedskew.sweep_pool import mp_context, terminate
 
     def stop_workers(*_: Any) -> None:
-        for proc in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
+        terminate([proc.pid for proc in multiprocessing.active_children() if proc.pid is not None])
 
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, stop_workers) if on_main else None
