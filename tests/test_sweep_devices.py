@@ -99,6 +99,11 @@ def test_the_sweep_and_reproduce_say_which_default_they_took(tmp_path, monkeypat
     assert seen == [["cpu"]]
     assert main(["sweep", str(spec), "--dry-run", "--jobs", "2"]) == 0
     assert "2 at a time;" in capsys.readouterr().err and len(seen) == 1  # a given --jobs is not second-guessed
+    for bad in ("0", "-1"):  # refused, not taken as "the default"
+        assert main(["sweep", str(spec), "--dry-run", "--jobs", bad]) != 0
+        assert f"--jobs must be >= 1, got {bad}" in capsys.readouterr().err
+        assert main(["reproduce", "feddisco", "--scale", "smoke", "--dry-run", "--jobs", bad]) != 0
+        assert f"--jobs must be >= 1, got {bad}" in capsys.readouterr().err
     out = tmp_path / "rp"
     assert main(["reproduce", "feddisco", "--scale", "smoke", "--out", str(out), "--dry-run", "--rows", "fedavg"]) == 0
     assert "5 at a time (the default on CUDA" in capsys.readouterr().err and len(seen) == 2

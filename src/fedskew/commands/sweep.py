@@ -286,8 +286,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     if args.tuned:
         spec = spec.model_copy(update={"tuned": args.tuned})
-    if (args.jobs or spec.jobs or 1) < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {args.jobs or spec.jobs}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     # on Ray, --device applies on the nodes (this machine may have no GPU); --jobs caps the runs at a time
     executor = make_executor(args, args.jobs or spec.jobs, args.device)
     runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
