@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# one client part per family of batched step (engine/batched_steps.py): plain SGD, a proximal term, a shift after the
-# step, a pull after the backward pass, terms against frozen models, a term on drawn inputs, a start after begin,
-# phases, prototype collection, uploads computed from the trained model
+# one client part per family of batched step (each part's batched_step(), client/batched_form.py): plain SGD, a
+# proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
+# inputs, a start after begin, phases, prototype collection, uploads computed from the trained model
 BATCHED_METHODS = (
     "fedavg",
     "fedprox",

@@ -297,7 +297,7 @@ def test_batchable_refuses_a_client_part_it_has_no_step_for():
 
     method = dataclasses.replace(resolve_method("fedprox", {}), client=Mine())
     reason = batchable(method)
-    assert reason is not None and "its client part is Mine and overrides loss" in reason
+    assert reason is not None and "its client part Mine overrides loss below FedProx" in reason
 
 
 def test_batchable_refuses_random_and_cumulative_models():

@@ -8,6 +8,7 @@ left out) or the error that refused it::
 
     python tools/fingerprint.py --out before.json            # on the old code
     python tools/fingerprint.py --out after.json --compare before.json   # exit 1 on any difference
+    python tools/fingerprint.py --batched --out before-batched.json      # the same on the batched path
 
 Run both on the same machine and torch build: float results are reproducible there, not across CPUs.
 """
@@ -50,12 +51,12 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
 
 
-def fingerprint(name: str) -> str:
+def fingerprint(name: str, batched: bool = False) -> str:
     import fedskew
     from fedskew.schema import ConfigError
 
     try:
-        result = fedskew.run(name, **SETTINGS)
+        result = fedskew.run(name, **SETTINGS, batched_clients=batched)
     except ConfigError as exc:
         return f"refused: {exc}"
     payload = json.dumps([_clean(r) for r in result.records], sort_keys=True, default=repr)
@@ -67,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="where to write {composition: fingerprint}")
     ap.add_argument("--compare", type=Path, help="a fingerprint file to compare with (exit 1 on a difference)")
     ap.add_argument("--only", nargs="*", help="these compositions only")
+    ap.add_argument(
+        "--batched",
+        action="store_true",
+        help="train on the batched path (batched_clients; a method it cannot batch falls back to the sequential loop)",
+    )
     args = ap.parse_args(argv)
     names = args.only or compositions()
     start = time.perf_counter()
     prints = {}
     for i, name in enumerate(names, 1):
-        prints[name] = fingerprint(name)
+        prints[name] = fingerprint(name, args.batched)
         print(f"[{i}/{len(names)}] {name}: {prints[name][:64]}", flush=True)
     args.out.write_text(json.dumps(prints, indent=1) + "\n")
     print(f"{len(prints)} compositions in {time.perf_counter() - start:.0f} s -> {args.out}")

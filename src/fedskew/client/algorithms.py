@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn, Shift
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import projection_width
 from fedskew.protocol import SCAFFOLD_C, SCAFFOLD_DELTA, Params
@@ -42,6 +43,9 @@ class FedProx(LocalAlgorithm):
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
         return ce if self.mu == 0 else ce + proximal(ctx, ctx.received, self.mu)
+
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep(prox_mu=lambda phase: float(self.mu))
 
 
 @dataclass
@@ -86,15 +90,15 @@ class Moon(LocalAlgorithm):
 
     def begin(self, ctx: LocalContext) -> None:
         previous = ctx.client_state.get("moon_prev")
-        ctx.scratch["moon_contrast"] = self.mu != 0 and previous is not None
-        if ctx.scratch["moon_contrast"]:
+        ctx.prepared = MoonRound(contrast=self.mu != 0 and previous is not None)
+        if ctx.prepared.contrast:
             glob, prev = self._aux(ctx.model)
             glob.load_state_dict(ctx.received)
             prev.load_state_dict(previous)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
-        if not ctx.scratch["moon_contrast"]:  # mu = 0, or first participation: the one-logit term is exactly 0
+        if not ctx.prep(MoonRound).contrast:  # mu = 0, or first participation: the one-logit term is exactly 0
             return ce
         glob, prev = self._aux(ctx.model)
         with torch.no_grad():
@@ -109,6 +113,27 @@ class Moon(LocalAlgorithm):
         ctx.client_state["moon_prev"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
         return {}
 
+    def batched_step(self) -> BatchedStep:
+        mu, tau = float(self.mu), float(self.tau)
+
+        def term(ctx: LocalContext) -> FrozenTermFn | None:
+            """``loss``'s model-contrastive term per client: ``mu · mean_b(−pos + logsumexp(pos, neg))``, cosine
+            similarities over ``tau`` of the trained body's output with the received and the previous model's."""
+            if mu == 0:
+                return None
+
+            def contrastive(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+                pos = F.cosine_similarity(feats, outs["received"][0], dim=2) / tau
+                neg = F.cosine_similarity(feats, outs["previous"][0], dim=2) / tau
+                return mu * (-pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2)).mean(1)
+
+            return contrastive
+
+        def previous(ctx: LocalContext) -> Params | None:  # begin decided: the term only with a previous model
+            return ctx.client_state.get("moon_prev") if ctx.prep(MoonRound).contrast else None
+
+        return BatchedStep(term=term, frozen=("received", "previous"), previous=previous)
+
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         width = projection_width(template)
         if width != self.projection:
@@ -116,6 +141,13 @@ class Moon(LocalAlgorithm):
                 f"MOON expects a projection head of width {self.projection} (0: none) but the model has "
                 f"{width or 'none'}; build it with build_model(..., **method.model_options)"
             )
+
+
+@dataclass
+class MoonRound:
+    """What :meth:`Moon.begin` decides: whether the contrastive term is on (``mu > 0`` and a previous model)."""
+
+    contrast: bool
 
 
 @dataclass
@@ -144,16 +176,14 @@ class Scaffold(LocalAlgorithm):
         ctx.client_state["scaffold_ci"] = c_i
         c = {n: ctx.broadcast.get(f"{SCAFFOLD_C}{n}", torch.zeros_like(ctx.received[n])) for n in names}
         params = [p for _, p in _trainable(ctx.model)]
-        corr = [c[n] - c_i[n] for n in names]
-        ctx.scratch["scaffold_shift"] = (params, corr, -ctx.settings.lr)
-        ctx.scratch["scaffold_c"] = c
+        ctx.prepared = ScaffoldRound(params, [c[n] - c_i[n] for n in names], -ctx.settings.lr, c)
 
     def after_step(self, ctx: LocalContext) -> None:
-        params, corr, alpha = ctx.scratch["scaffold_shift"]
-        torch._foreach_add_(params, corr, alpha=alpha)
+        prep = ctx.prep(ScaffoldRound)
+        torch._foreach_add_(prep.params, prep.correction, alpha=prep.scale)
 
     def end(self, ctx: LocalContext) -> Params:
-        c, c_i = ctx.scratch["scaffold_c"], ctx.client_state["scaffold_ci"]
+        c, c_i = ctx.prep(ScaffoldRound).c, ctx.client_state["scaffold_ci"]
         scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
         extras, new_ci = {}, {}
         for n, p in _trainable(ctx.model):
@@ -161,3 +191,18 @@ class Scaffold(LocalAlgorithm):
             extras[f"{SCAFFOLD_DELTA}{n}"] = new_ci[n] - c_i[n]
         ctx.client_state["scaffold_ci"] = new_ci
         return extras
+
+    def batched_step(self) -> BatchedStep:
+        # the shift after every step, as begin prepared it: w += −lr·(c − c_i)
+        return BatchedStep(shift=lambda ctx: Shift(ctx.prep(ScaffoldRound).correction, ctx.prep(ScaffoldRound).scale))
+
+
+@dataclass
+class ScaffoldRound:
+    """What :meth:`Scaffold.begin` prepares: the trained parameters, ``c − c_i`` per parameter, the shift's scale
+    (``−lr``) and the received ``c``."""
+
+    params: list[Tensor]
+    correction: list[Tensor]
+    scale: float
+    c: Params

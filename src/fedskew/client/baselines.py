@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, snapshot
 from fedskew.client.personal import PERSONAL, is_head
 from fedskew.protocol import Params
@@ -87,6 +88,27 @@ class FedNTD(LocalAlgorithm):
             global_logits = teacher.head(teacher.body(x))
         return ce + self.beta * ntd_loss(logits, global_logits, y, self.tau)
 
+    def batched_step(self) -> BatchedStep:
+        beta, tau = float(self.beta), float(self.tau)
+
+        def term(ctx: LocalContext) -> FrozenTermFn | None:
+            """``loss``'s not-true distillation per client: ``beta · ntd_loss`` with the received model's logits, its
+            batch mean taken per client."""
+            if beta == 0:
+                return None
+
+            def distill(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+                k, b, c = logits.shape
+                flat_y = y.reshape(k * b)
+                log_p = F.log_softmax(not_true_logits(logits.reshape(k * b, c), flat_y) / tau, dim=1)
+                q = F.softmax(not_true_logits(outs["received"][1].reshape(k * b, c), flat_y) / tau, dim=1)
+                kl = F.kl_div(log_p, q, reduction="none").view(k, b, -1).sum(dim=(1, 2)) / b
+                return beta * tau**2 * kl
+
+            return distill
+
+        return BatchedStep(term=term, frozen=("received",))
+
 
 # ---- FedBABU --------------------------------------------------------------------------------------------------------
 
@@ -142,6 +164,9 @@ class FedBABU(LocalAlgorithm):
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(PERSONAL)
+
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep()  # phases only (the body with the head frozen, then the fine-tuning)
 
 
 # ---- FedALA ---------------------------------------------------------------------------------------------------------
@@ -299,6 +324,10 @@ class FedALA(LocalAlgorithm):
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(ALA_INIT)
+
+    def batched_step(self) -> BatchedStep:
+        # the weight learning runs in begin, per client on its own data and generator, as the sequential loop runs it
+        return BatchedStep(start_after_begin=True)
 
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         if self.layer_idx > len(trainable):

@@ -27,11 +27,12 @@ otherwise feed back through ``c_i⁺`` (see :class:`fedskew.client.algorithms.Sc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, Pull, Shift
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.protocol import FEDDC_C, FEDDC_DELTA, FEDDC_MEAN_SAMPLES, FEDDYN_MEAN_SAMPLES, Params
 
@@ -72,6 +73,20 @@ def _zeros(ctx: LocalContext) -> Params:
 
 
 @dataclass
+class DriftRound:
+    """What FedDyn's and FedDC's ``begin`` prepare: the trained parameters, the anchors and weight ``α`` of the pull
+    towards them, FedDyn's linear term ``g_k`` per parameter; FedDC's received ``c/ω_i`` and its shift
+    ``c/ω_i − c_i`` (with ``correction``)."""
+
+    params: list[nn.Parameter]
+    anchors: list[Tensor]
+    alpha: float
+    linear: list[Tensor] | None = None
+    c: Params = field(default_factory=dict)
+    shift: list[Tensor] | None = None
+
+
+@dataclass
 class FedDyn(LocalAlgorithm):
     """FedDyn's client: the dynamic regularizer ``−⟨g_k, θ⟩ + (α_k/2)‖θ − w^t‖²`` with state ``g_k`` (starts at 0).
 
@@ -93,15 +108,22 @@ class FedDyn(LocalAlgorithm):
         alpha = self.alpha_for(ctx)
         params = [p for _, p in named]
         anchors = [ctx.received[n] for n, _ in named]
-        ctx.scratch["feddyn"] = (params, anchors, alpha, [g[n] for n, _ in named])
+        ctx.prepared = DriftRound(params, anchors, alpha, [g[n] for n, _ in named])
 
     def after_backward(self, ctx: LocalContext) -> None:
-        params, anchors, alpha, g = ctx.scratch["feddyn"]
-        add_pull(params, anchors, alpha, g)
-        _clip(params, self.clip)
+        prep = ctx.prep(DriftRound)
+        add_pull(prep.params, prep.anchors, prep.alpha, prep.linear)
+        _clip(prep.params, self.clip)
+
+    def batched_step(self) -> BatchedStep:
+        def pull(ctx: LocalContext) -> Pull:  # what begin prepared for after_backward: received w^t, α_k, g_k
+            prep = ctx.prep(DriftRound)
+            return Pull(float(prep.alpha), list(prep.anchors), None if prep.linear is None else list(prep.linear))
+
+        return BatchedStep(pull=pull, clip=float(self.clip))
 
     def end(self, ctx: LocalContext) -> Params:
-        alpha = ctx.scratch["feddyn"][2]
+        alpha = ctx.prep(DriftRound).alpha
         g = ctx.client_state["feddyn_grad"]
         ctx.client_state["feddyn_grad"] = {
             n: g[n] - alpha * (p.detach() - ctx.received[n]) for n, p in _trainable(ctx.model)
@@ -132,22 +154,33 @@ class FedDC(LocalAlgorithm):
         ctx.client_state["feddc_drift"] = h
         params = [p for _, p in named]
         anchors = [ctx.received[n] - h[n] for n, _ in named]
-        ctx.scratch["feddc"] = (params, anchors, self.alpha / omega)
+        ctx.prepared = prep = DriftRound(params, anchors, self.alpha / omega)
         if self.correction:
             c_i = ctx.client_state.get("feddc_ci") or _zeros(ctx)
             ctx.client_state["feddc_ci"] = c_i
-            c = {n: ctx.broadcast[f"{FEDDC_C}{n}"] / omega for n, _ in named}
-            ctx.scratch["feddc_c"] = c
-            ctx.scratch["feddc_shift"] = [c[n] - c_i[n] for n, _ in named]
+            prep.c = {n: ctx.broadcast[f"{FEDDC_C}{n}"] / omega for n, _ in named}
+            prep.shift = [prep.c[n] - c_i[n] for n, _ in named]
 
     def after_backward(self, ctx: LocalContext) -> None:
-        params, anchors, alpha = ctx.scratch["feddc"]
-        add_pull(params, anchors, alpha, None)
-        _clip(params, self.clip)
+        prep = ctx.prep(DriftRound)
+        add_pull(prep.params, prep.anchors, prep.alpha, None)
+        _clip(prep.params, self.clip)
 
     def after_step(self, ctx: LocalContext) -> None:
-        if self.correction:
-            torch._foreach_add_(ctx.scratch["feddc"][0], ctx.scratch["feddc_shift"], alpha=-ctx.settings.lr)
+        prep = ctx.prep(DriftRound)
+        if self.correction and prep.shift is not None:
+            torch._foreach_add_(prep.params, prep.shift, alpha=-ctx.settings.lr)
+
+    def batched_step(self) -> BatchedStep:
+        def pull(ctx: LocalContext) -> Pull:  # begin: w^t − h_i and α_i
+            prep = ctx.prep(DriftRound)
+            return Pull(float(prep.alpha), list(prep.anchors), None)
+
+        def shift(ctx: LocalContext) -> Shift | None:  # after_step with correction: θ ← θ − lr·(c/ω_i − c_i)
+            prep = ctx.prep(DriftRound)
+            return None if prep.shift is None else Shift(list(prep.shift), -float(ctx.settings.lr))
+
+        return BatchedStep(pull=pull, clip=float(self.clip), shift=shift)
 
     def end(self, ctx: LocalContext) -> Params:
         named = _trainable(ctx.model)
@@ -156,7 +189,7 @@ class FedDC(LocalAlgorithm):
         ctx.client_state["feddc_drift"] = {n: h[n] + delta[n] for n, _ in named}
         if not self.correction:
             return {}
-        c, c_i = ctx.scratch["feddc_c"], ctx.client_state["feddc_ci"]
+        c, c_i = ctx.prep(DriftRound).c, ctx.client_state["feddc_ci"]
         scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
         new_ci = {n: c_i[n] - c[n] - delta[n] * scale for n, _ in named}
         ctx.client_state["feddc_ci"] = new_ci

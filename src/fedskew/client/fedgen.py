@@ -16,12 +16,14 @@ clients draw from their own seeded generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models.generator import Generator, draw
 from fedskew.protocol import FEDGEN_GENERATOR, FEDGEN_LABELS
@@ -64,7 +66,7 @@ class FedGen(LocalAlgorithm):
 
     def begin(self, ctx: LocalContext) -> None:
         if self.gen_weight != 0:
-            ctx.scratch["fedgen"] = self._client_generator(ctx)
+            ctx.prepared = self._client_generator(ctx)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
@@ -74,5 +76,29 @@ class FedGen(LocalAlgorithm):
         labels, noise = draw(ctx.broadcast[FEDGEN_LABELS], self.gen_batch_size, self.noise_dim, ctx.generator)
         labels, noise = labels.to(logits.device), noise.to(logits.device)
         with torch.no_grad():
-            z = ctx.scratch["fedgen"](labels, noise)
+            z = ctx.prep(Generator)(labels, noise)
         return ce + self.gen_weight * F.cross_entropy(ctx.model.head(z), labels)
+
+    def batched_step(self) -> BatchedStep:
+        weight, batch, noise_dim = float(self.gen_weight), int(self.gen_batch_size), int(self.noise_dim)
+
+        def generated(ctx: LocalContext) -> GeneratedTerm | None:
+            """``loss``'s regularizer per client: ``gen_weight · CE(head(z), ŷ)``, ``z`` the round's generator (the
+            one ``begin`` loaded from the broadcast, in training mode) on the labels and noise the client drew."""
+            if weight == 0:
+                return None
+            shares, gen = ctx.broadcast[FEDGEN_LABELS], ctx.prep(Generator)
+
+            def inputs(labels: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+                return gen.forward_rows(labels, noise), labels
+
+            def term(head: Callable[[Tensor], Tensor], drawn: tuple[Tensor, Tensor]) -> Tensor:
+                z, labels = drawn
+                logits = head(z)
+                r, g = labels.shape
+                ce = F.cross_entropy(logits.reshape(r * g, -1), labels.reshape(r * g), reduction="none")
+                return weight * ce.view(r, g).mean(1)
+
+            return GeneratedTerm(lambda generator: draw(shares, batch, noise_dim, generator), inputs, term)
+
+        return BatchedStep(generated=generated)

@@ -28,14 +28,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.sgd import sgd
 
+from fedskew.client.batched_form import BatchedStep
 from fedskew.protocol import STEPS, TRAIN_LOSS, ClientReport, Params, Upload
+
+_P = TypeVar("_P")
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class TrainSettings:
 
 @dataclass
 class LocalContext:
-    """Everything one client's local training can see; hooks may stash per-call values in ``scratch``."""
+    """Everything one client's local training can see; ``begin`` leaves what its other hooks read in ``prepared``."""
 
     cid: int
     round: int
@@ -66,7 +69,6 @@ class LocalContext:
     settings: TrainSettings
     steps: int = 0
     phase: str = "main"
-    scratch: dict[str, Any] = field(default_factory=dict)
     # set by local_train: the client's resident training tensors and its seeded generator (hooks that need a pass
     # over the local data, e.g. FedALA's weight learning or a loss before training, draw from this generator)
     x: Tensor | None = None
@@ -77,6 +79,19 @@ class LocalContext:
     y_val: Tensor | None = None
     # scalar metrics a hook reports with the upload (RoundInput.metrics on the server), e.g. {"loss_before": ...}
     metrics: dict[str, float] = field(default_factory=dict)
+    # what the client part's ``begin`` prepared for its other hooks and its batched form this round: a typed value of
+    # the part's own (SCAFFOLD's correction, MOON's frozen models), read back with :meth:`prep`
+    prepared: Any = None
+
+    def prep(self, kind: type[_P]) -> _P:
+        """``prepared`` as the type the client part's ``begin`` stored (checked: a mix-up is an error, not a tuple
+        unpacked wrongly)."""
+        if not isinstance(self.prepared, kind):
+            raise TypeError(
+                f"client {self.cid}: expected the {kind.__name__} that begin() prepares, found "
+                f"{type(self.prepared).__name__}"
+            )
+        return self.prepared
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,12 @@ class LocalAlgorithm:
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         """The model this client keeps for itself apart from its upload (``None``: it keeps none)."""
         return None
+
+    def batched_step(self) -> BatchedStep | None:
+        """This part's per-step hooks on stacked clients (:mod:`fedskew.client.batched_form`), for the batched path;
+        ``None``: it has none, and a run trains it sequentially. A subclass that overrides a training hook declares
+        its own (plain SGD here: no term, no shift)."""
+        return BatchedStep()
 
     # checks and evaluation
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
@@ -255,6 +276,52 @@ def overrides(algo: LocalAlgorithm, hook: str) -> bool:
     if getattr(method, "forwarded", False):
         return overrides(algo.inner, hook)  # type: ignore[attr-defined]
     return method is not getattr(LocalAlgorithm, hook)
+
+
+# the hooks that change what a client trains; a subclass overriding one of them needs a batched form of its own
+TRAINING_HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
+# the hooks a wrapper may add work to and still be batched: they run per client on a real context
+PER_CLIENT_HOOKS = ("begin", "end", "check_model", "eval_views")
+
+
+def _own_hooks(cls: type, hooks: tuple[str, ...]) -> list[str]:
+    return [h for h in hooks if h in vars(cls)]
+
+
+def unwrapped(algo: LocalAlgorithm) -> LocalAlgorithm:
+    """The client part whose local step runs: ``algo``, or the one its wrappers hand their hooks to."""
+    while isinstance(algo, Wrapper):
+        algo = algo.inner
+    return algo
+
+
+def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
+    """The batched form ``algo`` trains with, or why it has none.
+
+    Wrappers are seen through when they add work only to hooks that run per client (``begin``, ``end``: the loss
+    before or after training that AFL, q-FFL and FedFV read). The form is the one the nearest class in the part's
+    MRO declares (:meth:`LocalAlgorithm.batched_step`); a class below it that overrides a
+    training hook, or a form of ``None``, means none."""
+    while isinstance(algo, Wrapper):
+        wrappers = [c for c in type(algo).__mro__ if issubclass(c, Wrapper) and c is not Wrapper]
+        own = {h for c in wrappers for h in _own_hooks(c, (*TRAINING_HOOKS, "batched_step"))}
+        extra = sorted(own - set(PER_CLIENT_HOOKS))
+        if extra:
+            return f"its wrapper {type(algo).__name__} overrides {', '.join(extra)}, which run at every step"
+        algo = algo.inner
+    cls = type(algo)
+    declaring = next(c for c in cls.__mro__ if "batched_step" in vars(c))
+    below = [c for c in cls.__mro__[: cls.__mro__.index(declaring)] if issubclass(c, LocalAlgorithm)]
+    hooks = sorted({h for c in below for h in _own_hooks(c, TRAINING_HOOKS)})
+    if hooks:
+        return (
+            f"its client part {cls.__name__} overrides {', '.join(hooks)} below {declaring.__name__}, whose batched "
+            "form does not know them; declare batched_step() on it (docs/extending.md)"
+        )
+    form = algo.batched_step()
+    if form is None:
+        return f"its client part {cls.__name__} declares no batched form (batched_step() returns None)"
+    return form
 
 
 def snapshot(model: nn.Module) -> Params:

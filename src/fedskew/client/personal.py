@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedskew.client.algorithms import proximal
+from fedskew.client.batched_form import BatchedStep
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.protocol import MASK_PREFIX, Params
 
@@ -42,6 +43,9 @@ class FedRep(LocalAlgorithm):
             Phase(self.head_epochs, name="head", trains=is_head),
             Phase(ctx.settings.epochs, name="body", trains=lambda n: not is_head(n)),
         ]
+
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep()  # phases only: the engine gives each its schedule, optimizer and trained parameters
 
 
 @dataclass
@@ -67,6 +71,9 @@ class Ditto(LocalAlgorithm):
             return ce
         return ce + proximal(ctx, ctx.received, self.lam)
 
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep(prox_mu=lambda phase: float(self.lam) if phase == "personal" else 0.0)
+
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(PERSONAL)
 
@@ -85,6 +92,9 @@ class AmpClient(LocalAlgorithm):
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
         return ce if self.mu == 0 else ce + proximal(ctx, ctx.received, self.mu)
+
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep(prox_mu=lambda phase: float(self.mu))
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return client_state.get(PERSONAL)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.protocol import GLOBAL_PRESENT, GLOBAL_PROTOS, PROTO_COUNT, PROTO_MEAN, Params
 
@@ -44,6 +45,19 @@ def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tens
 
 
 @dataclass
+class PrototypeRound:
+    """What :meth:`PrototypeLearning.begin` prepares: the first local step of the last epoch, from which the class
+    sums of the features are collected into ``sums`` ``[C, D]`` and ``counts`` ``[C]`` (float64; a
+    :class:`~fedskew.client.batched_form.ClassSums`), and the received global prototypes with their presence
+    (``None`` before the first)."""
+
+    collect_from: int
+    sums: Tensor | None = None
+    counts: Tensor | None = None
+    protos: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass
 class PrototypeLearning(LocalAlgorithm):
     """What FedProto and FedProc share: last-epoch prototype collection and the nearest-prototype evaluation (the
     per-class average is the server half's). Subclasses define the local objective (:meth:`loss`) and
@@ -56,30 +70,29 @@ class PrototypeLearning(LocalAlgorithm):
         bs = min(s.batch_size, n)
         per_epoch = n // bs if s.drop_last else math.ceil(n / bs)
         epochs = sum(p.epochs for p in self.phases(ctx))
-        ctx.scratch["proto_collect_from"] = (epochs - 1) * per_epoch  # the first step of the last epoch
-        ctx.scratch["proto_sums"] = None
-        ctx.scratch["proto_counts"] = None
+        prep = PrototypeRound(collect_from=(epochs - 1) * per_epoch)  # the first step of the last epoch
         protos = ctx.broadcast.get(GLOBAL_PROTOS)
         present = ctx.broadcast.get(GLOBAL_PRESENT)
-        if protos is None or present is None or not bool(present.any()):
-            ctx.scratch["protos"] = None
-        else:
-            ctx.scratch["protos"] = (protos.to(ctx.x.device, torch.float32), present.to(ctx.x.device))
+        if protos is not None and present is not None and bool(present.any()):
+            prep.protos = (protos.to(ctx.x.device, torch.float32), present.to(ctx.x.device))
+        ctx.prepared = prep
 
     def collect(self, ctx: LocalContext, features: Tensor, y: Tensor, num_classes: int) -> None:
         """Add this batch's features to the local prototypes when it belongs to the last local epoch."""
-        if ctx.steps < ctx.scratch["proto_collect_from"]:
+        prep = ctx.prep(PrototypeRound)
+        if ctx.steps < prep.collect_from:
             return
         sums, counts = class_sums(features, y, num_classes)
-        if ctx.scratch["proto_sums"] is None:
-            ctx.scratch["proto_sums"], ctx.scratch["proto_counts"] = sums, counts
+        if prep.sums is None or prep.counts is None:
+            prep.sums, prep.counts = sums, counts
         else:
-            ctx.scratch["proto_sums"] += sums
-            ctx.scratch["proto_counts"] += counts
+            prep.sums += sums
+            prep.counts += counts
 
     def end(self, ctx: LocalContext) -> Params:
-        sums, counts = ctx.scratch["proto_sums"], ctx.scratch["proto_counts"]
-        if sums is None:  # no step in the last epoch (cannot happen with epochs >= 1; keeps the upload's shape)
+        prep = ctx.prep(PrototypeRound)
+        sums, counts = prep.sums, prep.counts
+        if sums is None or counts is None:  # no step in the last epoch (not with epochs >= 1; keeps the upload's shape)
             assert ctx.x is not None
             with torch.no_grad():
                 out = ctx.model(ctx.x[:1])
@@ -118,6 +131,10 @@ class PrototypeLearning(LocalAlgorithm):
         return {EVAL_VIEW: (correct, loss_sum)}
 
 
+def _class_sums(ctx: LocalContext) -> ClassSums:
+    return ctx.prep(PrototypeRound)
+
+
 def squared_distances(features: Tensor, protos: Tensor) -> Tensor:
     """``[B, C]``: mean over the feature dimension of ``(f_b - c_j)²`` (the reference's ``nn.MSELoss`` per pair)."""
     return (features.unsqueeze(1) - protos.unsqueeze(0)).pow(2).mean(2)
@@ -140,12 +157,33 @@ class FedProto(PrototypeLearning):
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
         self.collect(ctx, features, y, logits.shape[1])
-        if ctx.scratch["protos"] is None or self.lam == 0:
+        global_protos = ctx.prep(PrototypeRound).protos
+        if global_protos is None or self.lam == 0:
             return ce
-        protos, present = ctx.scratch["protos"]
+        protos, present = global_protos
         has = present[y].unsqueeze(1)
         target = torch.where(has, protos[y], features.detach())
         return ce + self.lam * F.mse_loss(features, target)
+
+    def batched_step(self) -> BatchedStep:
+        lam = float(self.lam)
+
+        def term(ctx: LocalContext) -> FrozenTermFn | None:
+            """``loss``'s term per client: ``lam ·`` the MSE between each feature and its class's global prototype
+            (the feature itself where the class has none); none before the first global prototypes (broadcast: the
+            same for every client of the round)."""
+            global_protos = ctx.prep(PrototypeRound).protos
+            if global_protos is None or lam == 0:
+                return None
+            protos, present = global_protos
+
+            def distance(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+                target = torch.where(present[y].unsqueeze(-1), protos[y], feats.detach())
+                return lam * ((feats - target) ** 2).mean(dim=(1, 2))
+
+            return distance
+
+        return BatchedStep(term=term, collect=_class_sums)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         dist = squared_distances(features.float(), protos.float())
@@ -209,12 +247,36 @@ class FedProc(PrototypeLearning):
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
         self.collect(ctx, features, y, logits.shape[1])
-        if ctx.scratch["protos"] is None:
+        global_protos = ctx.prep(PrototypeRound).protos
+        if global_protos is None:
             return ce
-        protos, present = ctx.scratch["protos"]
+        protos, present = global_protos
         a = self.alpha(ctx.round, ctx.settings.rounds)
         contrast = prototypical_contrastive(features, y, protos, present, self.temperature).mean()
         return a * contrast + (1.0 - a) * ce
+
+    def batched_step(self) -> BatchedStep:
+        temperature = float(self.temperature)
+
+        def term(ctx: LocalContext) -> FrozenTermFn | None:
+            """``loss`` = ``α·L_pc + (1 − α)·CE`` as the cross-entropy plus ``α·(L_pc − CE)`` per client (α the
+            round's curriculum weight); none before the first global prototypes."""
+            global_protos = ctx.prep(PrototypeRound).protos
+            if global_protos is None:
+                return None
+            protos, present = global_protos
+            a = self.alpha(ctx.round, ctx.settings.rounds)
+
+            def contrast(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+                k, b, c = logits.shape
+                flat_y = y.reshape(k * b)
+                ce = F.cross_entropy(logits.reshape(k * b, c), flat_y, reduction="none").view(k, b).mean(1)
+                pc = prototypical_contrastive(feats.reshape(k * b, -1), flat_y, protos, present, temperature)
+                return a * (pc.view(k, b).mean(1) - ce)
+
+            return contrast
+
+        return BatchedStep(term=term, collect=_class_sums)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         sims = F.cosine_similarity(features.float().unsqueeze(1), protos.float().unsqueeze(0), dim=2)

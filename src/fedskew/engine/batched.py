@@ -22,7 +22,8 @@ What makes it the sequential path's training, not an approximation of it:
   gradient, momentum buffer ``buf = g`` on the first step, then ``buf·β + g``, ``p −= lr·buf``);
 * **the same hooks**: ``begin`` and ``end`` of the client part run per client on a real :class:`LocalContext`
   (SCAFFOLD's ``c_i`` and control deltas come from its own ``end``); only the per-step hooks are written batched, for
-  the client parts listed in :data:`BATCHED_STEPS` (FedProx's proximal term, SCAFFOLD's shift after the step).
+  the batched form each client part declares beside its hooks (``LocalAlgorithm.batched_step``: FedProx's proximal
+  term, SCAFFOLD's shift after the step; :mod:`fedskew.client.batched_form`).
 
 Anything else (other hooks, several phases, a personal model, per-client uploads, a randomized model) is refused by
 :func:`batchable` with the reason, and the engine trains such a method sequentially.
@@ -47,10 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.local import LocalAlgorithm, LocalContext, snapshot
+from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn, GeneratedTerm, HeadTermFn
+from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, snapshot
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
-from fedskew.engine.batched_steps import BATCHED_STEPS, GeneratedTerm, batchable, clip_rows, pull_rows, unwrapped
-from fedskew.engine.stacked import FrozenTermFn, HeadTermFn, stackable, stacked_step_function
+from fedskew.engine.batched_steps import batchable, clip_rows, pull_rows
+from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
@@ -224,7 +226,8 @@ def _train_group(
     # begin: per client, on a real context and the received model in training mode, as local_train calls it
     # (SCAFFOLD initializes c_i and prepares its shift; the loss-before wrapper scores the received model)
     contexts = []
-    rule = BATCHED_STEPS[type(unwrapped(algo))]
+    rule = batched_form(algo)
+    assert not isinstance(rule, str), rule  # train_batched checked batchable()
     begun: dict[int, Params] = {}
     own_begin = type(algo).begin is not LocalAlgorithm.begin  # the default begin reads nothing of the model
     for cid in cids:
@@ -261,7 +264,7 @@ def _train_group(
     loss_sums = torch.zeros(k_all, dtype=torch.float64, device=x_all.device)
     seen = np.zeros(k_all, dtype=np.int64)
     steps = np.zeros(k_all, dtype=np.int64)
-    generated = rule.generated(unwrapped(algo), contexts[0]) if rule.generated is not None else None
+    generated = rule.generated(contexts[0]) if rule.generated is not None else None
     for phase in _phase_plans(algo, contexts, trainable):
         for ctx in contexts:
             ctx.phase = phase.name
@@ -272,7 +275,7 @@ def _train_group(
         draw = generated.draw if generated is not None else None
         sched = schedule(ns, offsets, replace(s, epochs=phase.epochs), gens, draw)  # type: ignore[arg-type]
         states, phase_loss = _run_phase(
-            sim, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated
+            sim, rule, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated
         )
         loss_sums += phase_loss
         seen += (sched.nb * sched.bs if s.drop_last else sched.n) * phase.epochs
@@ -308,15 +311,16 @@ def _train_group(
 
 
 class _Collect:
-    """FedProto's and FedProc's ``collect`` on stacked clients: from the step given by each client's
-    ``proto_collect_from`` (its last epoch) on, the per-class float64 sums and counts of its body's outputs; handed
-    to the clients' contexts as the sequential loop leaves them for ``end``."""
+    """FedProto's and FedProc's ``collect`` on stacked clients: from each client's ``collect_from`` step (its last
+    epoch) on, the per-class float64 sums and counts of its body's outputs; handed over to where each client's
+    ``end`` reads them (its :class:`~fedskew.client.batched_form.ClassSums`), as the sequential loop leaves them."""
 
-    def __init__(self, contexts: list[LocalContext], num_classes: int, device: torch.device) -> None:
-        self.start = torch.tensor([ctx.scratch["proto_collect_from"] for ctx in contexts], device=device)
+    def __init__(self, targets: list[ClassSums], num_classes: int, device: torch.device) -> None:
+        self.targets = targets
+        self.start = torch.tensor([t.collect_from for t in targets], device=device)
         self.num_classes = num_classes
         self.sums: Tensor | None = None
-        self.counts = torch.zeros((len(contexts), self.num_classes), dtype=torch.float64, device=device)
+        self.counts = torch.zeros((len(targets), self.num_classes), dtype=torch.float64, device=device)
 
     def add(self, t: int, members: Tensor, feats: Tensor, y: Tensor) -> None:
         if self.sums is None:
@@ -327,14 +331,15 @@ class _Collect:
         self.sums.index_add_(0, members, torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64)))
         self.counts.index_add_(0, members, onehot.sum(1))
 
-    def hand_over(self, contexts: list[LocalContext]) -> None:
-        for k, ctx in enumerate(contexts):
-            ctx.scratch["proto_sums"] = None if self.sums is None else self.sums[k]
-            ctx.scratch["proto_counts"] = None if self.sums is None else self.counts[k]
+    def hand_over(self) -> None:
+        for k, target in enumerate(self.targets):
+            target.sums = None if self.sums is None else self.sums[k]
+            target.counts = None if self.sums is None else self.counts[k]
 
 
 def _run_phase(
     sim: ClientHost,
+    rule: BatchedStep,
     contexts: list[LocalContext],
     cids: list[int],
     received: dict[int, Params],
@@ -349,14 +354,12 @@ def _run_phase(
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
     model, s = sim.model, sim.settings
-    inner = unwrapped(sim.method.client)
-    rule = BATCHED_STEPS[type(inner)]
     names = phase.trains  # this phase's trained parameters; every other entry is carried per client
     flat = _Flat(names, [starts[0][n].shape for n in names])
     others = [k for k in order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen parameters
     mutable = {n for n, _ in model.named_buffers()}
     device = x_all.device
-    mu = rule.prox_mu(inner, phase.name) if rule.prox_mu is not None else 0.0
+    mu = rule.prox_mu(phase.name) if rule.prox_mu is not None else 0.0
 
     with torch.no_grad():
         params = flat.stack([[st[n] for n in names] for st in starts]).to(device)
@@ -367,16 +370,16 @@ def _run_phase(
         alpha = 0.0
         shifts = [rule.shift(ctx) for ctx in contexts] if rule.shift is not None else []
         if shifts and shifts[0] is not None:
-            stack.shift = flat.stack([corr for corr, _ in shifts]).to(device)  # type: ignore[misc]
-            alpha = shifts[0][1]  # type: ignore[index]
+            stack.shift = flat.stack([sh.tensors for sh in shifts]).to(device)  # type: ignore[union-attr]
+            alpha = shifts[0].scale
         if rule.pull is not None:
             pulls = [rule.pull(ctx) for ctx in contexts]
             stack.pull_alpha = torch.tensor([a for a, _, _ in pulls], dtype=params.dtype, device=device)
             stack.pull_anchor = flat.stack([anchor for _, anchor, _ in pulls]).to(device)
             if pulls and pulls[0][2] is not None:
                 stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
-        clip = rule.clip(inner) if rule.clip is not None else 0.0
-        term = rule.term(inner, contexts[0]) if rule.term is not None else None
+        clip = rule.clip
+        term = rule.term(contexts[0]) if rule.term is not None else None
         if term is not None:
             glob = [received[c] for c in cids]
             models = {"received": glob}
@@ -391,7 +394,7 @@ def _run_phase(
             }
     step = _step_function(model, names, mu, term, generated.term if generated is not None else None)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
-    collect = _Collect(contexts, sim.data.num_classes, device) if rule.collect else None
+    collect = _Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 
     plan, index = plan_steps(sched, device)
     for t, step_plan in enumerate(plan):
@@ -466,7 +469,7 @@ def _run_phase(
                         stack.extra[k] = stack.extra[k].index_copy(0, pos, v)
 
     if collect is not None:
-        collect.hand_over(contexts)
+        collect.hand_over()
     out = []
     for k in range(len(cids)):
         row, rest, _ = stack.done[k]

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import FrozenTermFn, HeadTermFn
+
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
 
 
@@ -115,14 +117,6 @@ def stacked_forward(
     # per-sample layers: on [K·B, ...]
     out = module(x.reshape(k * b, *x.shape[2:]))
     return out.view(k, b, *out.shape[1:])
-
-
-# an extra loss term against frozen models: (trained body output [K, B, d], logits [K, B, C], labels [K, B],
-# {model name: its (body output, logits)}) -> the term per client [K]
-FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
-# a loss term through the trained head on inputs drawn for the step (FedGen's generated features): (the clients'
-# trained head on stacked inputs [K, G, d] -> [K, G, C], the step's drawn inputs) -> the term per client [K]
-HeadTermFn = Callable[[Callable[[Tensor], Tensor], Any], Tensor]
 
 
 def stacked_step_function(

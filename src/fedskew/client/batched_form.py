@@ -1,0 +1,107 @@
+"""A client part's batched form: what its per-step hooks are on stacked clients, declared beside those hooks.
+
+The batched path (:mod:`fedskew.engine.batched`) trains every client of a round at once, as rows of stacked
+parameters. ``begin`` and ``end`` run per client on a real :class:`~fedskew.client.local.LocalContext`; only the
+per-step hooks (``loss``, ``after_backward``, ``after_step``) need a stacked form, and each client part declares it
+with :meth:`~fedskew.client.local.LocalAlgorithm.batched_step`, returning a :class:`BatchedStep` built from its own
+hyper-parameters and from what its ``begin`` prepared (``ctx.prepared``, a typed value of the part's own). The engine
+reads nothing else of a client part, so a user's part is batched by declaring that hook, without touching the engine
+(docs/extending.md; ``examples/one_file_method.py``).
+
+:func:`fedskew.client.local.batched_form` decides, for a client part as a run holds it (wrappers included), the form
+to train with, or why there is none: a part that overrides a training hook below the class that declared the form (a
+subclass of FedProx with its own ``loss``) is refused, since the form cannot know that hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from torch import Tensor
+
+from fedskew.protocol import Params
+
+if TYPE_CHECKING:
+    from fedskew.client.local import LocalContext
+
+# a loss term against frozen models on the same batch: (the trained body's output [K, B, d], the logits [K, B, C],
+# the labels [K, B], {frozen model name: its (body output, logits)}) -> the term per client [K]
+FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
+# a loss term through the trained head on inputs drawn for the step (FedGen's generated features): (the clients'
+# trained head on stacked inputs [K, G, d] -> [K, G, C], the step's drawn inputs) -> the term per client [K]
+HeadTermFn = Callable[[Callable[[Tensor], Tensor], Any], Tensor]
+
+
+class Shift(NamedTuple):
+    """Tensors added to the trainable parameters after every optimizer step, outside the optimizer's momentum, and
+    their scale (SCAFFOLD: ``c − c_i`` and ``−lr``)."""
+
+    tensors: list[Tensor]
+    scale: float
+
+
+class Pull(NamedTuple):
+    """A gradient term added after the backward pass: ``α·(θ − anchor) − linear`` (FedDyn, FedDC; ``linear`` may be
+    ``None``)."""
+
+    alpha: float
+    anchors: list[Tensor]
+    linear: list[Tensor] | None = None
+
+
+class ClassSums(Protocol):
+    """Where a client collects its last epoch's per-class feature sums (FedProto's and FedProc's prototypes): from
+    local step ``collect_from`` on; the batched path fills ``sums`` ``[C, D]`` and ``counts`` ``[C]`` (float64) as
+    the sequential loop's ``loss`` hook leaves them for ``end``."""
+
+    collect_from: int
+    sums: Tensor | None
+    counts: Tensor | None
+
+
+@dataclass(frozen=True)
+class GeneratedTerm:
+    """A loss term on inputs every client draws at every step from its own generator, through its trained head
+    (FedGen's ``gen_weight · CE(head(G(ŷ, ε)), ŷ)``). ``draw``: one client's draw for one step (on the CPU; the
+    schedule makes the draws in the sequential loop's order: after each epoch's permutation, one per batch);
+    ``inputs``: the drawn rows of a step's clients stacked (``[R, ...]``) → what ``term`` reads, computed without
+    gradient; ``term``: (the clients' trained head on stacked inputs, those inputs) → the term per client ``[R]``."""
+
+    draw: Callable[[Any], tuple[Tensor, ...]]
+    inputs: Callable[..., Any]
+    term: HeadTermFn
+
+
+@dataclass(frozen=True)
+class BatchedStep:
+    """How one client part's per-step hooks are computed on stacked clients (every field optional: the default is
+    plain SGD on the cross-entropy, FedAvg's client).
+
+    ``prox_mu``: per phase name, the weight of the proximal term ``(mu/2)·Σ‖w − w_received‖²`` over the phase's
+    trained parameters (FedProx; Ditto's personal phase; FedAMP's client; 0: none). ``shift``: per client after
+    ``begin``, a :class:`Shift` after every optimizer step (SCAFFOLD, FedDC), or ``None``. ``pull``: per client after
+    ``begin``, a :class:`Pull` on the gradient (FedDyn, FedDC), and ``clip``: the client's total gradient-norm clip
+    applied then (0: none). ``term``: from the first client's context, a loss term against frozen models on the same
+    batch (``None``: off; models of standard layers only, engine/stacked.py), reading the frozen models ``frozen``
+    (``"received"``; ``"previous"``: per client ``previous(ctx)``, ``None`` where the term is absent for that client,
+    as MOON's on a first participation). ``collect``: per client, where its last-epoch class sums go
+    (:class:`ClassSums`). ``generated``: a :class:`GeneratedTerm` (FedGen). ``start_after_begin``: the client trains
+    from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model."""
+
+    prox_mu: Callable[[str], float] | None = None
+    shift: Callable[[LocalContext], Shift | None] | None = None
+    pull: Callable[[LocalContext], Pull] | None = None
+    clip: float = 0.0
+    term: Callable[[LocalContext], FrozenTermFn | None] | None = None
+    frozen: tuple[str, ...] = ()
+    previous: Callable[[LocalContext], Params | None] | None = None
+    collect: Callable[[LocalContext], ClassSums] | None = None
+    generated: Callable[[LocalContext], GeneratedTerm | None] | None = None
+    start_after_begin: bool = False
+
+    @property
+    def has_term(self) -> bool:
+        """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
+        return self.term is not None or self.collect is not None or self.generated is not None
