@@ -175,6 +175,37 @@ def test_the_engine_loop_knows_workers_and_batching_only_through_its_interface()
     assert "fedskew.engine.backends" in loop
 
 
+# what the engine may import from the client and server sides: the generic machinery, never a method's module
+ENGINE_MAY_IMPORT = {
+    "fedskew.client.local",  # the one local loop, LocalAlgorithm, LocalContext
+    "fedskew.client.batched_form",  # the batched-step type a client part declares
+    "fedskew.server.api",  # the upload checks and stack, the piece bases
+    "fedskew.server.dispersion",  # the dispersion statistics the parameter-skew probe records
+}
+
+
+def test_the_engine_imports_no_concrete_method():
+    """The engine knows client parts and server pieces only through their base types (issue 40): no client part,
+    server piece, catalog or method module is imported by a file of engine/, even inside a function."""
+    files = sorted((SRC / "engine").glob("*.py"))
+    assert len(files) > 10
+    sides = ("fedskew.client", "fedskew.server", "fedskew.catalog")
+    for f in files:
+        bad = sorted(
+            m
+            for m in _imports(f)
+            if m.startswith(sides) and m not in ENGINE_MAY_IMPORT and m not in {"fedskew.client", "fedskew.server"}
+        )
+        assert not bad, f"engine/{f.name} imports {bad}; reach a method through its base type"
+
+
+def test_the_engine_boundary_check_sees_a_concrete_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from fedskew.client.algorithms import Scaffold\n")
+    assert "fedskew.client.algorithms" in _imports(probe)
+    assert "fedskew.client.algorithms" not in ENGINE_MAY_IMPORT
+
+
 def test_no_import_cycle_at_import_time():
     """No circle among fedskew's modules through the imports that run when a module is imported."""
     assert _cycles(_graph(function_level=False)) == []

@@ -11,17 +11,8 @@ import torch
 
 from fedskew.protocol import RoundInput, Upload
 from fedskew.server.api import Aggregation, stack_uploads
-from fedskew.server.fedsa import (
-    FedSACombine,
-    cluster,
-    coefficient_of_variation,
-    column_stats,
-    fedsa_layer,
-    high_dispersion,
-    micro_classes,
-    modal_classes,
-    similarity,
-)
+from fedskew.server.dispersion import coefficient_of_variation, column_stats, high_dispersion
+from fedskew.server.fedsa import FedSACombine, cluster, fedsa_layer, micro_classes, modal_classes, similarity
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 E1_X = [
@@ -398,13 +389,13 @@ def test_unclustered_clients_only_enter_the_low_region():
 
 
 def test_column_blocks_do_not_change_the_result(monkeypatch):
-    import fedskew.server.fedsa as fedsa_mod
+    import fedskew.server.dispersion as dispersion_mod
 
     x = _tie_free_input(2).to(torch.float32)
     w = torch.arange(1.0, 7.0)
     full_out, full_diag = fedsa_layer(x, low_weights=w)
     full_stats = column_stats(x, weights=w / w.sum())
-    monkeypatch.setattr(fedsa_mod, "CHUNK_ELEMENTS", 6 * 7)  # blocks of 7 columns, the last one partial
+    monkeypatch.setattr(dispersion_mod, "CHUNK_ELEMENTS", 6 * 7)  # blocks of 7 columns, the last one partial
     out, diag = fedsa_layer(x, low_weights=w)
     stats = column_stats(x, weights=w / w.sum())
     for a, b in [

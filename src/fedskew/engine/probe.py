@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fedskew.protocol import Params, RoundInput
-from fedskew.server.fedsa import _cv, column_stats, high_dispersion
+from fedskew.server.dispersion import column_stats, cv_of, high_dispersion
 
 LAMBDA = 0.2
 
@@ -29,7 +29,7 @@ def skew_probe(rin: RoundInput, aggregate: Params, per_layer: int, seed: int) ->
         x = rin.params[name].reshape(k, -1)
         m = x.shape[1]
         stats = column_stats(x, weights=weights.to(x.device), want_skew=True)
-        cv = _cv(stats, 1e-12)
+        cv = cv_of(stats, 1e-12)
         high = high_dispersion(cv, LAMBDA)
         top = torch.topk(cv, min(per_layer, m)).indices.cpu()
         g = torch.Generator().manual_seed(seed * 1009 + li)
