@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.client.personal import CriticalMasks
+from fedskew.catalog.fedamp import FedAMP
+from fedskew.catalog.fedcac import CriticalMasks, FedCAC
+from fedskew.catalog.fedsa import FedSACombine
 from fedskew.models import build_model
 from fedskew.protocol import RoundInput, Upload
 from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
-from fedskew.server.fedsa import FedSACombine
-from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights
 
 

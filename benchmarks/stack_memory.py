@@ -70,9 +70,9 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
         from fedskew.protocol import ServerContext, Upload
     except ImportError:  # --src of a checkout from before fedskew/protocol.py
         from fedskew.server.api import ServerContext, Upload
+    from fedskew.catalog.fedsa import FedSACombine
     from fedskew.server.api import Aggregation
     from fedskew.server.combine import WeightedMean
-    from fedskew.server.fedsa import FedSACombine
     from fedskew.server.weights import SampleWeights
 
     torch.set_num_threads(1)
@@ -141,9 +141,7 @@ def child(method: str, clients: int, path: str, seed: int) -> dict:
     peak = _status_kib("VmHWM")
     state_bytes = 0
     if method == "heal":
-        state_bytes = sum(
-            t.numel() * t.element_size() for h in _masking(new_state).values() for t in h.nonneg.values()
-        )
+        state_bytes = sum(t.numel() * t.element_size() for h in _masking(new_state).values() for t in h.nonneg.values())
     return {
         "method": method,
         "clients": clients,

@@ -12,32 +12,29 @@ import torch
 import torch.nn.functional as F
 from conftest import Tiny, digits_simulation
 
-from fedskew.client.baselines import (
+from fedskew.catalog.fedala import (
     ALA_INIT,
     ALA_LOCAL,
     ALA_WEIGHTS,
-    FedBABU,
-    FedNTD,
     ala_combine,
     ala_weight_step,
     learn_ala_weights,
-    not_true_logits,
-    ntd_loss,
     top_parameter_names,
 )
-from fedskew.client.fedgen import FedGen
+from fedskew.catalog.fedbabu import FedBABU
+from fedskew.catalog.fedgen import FEDGEN_GENERATOR as PREFIX
+from fedskew.catalog.fedgen import FEDGEN_LABELS as LABELS
+from fedskew.catalog.fedgen import FedGen, FedGenServer, ensemble_logits
+from fedskew.catalog.fedntd import FedNTD, not_true_logits, ntd_loss
+from fedskew.client.kernels import PERSONAL
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
-from fedskew.client.personal import PERSONAL
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import dropped_out, sample_clients
 from fedskew.methods import describe_methods, resolve_method
 from fedskew.models.generator import Generator, draw
-from fedskew.protocol import FEDGEN_GENERATOR as PREFIX
-from fedskew.protocol import FEDGEN_LABELS as LABELS
 from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
 from fedskew.schema import ConfigError
 from fedskew.server.api import stack_uploads
-from fedskew.server.fedgen import FedGenServer, ensemble_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64

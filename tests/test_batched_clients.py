@@ -288,7 +288,7 @@ def test_batchable_refuses_a_client_part_it_has_no_step_for():
     it and the hook it overrides, and the engine trains it sequentially."""
     import dataclasses
 
-    from fedskew.client.algorithms import FedProx
+    from fedskew.catalog.fedprox import FedProx
 
     @dataclasses.dataclass
     class Mine(FedProx):

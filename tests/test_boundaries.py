@@ -206,6 +206,24 @@ def test_the_engine_boundary_check_sees_a_concrete_import(tmp_path):
     assert "fedskew.client.algorithms" not in ENGINE_MAY_IMPORT
 
 
+PROTOCOL_NAMES = {"TIMING_KEYS", "TRAIN_LOSS", "STEPS", "LABEL_HIST"}  # what every method and the engine share
+
+
+def test_the_protocol_holds_no_method_specific_name():
+    """protocol.py knows no method (issue 40): its constants are the generic ones, and none of their values spells a
+    registered part's name (a method's exchanged tensors are named in its own module)."""
+    import fedskew.protocol as protocol
+    from fedskew.methods import CLIENTS, SERVER_PLUGINS
+
+    constants = {n for n in vars(protocol) if n.isupper() and not n.startswith("_")}
+    assert constants == PROTOCOL_NAMES, constants - PROTOCOL_NAMES
+    parts = (set(CLIENTS) | set(SERVER_PLUGINS)) - {"local"}
+    for name in constants:
+        value = getattr(protocol, name)
+        words = " ".join(value if isinstance(value, tuple) else [getattr(value, "name", value)])
+        assert not any(part in words for part in parts), (name, value)
+
+
 def test_no_import_cycle_at_import_time():
     """No circle among fedskew's modules through the imports that run when a module is imported."""
     assert _cycles(_graph(function_level=False)) == []
@@ -243,10 +261,10 @@ def test_each_server_pieces_defaults_live_in_its_schema():
     import dataclasses
     import inspect
 
+    from fedskew.catalog.disco import DISCO, DiscoParams, DiscoWeights
+    from fedskew.catalog.fedsa import FEDSA, FedSACombine, FedSAParams
+    from fedskew.catalog.heal import HEAL, FaelWeights, HealMasks, HealParams, heal_aggregation
     from fedskew.methods import SERVER_PLUGINS
-    from fedskew.server.disco import DISCO, DiscoParams, DiscoWeights
-    from fedskew.server.fedsa import FEDSA, FedSACombine, FedSAParams
-    from fedskew.server.heal import HEAL, FaelWeights, HealMasks, HealParams, heal_aggregation
 
     assert SERVER_PLUGINS["disco"].params is DiscoParams
     assert SERVER_PLUGINS["heal"].params is HealParams

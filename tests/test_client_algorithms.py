@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from conftest import Tiny
 
-from fedskew.client.algorithms import FedProx, Moon, Scaffold
+from fedskew.catalog.fedprox import FedProx
+from fedskew.catalog.moon import Moon
+from fedskew.catalog.scaffold import Scaffold, ScaffoldServer
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.protocol import ServerContext
 from fedskew.server.api import stack_uploads
-from fedskew.server.halves import ScaffoldServer
 
 
 def _setup(seed=0):

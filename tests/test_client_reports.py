@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import fedskew
+from fedskew.catalog.disco import DISCREPANCY, discrepancy
 from fedskew.cli import main
 from fedskew.methods import resolve_method
 from fedskew.protocol import LABEL_HIST, ClientReport, client_reports, unique_reports
 from fedskew.registry import unregister
-from fedskew.server.disco import DISCREPANCY, discrepancy
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import digits_simulation
 
+from fedskew.catalog.disco import DiscoWeights
 from fedskew.methods import resolve_method
 from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DiscoWeights
 
 
 def _run(method, args=None, rounds=2, **kw):

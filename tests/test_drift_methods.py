@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import Tiny, digits_simulation
 
-from fedskew.client.drift import FedDC, FedDyn
+from fedskew.catalog.drift import CloudCorrection, FedDC, FedDyn
+from fedskew.catalog.fedavgm import fedavgm
+from fedskew.catalog.fednova import NovaCombine, nova_coefficients, nova_normalizer
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.methods import describe_methods, resolve_method
@@ -18,13 +20,6 @@ from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
 from fedskew.server.api import stack_uploads
 from fedskew.server.combine import WeightedMean
-from fedskew.server.optimizers import (
-    CloudCorrection,
-    NovaCombine,
-    fedavgm,
-    nova_coefficients,
-    nova_normalizer,
-)
 
 TOL = 1e-9
 E1_HISTS = np.array([[10, 10, 10], [20, 0, 0], [30, 10, 10]], dtype=float)  # spec 2.7 E1

@@ -13,26 +13,7 @@ import torch
 from conftest import digits_simulation
 
 import fedskew.data.federated as fed
-from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
-from fedskew.client.loss_before import LOSS_AFTER, LOSS_BEFORE, MOMENTUM, LossAfter, LossBefore, mean_loss
-from fedskew.client.prototypes import FedProc, FedProto, curriculum_weight
-from fedskew.config import ConfigError, make_config
-from fedskew.engine.checkpoint import capture, restore
-from fedskew.engine.loop import Simulation
-from fedskew.methods import resolve_method
-from fedskew.models import build_model
-from fedskew.protocol import (
-    GLOBAL_PRESENT,
-    GLOBAL_PROTOS,
-    PROTO_COUNT,
-    PROTO_MEAN,
-    TIMING_KEYS,
-    ServerContext,
-    Upload,
-)
-from fedskew.server.api import Aggregation, stack_uploads
-from fedskew.server.combine import WeightedMean
-from fedskew.server.fairness import (
+from fedskew.catalog.fairness import (
     AflWeights,
     FedFVCombine,
     FedFVState,
@@ -41,7 +22,27 @@ from fedskew.server.fairness import (
     qffl_coefficients,
     qffl_lipschitz,
 )
-from fedskew.server.halves import PrototypeServer, aggregate_prototypes
+from fedskew.catalog.prototypes import (
+    GLOBAL_PRESENT,
+    GLOBAL_PROTOS,
+    PROTO_COUNT,
+    PROTO_MEAN,
+    FedProc,
+    FedProto,
+    PrototypeServer,
+    aggregate_prototypes,
+    curriculum_weight,
+)
+from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
+from fedskew.client.loss_before import LOSS_AFTER, LOSS_BEFORE, MOMENTUM, LossAfter, LossBefore, mean_loss
+from fedskew.config import ConfigError, make_config
+from fedskew.engine.checkpoint import capture, restore
+from fedskew.engine.loop import Simulation
+from fedskew.methods import resolve_method
+from fedskew.models import build_model
+from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.combine import WeightedMean
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 F64 = torch.float64

@@ -6,16 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.client.personal import MASK_PREFIX, CriticalMasks, critical_mask, sensitivity
-from fedskew.protocol import Upload
-from fedskew.server.api import stack_uploads
-from fedskew.server.personal import (
+from fedskew.catalog.fedcac import (
+    MASK_PREFIX,
+    CriticalMasks,
     FedCAC,
     collaboration_threshold,
     collaborators,
+    critical_mask,
     customized_mixing,
     overlap_matrix,
+    sensitivity,
 )
+from fedskew.protocol import Upload
+from fedskew.server.api import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 W0 = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float64)

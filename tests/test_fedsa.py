@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.catalog.fedsa import FedSACombine, cluster, fedsa_layer, micro_classes, modal_classes, similarity
 from fedskew.protocol import RoundInput, Upload
 from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.dispersion import coefficient_of_variation, column_stats, high_dispersion
-from fedskew.server.fedsa import FedSACombine, cluster, fedsa_layer, micro_classes, modal_classes, similarity
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 E1_X = [

@@ -91,7 +91,7 @@ def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
     )
     assert "train" not in known and "test" not in known
     if "disco" in method:
-        from fedskew.server.disco import DISCREPANCY, discrepancy
+        from fedskew.catalog.disco import DISCREPANCY, discrepancy
 
         assert set(known["reports"]) == {DISCREPANCY}
         expected = discrepancy(np.array(sim_known["train"]), None, "kl")

@@ -46,8 +46,8 @@ def _node_grid(cfg, settings, nodes):
 
 @pytest.mark.parametrize("server_test", [False, True], ids=["federated-evaluation", "server-test-file"])
 def test_node_local_data_equals_the_simulator_on_the_same_client_files(tmp_path, one_thread, server_test):
+    from fedskew.catalog.disco import DISCREPANCY, discrepancy
     from fedskew.flower.inprocess import record_differences, run_in_process
-    from fedskew.server.disco import DISCREPANCY, discrepancy
 
     given, nodes = digits_nodes(tmp_path)
     common = {"clients": 3, "rounds": 2, "seed": 5, "model": "mlp", "method": "fedavg+disco", "threads": 1}
@@ -90,9 +90,9 @@ def _record_keys(message):
 
 @pytest.mark.parametrize("method", ["fedavg", "fedavg+heal", "fedavg+disco", "fedavg+disco(report=histogram)"])
 def test_only_what_the_method_declares_leaves_a_client(tmp_path, one_thread, method):
+    from fedskew.catalog.disco import DISCREPANCY, discrepancy
     from fedskew.flower.inprocess import make_grid, run_in_process
     from fedskew.flower.node_data import cached_part
-    from fedskew.server.disco import DISCREPANCY, discrepancy
 
     method_args = {"report": "histogram"} if "histogram" in method else {}
     name = method.split("(")[0]

@@ -23,14 +23,14 @@ from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from fedskew.catalog.disco import disco_weights, discrepancy  # noqa: E402
+from fedskew.catalog.fedsa import FedSACombine  # noqa: E402
+from fedskew.catalog.heal import FaelWeights, HealMasks  # noqa: E402
 from fedskew.flower.inprocess import InProcessGrid, task_identity  # noqa: E402
 from fedskew.flower.strategies import FedDisco, FedHEAL, FedPake, FedSA, FedskewStrategy  # noqa: E402
 from fedskew.protocol import NonFiniteUploadError, ServerContext, Upload  # noqa: E402
 from fedskew.server.api import stack_uploads  # noqa: E402
 from fedskew.server.combine import WeightedMean  # noqa: E402
-from fedskew.server.disco import disco_weights, discrepancy  # noqa: E402
-from fedskew.server.fedsa import FedSACombine  # noqa: E402
-from fedskew.server.heal import FaelWeights, HealMasks  # noqa: E402
 from fedskew.server.weights import SampleWeights  # noqa: E402
 
 CLIENTS, ROUNDS = 3, 2

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.catalog.heal import FaelWeights, HealMasks, SignHistory, fael_distances, heal_aggregation
 from fedskew.protocol import ServerContext, Upload
 from fedskew.server.api import Aggregation, stack_uploads
 from fedskew.server.combine import WeightedMean
-from fedskew.server.heal import FaelWeights, HealMasks, SignHistory, fael_distances, heal_aggregation
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 TOL = 1e-5
@@ -398,7 +398,8 @@ def test_first_fael_weight_one_over_n_is_an_option():
 
 
 def test_heal_plugin_passes_uniform_over():
-    from fedskew.methods import SERVER_PLUGINS, HealParams
+    from fedskew.catalog.heal import HealParams
+    from fedskew.methods import SERVER_PLUGINS
 
     pieces = SERVER_PLUGINS["heal"].build(HealParams())
     assert pieces["weighting"].uniform_over == "participants"

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import fedskew.server.combine as combine
+from fedskew.catalog.fedamp import squared_distances
+from fedskew.catalog.heal import SignHistory, consistent, count_dtype, fael_distances, heal_aggregation
 from fedskew.protocol import RoundInput, Upload
 from fedskew.server.api import UploadStack, stack_uploads
 from fedskew.server.combine import column_blocks, weighted_mean
-from fedskew.server.heal import SignHistory, consistent, count_dtype, fael_distances, heal_aggregation
-from fedskew.server.personal import mix, squared_distances
+from fedskew.server.personal import mix
 
 
 def reference_weighted_mean(stacked, weights, mask=None, fallback=None):

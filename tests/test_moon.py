@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import digits_simulation
 
-from fedskew.client.algorithms import Moon
+from fedskew.catalog.moon import Moon
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.methods import resolve_method
 from fedskew.models import build_model, projection_width

@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_batched_clients import _same_states, _same_updates, _side_by_side
 
+from fedskew.catalog.disco import DiscoWeights
 from fedskew.engine.batched import batchable
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
 from fedskew.registry import CLIENTS, unregister
-from fedskew.server.disco import DiscoWeights
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "one_file_method.py"
 

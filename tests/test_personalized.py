@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.catalog.ditto import Ditto
+from fedskew.catalog.fedamp import FedAMP, amp_mixing, squared_distances
+from fedskew.client.kernels import PERSONAL, is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSettings, local_train, snapshot
-from fedskew.client.personal import PERSONAL, Ditto, is_head
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation, payload_bytes
@@ -17,7 +19,6 @@ from fedskew.models import build_model
 from fedskew.protocol import TIMING_KEYS, Upload
 from fedskew.runner import run_experiment
 from fedskew.server.api import stack_uploads
-from fedskew.server.personal import FedAMP, amp_mixing, squared_distances
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.client.algorithms import Scaffold
+from fedskew.catalog.scaffold import Scaffold
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated

@@ -9,12 +9,14 @@ import pytest
 import torch
 from conftest import digits_simulation
 
-from fedskew.client.algorithms import Moon
+from fedskew.catalog.fedavgm import fedavgm
+from fedskew.catalog.moon import Moon
+from fedskew.catalog.scaffold import SCAFFOLD_C, ControlState, ScaffoldServer
 from fedskew.client.local import LocalAlgorithm, Wrapper
 from fedskew.client.loss_before import LossBefore
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
-from fedskew.protocol import LABEL_HIST, SCAFFOLD_C, ServerContext, Upload
+from fedskew.protocol import LABEL_HIST, ServerContext, Upload
 from fedskew.registry import NoParams, ServerPlugin, register, unregister
 from fedskew.schema import ConfigError
 from fedskew.server.api import (
@@ -29,8 +31,7 @@ from fedskew.server.api import (
     stateless,
 )
 from fedskew.server.combine import WeightedMean
-from fedskew.server.halves import ControlState, ScaffoldServer
-from fedskew.server.optimizers import Ema, Scale, fedavgm
+from fedskew.server.optimizers import Ema, Scale
 from fedskew.server.weights import UniformWeights
 
 F64 = torch.float64

@@ -17,11 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from fedskew.client.algorithms import FedProx, Moon, Scaffold
 from fedskew.client.local import LocalAlgorithm, UploadExtras
-from fedskew.client.personal import AmpClient, CriticalMasks, Ditto, FedRep
 from fedskew.protocol import ClientReport, unique_reports
 from fedskew.registry import (
     ALIASES,
@@ -31,7 +29,6 @@ from fedskew.registry import (
     ClientPart,
     NoParams,
     ServerPlugin,
-    keep_local,
     load_entry_points,
     register_builtin,
 )
@@ -49,13 +46,7 @@ from fedskew.server.api import (
     Weighting,
 )
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DiscoParams, DiscoWeights
-from fedskew.server.fedsa import FedSACombine, FedSAParams
-from fedskew.server.halves import ScaffoldServer
-from fedskew.server.heal import FaelWeights, HealMasks, HealParams
-from fedskew.server.personal import FedAMP, FedCAC
 from fedskew.server.weights import SampleWeights, UniformWeights
-from fedskew.tuning.space import Float, Int, LogFloat
 
 
 class ServerBaseParams(StrictSettings):
@@ -65,207 +56,15 @@ class ServerBaseParams(StrictSettings):
     weights: Literal["samples", "uniform"] = "samples"
 
 
-class FedProxParams(StrictSettings):
-    mu: float = Field(0.01, ge=0)
-
-
-class MoonParams(StrictSettings):
-    mu: float = Field(1.0, ge=0)
-    tau: float = Field(0.5, gt=0)
-    # width of MOON's projection head (paper and official code: 256); 0 contrasts the body's features (FedDisco)
-    projection: int = Field(256, ge=0)
-
-
-class FedRepParams(StrictSettings):
-    head_epochs: int = Field(10, ge=1)
-
-
-class DittoParams(StrictSettings):
-    lam: float = Field(0.1, ge=0)
-    personal_epochs: int | None = Field(None, ge=1)
-
-
-class AmpClientParams(StrictSettings):
-    mu: float = Field(1e-4, ge=0)
-
-
-_CORE_CLIENTS: dict[str, ClientPart] = {
-    "fedavg": ClientPart(
-        "fedavg",
-        "plain local SGD on cross-entropy; server averages with sample-share weights (weights=uniform: 1/K)",
-        "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017",
-        NoParams,
-        lambda p: LocalAlgorithm(),
-    ),
-    "fedprox": ClientPart(
-        "fedprox",
-        "local loss + (mu/2)||w - w_global||^2 (mu=0.01)",
-        "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020",
-        FedProxParams,
-        lambda p: FedProx(mu=p.mu),
-        # MOON and FedDisco's code tune mu over {0.001, 0.01, 0.1, 1}
-        tunable={"mu": LogFloat(1e-3, 1.0)},
-    ),
-    "moon": ClientPart(
-        "moon",
-        "local loss + mu * model-contrastive loss on a projection head's output (mu=1, tau=0.5, projection=256)",
-        "Li, He, Song, Model-Contrastive Federated Learning, CVPR 2021",
-        MoonParams,
-        lambda p: Moon(mu=p.mu, tau=p.tau, projection=p.projection),
-        model_options=lambda p: {"projection": p.projection} if p.projection else {},
-        # official MOON README: mu in {0.001, 0.01, 0.1, 1, 5, 10}; tau in {0.1, 0.5, 1}; FedDisco: mu 0.01 / 0.1
-        tunable={"mu": LogFloat(1e-3, 10.0), "tau": Float(0.1, 1.0)},
-    ),
-    "scaffold": ClientPart(
-        "scaffold",
-        "control variates correct local steps (option II; control deltas averaged over all N; weights=uniform)",
-        "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
-        NoParams,
-        lambda p: Scaffold(),
-        server_half=lambda p: ScaffoldServer(),
-        weights="uniform",
-    ),
-    "fedrep": ClientPart(
-        "fedrep",
-        "local head trained first (head_epochs=10, body frozen), then the body; the head stays local (implies fedper)",
-        "Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021",
-        FedRepParams,
-        lambda p: FedRep(head_epochs=p.head_epochs),
-        implies=("fedper",),
-        tunable={"head_epochs": Int(1, 10)},  # FedRep: 10 head epochs (its paper's default)
-    ),
-    "ditto": ClientPart(
-        "ditto",
-        "personal model trained with (lam/2)||v - w||^2 to the global model (lam=0.1), then the global model "
-        "(weights=uniform)",
-        "Li, Hu, Beirami, Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021",
-        DittoParams,
-        lambda p: Ditto(lam=p.lam, personal_epochs=p.personal_epochs),
-        personalized=True,
-        weights="uniform",
-        tunable={"lam": LogFloat(1e-3, 2.0)},  # Ditto paper: lambda in {0.01, 0.1, 1, 2}; FedSA/FedPake 0.001
-    ),
-    "fedamp": ClientPart(
-        "fedamp",
-        "own model kept and trained with (mu/2)||w - u_i||^2 to its cloud model (mu=1e-4; implies amp)",
-        "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
-        AmpClientParams,
-        lambda p: AmpClient(mu=p.mu),
-        implies=("amp",),
-        personalized=True,
-        tunable={"mu": LogFloat(1e-5, 1e-2)},
-    ),
-}
-
-
-def _fedsa(p: FedSAParams) -> dict[str, Any]:
-    pieces: dict[str, Any] = {"combine": FedSACombine(**p.model_dump())}
-    if p.buffers == "local":
-        pieces["local"] = frozenset({"buffers"})
-    return pieces
-
-
-def _heal(p: HealParams) -> dict[str, Any]:
-    return {
-        "masking": HealMasks(tau=p.tau, strict=p.strict),
-        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over),
-    }
-
-
-class CacParams(StrictSettings):
-    tau: float = Field(0.5, ge=0, le=1)
-    beta: float = Field(100.0, gt=0)
-
-
-class AmpParams(StrictSettings):
-    alpha_k: float = Field(1e4, gt=0)
-    sigma: float = Field(100.0, gt=0)
-    decay_rate: float = Field(0.1, gt=0, le=1)
-    decay_every: int = Field(30, ge=1)
-
-
-_CORE_PLUGINS: dict[str, ServerPlugin] = {
-    "disco": ServerPlugin(
-        "disco",
-        "weights ReLU(n_k - a*d_k + b) from dataset size and label-distribution discrepancy (a=0.5, b=0.1, kl)",
-        "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023",
-        DiscoParams,
-        ("weighting",),
-        lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target, report=p.report)},
-        tunable={"a": Float(0.1, 1.0), "b": Float(0.0, 0.2)},  # FedDisco Fig. 4 tunes a and b around 0.5 / 0.1
-    ),
-    "fedsa": ServerPlugin(
-        "fedsa",
-        "parameter-skew-aware aggregation: CV split, Micro/Macro-Class clustering (lam=delta=0.2, C=S=4)",
-        "The Key of Parameter Skew in Federated Learning (FedSA, arXiv 2408.11278 v1; FedPake, v2)",
-        FedSAParams,
-        ("combine",),
-        _fedsa,
-        tunable={"lam": Float(0.1, 0.5), "C": Int(2, 8), "S": Int(2, 8)},  # FedPake Fig. 4: lam, C, S
-    ),
-    "heal": ServerPlugin(
-        "heal",
-        "FPHL update-consistency masks (tau=0.3) + FAEL momentum distance weights (beta=0.4)",
-        "Chen et al., Fair Federated Learning under Domain Skew with Local Consistency and Domain Diversity, CVPR 2024",
-        HealParams,
-        ("masking", "weighting"),
-        _heal,
-        tunable={"tau": Float(0.1, 0.6), "beta": Float(0.1, 0.9)},  # FedHEAL Table 4 / Fig. 6
-    ),
-    "local": ServerPlugin(
-        "local",
-        "no collaboration: every state-dict entry stays on its client (the FedCAC paper's 'Separate')",
-        "local training only (baseline in FedCAC, Wu et al., NeurIPS 2023)",
-        NoParams,
-        (),
-        keep_local("all"),
-    ),
-    "fedper": ServerPlugin(
-        "fedper",
-        "the classifier head stays on each client; the body is averaged",
-        "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818",
-        NoParams,
-        (),
-        keep_local("head"),
-    ),
-    "fedbn": ServerPlugin(
-        "fedbn",
-        "BatchNorm layers (affine and running statistics) stay on each client; the rest is averaged",
-        "Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, ICLR 2021",
-        NoParams,
-        (),
-        keep_local("norm"),
-    ),
-    "fedcac": ServerPlugin(
-        "fedcac",
-        "critical-parameter masks (tau=0.5) + time-varying collaborators (beta=100): one model per client",
-        "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through "
-        "Cautiously Aggressive Collaboration, NeurIPS 2023",
-        CacParams,
-        ("personalize",),
-        lambda p: {
-            "personalize": lambda w: FedCAC(weighting=w, beta=p.beta),
-            "upload_extras": CriticalMasks(tau=p.tau),
-        },
-        tunable={"tau": Float(0.1, 0.9), "beta": LogFloat(10.0, 300.0)},  # FedCAC Figs. 5 and 6
-    ),
-    "amp": ServerPlugin(
-        "amp",
-        "FedAMP's attentive message passing: cloud model per client (alpha_k=1e4, sigma=100, decay 0.1/30 rounds)",
-        "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021",
-        AmpParams,
-        ("personalize",),
-        lambda p: {"personalize": lambda w: FedAMP(weighting=w, **p.model_dump())},
-    ),
-}
-
-
 def _register_builtins() -> None:
+    """Register the built-in parts (one module each, :mod:`fedskew.catalog`): every module's client parts in the
+    catalog's order, then every module's server plug-ins and aliases (so ``fedskew methods`` lists them so)."""
     from fedskew.catalog import CATALOGS
 
-    register_builtin(_CORE_CLIENTS, _CORE_PLUGINS, {"fedpake": "fedsa", "separate": "local"})
     for module in CATALOGS:
-        register_builtin(module.CLIENTS, module.SERVER_PLUGINS, getattr(module, "ALIASES", None))
+        register_builtin(module.CLIENTS)
+    for module in CATALOGS:
+        register_builtin(None, module.SERVER_PLUGINS, getattr(module, "ALIASES", None))
 
 
 _register_builtins()

@@ -11,10 +11,11 @@ imports neither side, so ``fedskew.client`` never imports ``fedskew.server`` nor
 * :class:`ServerContext`: what the server knows before the first round;
 * :class:`RoundInput`: one round's valid uploads stacked along a leading client axis, as every server piece reads them;
 * :class:`Rejection`, :class:`UploadError`: an upload the server refuses, and why;
-* the names both sides spell the same way, defined once here: the metrics an upload reports (:data:`TRAIN_LOSS`,
-  :data:`STEPS`, :data:`LOSS_BEFORE`, ...), the extra tensors a client part uploads and the tensors its server half
-  broadcasts (:data:`MASK_PREFIX`, FedCAC's masks; :data:`SCAFFOLD_C`, ...), and the timing fields of a round's
-  record (:data:`TIMING_KEYS`);
+* the generic names both sides spell the same way: the metrics every upload reports (:data:`TRAIN_LOSS`,
+  :data:`STEPS`) and the timing fields of a round's record (:data:`TIMING_KEYS`). The tensors a method's client part
+  uploads and its server half broadcasts are named in the method's own module (SCAFFOLD's ``SCAFFOLD_C`` in
+  :mod:`fedskew.catalog.scaffold`, FedCAC's ``MASK_PREFIX`` in :mod:`fedskew.catalog.fedcac`, ...), and a wrapper's
+  metrics in the wrapper's (``LOSS_BEFORE`` in :mod:`fedskew.client.loss_before`): this module knows no method;
 * :class:`ClientScores`: one evaluation view's per-client sums, as the engine computes them and the results store
   records them (so ``fedskew.results`` never imports the engine).
 """
@@ -33,26 +34,9 @@ TIMING_KEYS = ("time_train", "time_aggregate", "time_eval", "time_probe", "time_
 # ---- metrics an upload reports (Upload.metrics; RoundInput.metrics on the server, [K] float64 each) ----------------
 TRAIN_LOSS = "train_loss"  # every client: the sample-weighted mean loss of its local steps
 STEPS = "steps"  # every client: its local optimizer steps (FedNova's tau_k, q-FFL's step count)
-LOSS_BEFORE = "loss_before"  # AFL, q-FFL, FedFV: the received model's mean loss on the training data
-LOSS_AFTER = "loss_after"  # AFL loss=after: the trained model's mean loss on the client's validation split
-LEARNING_RATE = "lr"  # q-FFL: the client's local learning rate
-MOMENTUM = "momentum"  # q-FFL: the client's local SGD momentum
 
 # ---- tensors a client part and its server side exchange (upload extras; broadcast with the model) -----------------
 # a trailing "/" marks a prefix: one tensor per trainable state-dict entry n, named PREFIX + n
-MASK_PREFIX = "cac_mask/"  # upload, FedCAC: the critical mask of tensor n
-SCAFFOLD_C = "scaffold_c/"  # broadcast, SCAFFOLD: the global control variate c
-SCAFFOLD_DELTA = "scaffold_dc/"  # upload, SCAFFOLD: the client's control delta c_i+ - c_i
-FEDDYN_MEAN_SAMPLES = "feddyn/mean_samples"  # broadcast, FedDyn: the mean training-set size over all clients
-FEDDC_MEAN_SAMPLES = "feddc/mean_samples"  # broadcast, FedDC: the same, for its size weights
-FEDDC_C = "feddc_c/"  # broadcast, FedDC: the global control variate c
-FEDDC_DELTA = "feddc_dc/"  # upload, FedDC: the client's control delta
-FEDGEN_GENERATOR = "fedgen/"  # broadcast, FedGen: the generator's state-dict entries
-FEDGEN_LABELS = "fedgen_label_shares"  # broadcast, FedGen: [C] each class's share of all clients' training labels
-PROTO_MEAN = "proto/mean"  # upload, FedProto/FedProc: [C, D] the client's mean feature per class (0 where none)
-PROTO_COUNT = "proto/count"  # upload, FedProto/FedProc: [C] the number of features behind each mean
-GLOBAL_PROTOS = "proto/global"  # broadcast, FedProto/FedProc: [C, D] the global prototypes
-GLOBAL_PRESENT = "proto/present"  # broadcast, FedProto/FedProc: [C] bool, which classes have a global prototype
 
 Params = dict[str, Tensor]
 State = Any

@@ -40,6 +40,12 @@ ENTRY_POINT_GROUP = "fedskew.methods"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
+# the ClientPart.excludes entry of a client part that needs a global model: ``local`` keeps every entry on the clients
+NO_GLOBAL_MODEL = (
+    "local",
+    "'local' keeps every entry on the clients (no collaboration), so there is no global model for this method to use",
+)
+
 
 class NoParams(StrictSettings):
     """A part without hyper-parameters."""

@@ -1,14 +1,60 @@
-"""Built-in method parts beyond the core set, one module per family of papers.
+"""The built-in methods, one module each: a method's hyper-parameter schema, client part (with its batched form),
+server half and pieces, the tensors it exchanges and its registration live in one file, which reads like its paper's
+algorithm box. A family that shares its server half keeps its members together (FedProto and FedProc; FedDyn, FedDC
+and their cloud step; AFL, q-FFL and FedFV).
 
 Each module defines ``CLIENTS`` (name -> :class:`fedskew.registry.ClientPart`) and ``SERVER_PLUGINS``
 (name -> :class:`fedskew.registry.ServerPlugin`), and optionally ``ALIASES``; :mod:`fedskew.methods` registers them
-with the core parts. A module never imports :mod:`fedskew.methods`.
-
-* :mod:`~fedskew.catalog.drift`: hosts and server optimizers of the FedDisco paper (FedDyn, FedDC, FedNova, FedAvgM);
-* :mod:`~fedskew.catalog.baselines`: the FedSA/FedPake paper's baselines (FedNTD, FedGen, FedBABU, FedALA);
-* :mod:`~fedskew.catalog.fairness`: the FedHEAL paper's comparisons (FedProto, FedProc, AFL, q-FFL, FedFV).
+in the order of :data:`CATALOGS`. A module imports the generic machinery only (``fedskew.client.local``,
+``fedskew.client.batched_form``, ``fedskew.client.kernels``, ``fedskew.server.api`` and the shared combines), never
+:mod:`fedskew.methods` nor another method's module. Adding a method is adding a module here and its name to
+:data:`CATALOGS` (or, outside fedskew, ``fedskew.register`` / an entry point: docs/extending.md).
 """
 
-from fedskew.catalog import baselines, drift, fairness
+from fedskew.catalog import (
+    disco,
+    ditto,
+    drift,
+    fairness,
+    fedala,
+    fedamp,
+    fedavg,
+    fedavgm,
+    fedbabu,
+    fedcac,
+    fedgen,
+    fednova,
+    fedntd,
+    fedprox,
+    fedrep,
+    fedsa,
+    heal,
+    keep_local,
+    moon,
+    prototypes,
+    scaffold,
+)
 
-CATALOGS = (drift, baselines, fairness)
+CATALOGS = (
+    fedavg,
+    fedprox,
+    moon,
+    scaffold,
+    fedrep,
+    ditto,
+    disco,
+    fedsa,
+    heal,
+    keep_local,
+    fedcac,
+    fedamp,
+    fedavgm,
+    fednova,
+    drift,
+    fedntd,
+    fedgen,
+    fedbabu,
+    fedala,
+    prototypes,
+    fairness,
+)

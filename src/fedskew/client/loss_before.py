@@ -12,7 +12,7 @@ is loaded, training has not started), the metrics
 * ``lr``: the client's learning rate (q-FFL's Lipschitz estimate ``L = 1/lr``, computed on the clients in the
   reference code), and
 * ``momentum``: the client's SGD momentum (with ``lr`` and the ``steps`` every client reports, q-FFL's default
-  estimate ``L_k = (1 − β)²/(lr · τ_k²)``, :func:`fedskew.server.fairness.qffl_lipschitz`),
+  estimate ``L_k = (1 − β)²/(lr · τ_k²)``, :func:`fedskew.catalog.fairness.qffl_lipschitz`),
 
 which reach the server as ``RoundInput.metrics['loss_before']`` / ``['lr']`` / ``['momentum']``. The pass is
 deterministic (the whole training set, no sampling), so it draws nothing from the client's generator.
@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.local import LocalAlgorithm, LocalContext, Wrapper
-from fedskew.protocol import LEARNING_RATE, LOSS_AFTER, LOSS_BEFORE, MOMENTUM, Params
+from fedskew.protocol import Params
+
+# the metrics the wrappers add to the upload (RoundInput.metrics on the server, [K] float64 each)
+LOSS_BEFORE = "loss_before"  # the received model's mean loss on the training data (AFL, q-FFL, FedFV)
+LOSS_AFTER = "loss_after"  # the trained model's mean loss on the client's validation split (AFL loss=after)
+LEARNING_RATE = "lr"  # the client's local learning rate (q-FFL)
+MOMENTUM = "momentum"  # the client's local SGD momentum (q-FFL)
 
 EVAL_BATCH = 1024  # samples per forward pass of the loss computation (no effect on the value beyond float rounding)
 

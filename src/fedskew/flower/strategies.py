@@ -7,8 +7,8 @@ config under ``configrecord_key`` (``"config"``), and every train reply carries 
 evaluation, metric averaging and ``start`` are Flower's; only ``aggregate_train`` changes: the replies are checked
 with fedskew's :func:`~fedskew.server.api.check_upload`, stacked into a :class:`~fedskew.protocol.RoundInput`
 (``[K, ...]`` tensors, :func:`~fedskew.server.api.stack_uploads`) and aggregated by fedskew's own pieces
-(:class:`~fedskew.server.disco.DiscoWeights` / :func:`~fedskew.server.disco.disco_weights`,
-:func:`~fedskew.server.heal.heal_aggregation`, :class:`~fedskew.server.fedsa.FedSACombine`), their state kept in the
+(:class:`~fedskew.catalog.disco.DiscoWeights` / :func:`~fedskew.catalog.disco.disco_weights`,
+:func:`~fedskew.catalog.heal.heal_aggregation`, :class:`~fedskew.catalog.fedsa.FedSACombine`), their state kept in the
 strategy across rounds. Nothing is re-implemented. A Flower quickstart ServerApp swaps ``FedAvg`` for one of them::
 
     from flwr.app import ArrayRecord, ConfigRecord, Context
@@ -50,6 +50,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import Tensor
 
+from fedskew.catalog.disco import DISCO, DISCREPANCY, DiscoWeights
+from fedskew.catalog.fedsa import FEDSA, FedSACombine
+from fedskew.catalog.heal import HEAL, heal_aggregation
 from fedskew.flower.codec import from_record, to_record
 from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
 from fedskew.server.api import (
@@ -63,9 +66,6 @@ from fedskew.server.api import (
     stack_uploads,
 )
 from fedskew.server.combine import WeightedMean
-from fedskew.server.disco import DISCO, DISCREPANCY, DiscoWeights
-from fedskew.server.fedsa import FEDSA, FedSACombine
-from fedskew.server.heal import HEAL, heal_aggregation
 from fedskew.server.weights import SampleWeights
 
 log = logging.getLogger("flwr.fedskew")
@@ -321,7 +321,7 @@ class FedDisco(FedskewStrategy):
     """FedDisco (Ye et al., ICML 2023): weights ``ReLU(n_k - a·d_k + b)`` normalized, then the weighted mean.
 
     ``a``, ``b``, ``metric`` (``kl``, ``l1``, ``l2``, ``cosine``, ``only_iid``), ``target`` (``None``: uniform) are
-    fedskew's (:class:`~fedskew.server.disco.DiscoWeights`). Each train reply's MetricRecord must carry
+    fedskew's (:class:`~fedskew.catalog.disco.DiscoWeights`). Each train reply's MetricRecord must carry
     ``label_counts_key`` (list of training label counts; used when present) or ``discrepancy_key`` (scalar d_k
     computed on the client with the same metric and target). Other keyword arguments: :class:`FedskewStrategy`'s.
     """
@@ -369,7 +369,7 @@ class FedHEAL(FedskewStrategy):
     """FedHEAL (Chen et al., CVPR 2024): FPHL consistency masks + FAEL momentum weights, masked weighted mean.
 
     ``tau``, ``beta``, ``strict``, ``distance``, ``fael_init``, ``uniform_over`` are fedskew's
-    (:func:`~fedskew.server.heal.heal_aggregation`); the per-client sign tables and FAEL momenta are kept in the
+    (:func:`~fedskew.catalog.heal.heal_aggregation`); the per-client sign tables and FAEL momenta are kept in the
     strategy across rounds. ``fael_init='datasize'`` is refused: it needs every client's training-set size before the
     first round. The clients send what the quickstart sends. Other keyword arguments: :class:`FedskewStrategy`'s.
     """
@@ -402,7 +402,7 @@ class FedSA(FedskewStrategy):
     """FedSA / FedPake (arXiv 2408.11278): parameter-skew-aware aggregation of every trainable array.
 
     ``lam``, ``delta``, ``C``, ``S``, ``micro_norm``, ``alpha_norm``, ``low_weighting``, ``buffers``, ``cv_norm`` are
-    fedskew's (:class:`~fedskew.server.fedsa.FedSACombine`); client weights are sample shares (used only with
+    fedskew's (:class:`~fedskew.catalog.fedsa.FedSACombine`); client weights are sample shares (used only with
     ``low_weighting='samples'``). ``buffers='local'`` returns the broadcast buffers: your ClientApp must then keep its
     own. The clients send what the quickstart sends. Other keyword arguments: :class:`FedskewStrategy`'s.
     """

@@ -1,7 +1,7 @@
 """Dispersion statistics of stacked client uploads: per position, over the client axis, the mean, the population
 variance, the skewness, the coefficient of variation and the high-dispersion region it marks.
 
-These are the statistics of FedSA/FedPake's parameter division (:mod:`fedskew.server.fedsa`, steps 1 and 2 of its
+These are the statistics of FedSA/FedPake's parameter division (:mod:`fedskew.catalog.fedsa`, steps 1 and 2 of its
 box; spec 1.3 and 1.5 A1, A2, section 7), which the engine's parameter-skew probe (:mod:`fedskew.engine.probe`)
 also records for every method: pure functions over a ``K x M`` matrix, in float64, block by block of columns.
 """

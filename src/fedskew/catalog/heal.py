@@ -35,7 +35,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,10 +43,12 @@ from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext
+from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import Aggregation, Masking, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
+from fedskew.tuning.space import Float
 
 DISTANCES = ("l2_per_tensor", "squared")
 FAEL_INITS = ("uniform", "datasize")
@@ -313,3 +315,25 @@ def heal_aggregation(
         combine=WeightedMean(),
         masking=HealMasks(tau=tau, strict=strict),
     )
+
+
+# ---- registration ----------------------------------------------------------------------------------------------------
+def _heal(p: HealParams) -> dict[str, Any]:
+    return {
+        "masking": HealMasks(tau=p.tau, strict=p.strict),
+        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over),
+    }
+
+
+CLIENTS: dict[str, ClientPart] = {}
+SERVER_PLUGINS: dict[str, ServerPlugin] = {
+    "heal": ServerPlugin(
+        "heal",
+        "FPHL update-consistency masks (tau=0.3) + FAEL momentum distance weights (beta=0.4)",
+        "Chen et al., Fair Federated Learning under Domain Skew with Local Consistency and Domain Diversity, CVPR 2024",
+        HealParams,
+        ("masking", "weighting"),
+        _heal,
+        tunable={"tau": Float(0.1, 0.6), "beta": Float(0.1, 0.9)},  # FedHEAL Table 4 / Fig. 6
+    ),
+}

@@ -7,7 +7,7 @@ methods work the same way around the one training loop:
   (no extra pass: the ``loss`` hook sees the features anyway), and uploads them with the model as extras:
   :data:`PROTO_MEAN` (``[C, D]``, zeros for a class it has no sample of) and :data:`PROTO_COUNT` (``[C]``, samples
   behind each mean, so that the server can tell a missing class from a zero feature);
-* the client part's server half (:class:`fedskew.server.halves.PrototypeServer`) averages them per class over the
+* the client part's server half (:class:`PrototypeServer`) averages them per class over the
   clients that hold the class and broadcasts the result (:data:`GLOBAL_PROTOS`, :data:`GLOBAL_PRESENT`); the model
   itself is aggregated by whatever server step the method
   has (FedAvg's mean, HEAL's masks and FAEL weights, AFL's weights, ...), so ``fedproto+heal`` is HEAL on the model
@@ -24,14 +24,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.protocol import GLOBAL_PRESENT, GLOBAL_PROTOS, PROTO_COUNT, PROTO_MEAN, Params
+from fedskew.protocol import Params, RoundInput, ServerContext
+from fedskew.registry import ClientPart, ServerPlugin
+from fedskew.schema import StrictSettings
+from fedskew.server.api import ServerHalf
+from fedskew.tuning.space import Float, LogFloat
+
+# the tensors the two halves exchange
+PROTO_MEAN = "proto/mean"  # upload: [C, D] the client's mean feature per class (0 where none)
+PROTO_COUNT = "proto/count"  # upload: [C] the number of features behind each mean
+GLOBAL_PROTOS = "proto/global"  # broadcast: [C, D] the global prototypes
+GLOBAL_PRESENT = "proto/present"  # broadcast: [C] bool, which classes have a global prototype
 
 EVAL_VIEW = "proto"  # the evaluation view's record prefix: proto_acc, proto_loss, proto_domain_acc_avg, ...
 
@@ -282,3 +294,90 @@ class FedProc(PrototypeLearning):
         sims = F.cosine_similarity(features.float().unsqueeze(1), protos.float().unsqueeze(0), dim=2)
         pred = sims.masked_fill(~present.unsqueeze(0), -math.inf).argmax(1)
         return pred, prototypical_contrastive(features.float(), y, protos.float(), present, self.temperature)
+
+
+# ---- server half -----------------------------------------------------------------------------------------------------
+Average = Literal["clients", "samples"]
+
+
+def aggregate_prototypes(means: Tensor, counts: Tensor, average: Average = "clients") -> tuple[Tensor, Tensor]:
+    """Global prototypes from the clients' per-class means (``[K, C, D]``) and counts (``[K, C]``).
+
+    ``average='clients'`` (both reference codes): the plain mean, per class, over the clients that have the class;
+    ``'samples'``: weighted by each client's count of the class. A client without a class (count 0) never enters
+    that class's average. Returns ``(protos [C, D] float64, present [C] bool)``; a class no client has is 0 and
+    not present."""
+    counts = counts.to(torch.float64)
+    w = (counts > 0).to(torch.float64) if average == "clients" else counts
+    total = w.sum(0)
+    present = total > 0
+    sums = torch.einsum("kc,kcd->cd", w, means.to(torch.float64))
+    protos = sums / torch.where(present, total, torch.ones_like(total)).unsqueeze(1)
+    return protos, present
+
+
+class PrototypeState(NamedTuple):
+    protos: Tensor | None  # [C, D] float32 global prototypes (None until the first uploads give the width)
+    present: Tensor  # [C] bool: classes that have a global prototype
+
+
+@dataclass(frozen=True)
+class PrototypeServer(ServerHalf):
+    """FedProto's and FedProc's server half (:mod:`fedskew.catalog.prototypes`): the per-class average of the
+    uploaded prototypes (:func:`aggregate_prototypes`), broadcast once there is one. A class none of this round's
+    participants has keeps its previous prototype (under full participation no class is ever in that case)."""
+
+    average: Average = "clients"
+
+    def init(self, ctx: ServerContext) -> PrototypeState:
+        # the feature width is learned from the first uploads; until then nothing is broadcast
+        return PrototypeState(None, torch.zeros(ctx.num_classes, dtype=torch.bool))
+
+    def broadcast(self, state: PrototypeState) -> Params:
+        if state.protos is None:
+            return {}
+        return {GLOBAL_PROTOS: state.protos, GLOBAL_PRESENT: state.present}
+
+    def advance(self, rin: RoundInput, state: PrototypeState) -> PrototypeState:
+        protos, present = aggregate_prototypes(rin.extras[PROTO_MEAN], rin.extras[PROTO_COUNT], self.average)
+        protos = protos.to(torch.float32).cpu()
+        present = present.cpu()
+        if state.protos is not None:
+            protos = torch.where(present.unsqueeze(1), protos, state.protos)
+        return PrototypeState(protos, present | state.present)
+
+
+# ---- registration ----------------------------------------------------------------------------------------------------
+class FedProtoParams(StrictSettings):
+    lam: float = Field(1.0, ge=0)  # weight of the prototype distance (official code --ld; MarsFL uses 2)
+    average: Literal["clients", "samples"] = "clients"  # per-class server average (reference: over clients)
+
+
+class FedProcParams(StrictSettings):
+    curriculum_rounds: int | None = Field(None, ge=1)  # T of alpha = 1 - (t-1)/(T-1); None: the run's rounds (MarsFL)
+    temperature: float = Field(1.0, gt=0)  # of the cosine similarities (MarsFL: none, i.e. 1)
+    average: Literal["clients", "samples"] = "clients"
+
+
+CLIENTS: dict[str, ClientPart] = {
+    "fedproto": ClientPart(
+        "fedproto",
+        "CE + lam * MSE(feature, global class prototype) (lam=1); prototypes averaged per class; proto_acc view",
+        "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022",
+        FedProtoParams,
+        lambda p: FedProto(lam=p.lam),
+        server_half=lambda p: PrototypeServer(average=p.average),
+        tunable={"lam": LogFloat(0.1, 10.0)},  # official code --ld 1, MarsFL 2
+    ),
+    "fedproc": ClientPart(
+        "fedproc",
+        "alpha * prototypical contrastive loss + (1 - alpha) * CE, alpha = 1 - (t-1)/(T-1) (T = the run's rounds)",
+        "Mu et al., FedProc: Prototypical Contrastive Federated Learning on Non-IID Data, FGCS 2023 (arXiv 2109.12273)",
+        FedProcParams,
+        lambda p: FedProc(curriculum_rounds=p.curriculum_rounds, temperature=p.temperature),
+        server_half=lambda p: PrototypeServer(average=p.average),
+        tunable={"temperature": Float(0.1, 1.0)},
+    ),
+}
+
+SERVER_PLUGINS: dict[str, ServerPlugin] = {}

@@ -1,7 +1,8 @@
-"""Client-side algorithms that change the local objective or exchange extra state.
+"""MOON (Li, He, Song, CVPR 2021), whole: model-contrastive federated learning.
 
-Each is a handful of hooks on :class:`fedskew.client.local.LocalAlgorithm`; the training loop is never copied, and
-any of them composes with any server aggregation (``fedprox+disco``, ``scaffold+heal``, ``moon+fedsa``).
+Client k's loss is the cross-entropy plus ``mu`` times a contrastive term on the body's output ``z``: the positive pair
+is (z, the received global model's ``z``), the negative (z, this client's previous local model's ``z``), cosine
+similarities over ``tau``. The server averages as FedAvg (any plug-in composes: ``moon+fedsa``, ``moon+heal``).
 """
 
 from __future__ import annotations
@@ -13,39 +14,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn, Shift
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import projection_width
-from fedskew.protocol import SCAFFOLD_C, SCAFFOLD_DELTA, Params
-
-
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
-def proximal(ctx: LocalContext, anchor: Params, mu: float) -> Tensor:
-    """``(mu/2)·Σ‖w − anchor‖²`` over the parameters ``ctx.model`` trains now (FedProx, Ditto, FedAMP)."""
-    return 0.5 * mu * torch.stack([((p - anchor[n]) ** 2).sum() for n, p in _trainable(ctx.model)]).sum()
-
-
-@dataclass
-class FedProx(LocalAlgorithm):
-    """FedProx (Li et al., MLSys 2020): cross-entropy + (mu/2)·||w − w_global||² over trainable parameters.
-
-    Default mu = 0.01 (FedDisco's code default; FedSA/FedPake use 0.001, FedDisco's scripts 0.1).
-    mu = 0 is exactly plain local SGD.
-    """
-
-    mu: float = 0.01
-
-    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
-        ce = F.cross_entropy(logits, y)
-        return ce if self.mu == 0 else ce + proximal(ctx, ctx.received, self.mu)
-
-    def batched_step(self) -> BatchedStep:
-        return BatchedStep(prox_mu=lambda phase: float(self.mu))
+from fedskew.protocol import Params
+from fedskew.registry import ClientPart, ServerPlugin
+from fedskew.schema import StrictSettings
+from fedskew.tuning.space import Float, LogFloat
 
 
 @dataclass
@@ -150,59 +128,24 @@ class MoonRound:
     contrast: bool
 
 
-@dataclass
-class Scaffold(LocalAlgorithm):
-    """SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates, global learning rate 1.
-
-    Client: after each optimizer step the parameters are shifted by ``−lr·(c − c_i)`` (FedDisco's code); afterwards
-    ``c_i⁺ = c_i − c + (w_global − w_local)/(steps · lr)``, upload ``Δc_i = c_i⁺ − c_i``. Server half
-    (:class:`fedskew.server.halves.ScaffoldServer`): ``c ← c + (1/N) Σ_{participants} Δc_i`` (N = all clients, as in
-    FedDisco's code); the model itself is combined by whatever server aggregation the method uses.
-
-    Why a shift after the step and not a gradient term: with plain SGD the two are identical. With momentum β a
-    gradient term goes through the momentum buffer and moves the model by about ``lr·(c − c_i)/(1 − β)`` per step,
-    and the option-II estimate then returns that amplified correction into ``c_i⁺`` (a feedback of gain about
-    ``β/(1 − β)``: 9 at β = 0.9, which diverges). With the shift, ``K`` steps move the model by
-    ``lr·Σ_t d_t + K·lr·(c − c_i)``, where ``d_t`` is the optimizer's direction at step t (the momentum buffer of the
-    raw gradients, weight decay included; ``d_t = g_t`` for plain SGD), so the estimate is
-    ``c_i⁺ = (1/K) Σ_t d_t``: the client's mean update direction, which contains no correction (no feedback). With
-    momentum it is about ``ḡ/(1 − β)``, the same units in which the optimizer moves the model by the gradient, so
-    ``lr·(c − c_i)`` keeps replacing the client's mean drift by the federation's, as SCAFFOLD intends.
-    """
-
-    def begin(self, ctx: LocalContext) -> None:
-        names = [n for n, _ in _trainable(ctx.model)]
-        c_i = ctx.client_state.get("scaffold_ci") or {n: torch.zeros_like(ctx.received[n]) for n in names}
-        ctx.client_state["scaffold_ci"] = c_i
-        c = {n: ctx.broadcast.get(f"{SCAFFOLD_C}{n}", torch.zeros_like(ctx.received[n])) for n in names}
-        params = [p for _, p in _trainable(ctx.model)]
-        ctx.prepared = ScaffoldRound(params, [c[n] - c_i[n] for n in names], -ctx.settings.lr, c)
-
-    def after_step(self, ctx: LocalContext) -> None:
-        prep = ctx.prep(ScaffoldRound)
-        torch._foreach_add_(prep.params, prep.correction, alpha=prep.scale)
-
-    def end(self, ctx: LocalContext) -> Params:
-        c, c_i = ctx.prep(ScaffoldRound).c, ctx.client_state["scaffold_ci"]
-        scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
-        extras, new_ci = {}, {}
-        for n, p in _trainable(ctx.model):
-            new_ci[n] = c_i[n] - c[n] + (ctx.received[n] - p.detach()) * scale
-            extras[f"{SCAFFOLD_DELTA}{n}"] = new_ci[n] - c_i[n]
-        ctx.client_state["scaffold_ci"] = new_ci
-        return extras
-
-    def batched_step(self) -> BatchedStep:
-        # the shift after every step, as begin prepared it: w += −lr·(c − c_i)
-        return BatchedStep(shift=lambda ctx: Shift(ctx.prep(ScaffoldRound).correction, ctx.prep(ScaffoldRound).scale))
+# ---- registration ----------------------------------------------------------------------------------------------------
+class MoonParams(StrictSettings):
+    mu: float = Field(1.0, ge=0)
+    tau: float = Field(0.5, gt=0)
+    # width of MOON's projection head (paper and official code: 256); 0 contrasts the body's features (FedDisco)
+    projection: int = Field(256, ge=0)
 
 
-@dataclass
-class ScaffoldRound:
-    """What :meth:`Scaffold.begin` prepares: the trained parameters, ``c − c_i`` per parameter, the shift's scale
-    (``−lr``) and the received ``c``."""
-
-    params: list[Tensor]
-    correction: list[Tensor]
-    scale: float
-    c: Params
+CLIENTS: dict[str, ClientPart] = {
+    "moon": ClientPart(
+        "moon",
+        "local loss + mu * model-contrastive loss on a projection head's output (mu=1, tau=0.5, projection=256)",
+        "Li, He, Song, Model-Contrastive Federated Learning, CVPR 2021",
+        MoonParams,
+        lambda p: Moon(mu=p.mu, tau=p.tau, projection=p.projection),
+        model_options=lambda p: {"projection": p.projection} if p.projection else {},
+        # official MOON README: mu in {0.001, 0.01, 0.1, 1, 5, 10}; tau in {0.1, 0.5, 1}; FedDisco: mu 0.01 / 0.1
+        tunable={"mu": LogFloat(1e-3, 10.0), "tau": Float(0.1, 1.0)},
+    ),
+}
+SERVER_PLUGINS: dict[str, ServerPlugin] = {}

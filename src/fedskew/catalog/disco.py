@@ -31,8 +31,10 @@ from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
+from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import Weighting
+from fedskew.tuning.space import Float
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9
@@ -250,3 +252,18 @@ class DiscoWeights(Weighting):
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return torch.as_tensor(self.terms(rin).weights, dtype=torch.float64), state
+
+
+# ---- registration ----------------------------------------------------------------------------------------------------
+CLIENTS: dict[str, ClientPart] = {}
+SERVER_PLUGINS: dict[str, ServerPlugin] = {
+    "disco": ServerPlugin(
+        "disco",
+        "weights ReLU(n_k - a*d_k + b) from dataset size and label-distribution discrepancy (a=0.5, b=0.1, kl)",
+        "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023",
+        DiscoParams,
+        ("weighting",),
+        lambda p: {"weighting": DiscoWeights(a=p.a, b=p.b, metric=p.metric, target=p.target, report=p.report)},
+        tunable={"a": Float(0.1, 1.0), "b": Float(0.0, 0.2)},  # FedDisco Fig. 4 tunes a and b around 0.5 / 0.1
+    ),
+}

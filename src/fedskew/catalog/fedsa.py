@@ -1,4 +1,4 @@
-"""FedSA / FedPake server step: parameter-skew-aware aggregation ("The Key of Parameter Skew in Federated
+"""FedSA / FedPake, whole: parameter-skew-aware aggregation ("The Key of Parameter Skew in Federated
 Learning", arXiv 2408.11278 v1 = FedSA, v2 = FedPake; spec section 1).
 
 FedPake replaces the server's weighted average, independently for every trainable parameter tensor (a
@@ -58,9 +58,11 @@ from pydantic import Field
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, State
+from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import Combine, Composition, Diagnostics, refuse_masks
 from fedskew.server.dispersion import CV_NORMS, EPS, column_stats, cv_of, high_dispersion
+from fedskew.tuning.space import Float, Int
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")
 ALPHA_NORMS = ("per_position", "literal")
@@ -434,3 +436,26 @@ class FedSACombine(Combine):
             "fedsa_skew": float(skew_sum / total_m) if total_m else 0.0,
         }
         return out, diagnostics, state
+
+
+# ---- registration ----------------------------------------------------------------------------------------------------
+def _fedsa(p: FedSAParams) -> dict[str, Any]:
+    pieces: dict[str, Any] = {"combine": FedSACombine(**p.model_dump())}
+    if p.buffers == "local":  # the engine keeps each client's buffers (step 3 of the combine's docstring)
+        pieces["local"] = frozenset({"buffers"})
+    return pieces
+
+
+CLIENTS: dict[str, ClientPart] = {}
+SERVER_PLUGINS: dict[str, ServerPlugin] = {
+    "fedsa": ServerPlugin(
+        "fedsa",
+        "parameter-skew-aware aggregation: CV split, Micro/Macro-Class clustering (lam=delta=0.2, C=S=4)",
+        "The Key of Parameter Skew in Federated Learning (FedSA, arXiv 2408.11278 v1; FedPake, v2)",
+        FedSAParams,
+        ("combine",),
+        _fedsa,
+        tunable={"lam": Float(0.1, 0.5), "C": Int(2, 8), "S": Int(2, 8)},  # FedPake Fig. 4: lam, C, S
+    ),
+}
+ALIASES = {"fedpake": "fedsa"}
