@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sweep_scaling import metrics_of, one
 
-from fedskew.sweep import SweepSpec
+from fedskew.sweep.core import SweepSpec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from fedskew.protocol import TIMING_KEYS
-from fedskew.sweep import SweepSpec, expand, run_sweep
+from fedskew.sweep.core import SweepSpec, expand, run_sweep
 
 
 def metrics_of(root: Path) -> dict[str, list[dict]]:
@@ -40,7 +40,7 @@ def one(kind: str, spec: SweepSpec, root: Path, address: str | None = None) -> t
     if kind.startswith("jobs"):  # jobsN: the local pool with N processes
         jobs = int(kind.removeprefix("jobs"))
     elif kind == "ray":
-        from fedskew.ray_executor import RayExecutor, check_ray
+        from fedskew.sweep.ray import RayExecutor, check_ray
 
         check_ray()
         executor = RayExecutor(address=address, jobs=2)

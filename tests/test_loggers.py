@@ -140,7 +140,7 @@ def test_a_sweeps_runs_share_one_mlflow_experiment(tmp_path):
     pytest.importorskip("mlflow", reason="the mlflow extra (pip install 'fedskew[mlflow]')")
     from mlflow.tracking import MlflowClient
 
-    from fedskew.sweep import SweepSpec, expand, run_sweep, with_log
+    from fedskew.sweep.core import SweepSpec, expand, run_sweep, with_log
 
     spec = SweepSpec(
         name="tiny", base={k: v for k, v in TINY.items() if k != "method"}, seeds=2, out=str(tmp_path / "sw")

@@ -14,7 +14,7 @@ from fedskew.reproduce import SCALES, load_paper, make_plan, paper_names
 from fedskew.reproduce.papers import parse_value
 from fedskew.reproduce.plan import method_status
 from fedskew.reproduce.table import build_tables
-from fedskew.sweep import expand, load_spec
+from fedskew.sweep.core import expand, load_spec
 
 
 def test_paper_numbers_are_data_with_their_sources():

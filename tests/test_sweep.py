@@ -14,7 +14,7 @@ from fedskew.config import ConfigError
 from fedskew.protocol import TIMING_KEYS
 from fedskew.results.store import ResultsDB
 from fedskew.runner import RunInterrupted, run_experiment
-from fedskew.sweep import SweepSpec, dump_spec, expand, load_spec, run_state, run_sweep
+from fedskew.sweep.core import SweepSpec, dump_spec, expand, load_spec, run_state, run_sweep
 
 # a digits federation that runs in a fraction of a second
 TINY = {"dataset": "digits", "clients": 4, "rounds": 3, "model": "mlp", "skew_probes": 0, "lr": 0.1, "batch_size": 64}

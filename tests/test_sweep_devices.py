@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from fedskew import sweep_pool as sweep
-from fedskew.sweep import Task
+from fedskew.sweep import pool as sweep
+from fedskew.sweep.core import Task
 
 
 def test_workers_take_the_gpus_round_robin():
@@ -59,14 +59,14 @@ def test_each_worker_gets_its_index_and_hands_its_gpu_to_its_runs(monkeypatch):
     ],
 )
 def test_a_ray_task_reserves_one_cpu_or_a_gpu_share(device, gpus, expected):
-    from fedskew.ray_executor import RayExecutor
+    from fedskew.sweep.ray import RayExecutor
 
     assert RayExecutor(device=device, gpus_per_run=gpus).resources({"device": "cpu", "threads": 1}) == expected
 
 
 def test_a_ray_task_reserves_its_threads_and_needs_a_gpu_share_for_cuda():
     from fedskew.config import ConfigError
-    from fedskew.ray_executor import RayExecutor
+    from fedskew.sweep.ray import RayExecutor
 
     assert RayExecutor().resources({"device": "cpu", "threads": 3, "workers": 2}) == {"num_cpus": 3}
     with pytest.raises(ConfigError, match="gpus-per-run"):

@@ -161,7 +161,7 @@ def test_tune_fedprox_qffl_afl_writes_tuned_yaml_trials_and_figures(tmp_path):
 
 
 def test_a_sweep_runs_the_tuned_arguments(tmp_path):
-    from fedskew.sweep import SweepSpec, expand, run_sweep
+    from fedskew.sweep.core import SweepSpec, expand, run_sweep
 
     spec = _spec(tmp_path, ["fedprox"])
     tune_study.tune(spec)

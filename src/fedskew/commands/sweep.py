@@ -120,7 +120,7 @@ def make_executor(args: argparse.Namespace, jobs: int | None, device: str | None
 
             raise ConfigError("--address and --gpus-per-run go with --executor ray")
         return None
-    from fedskew.ray_executor import RayExecutor, check_ray
+    from fedskew.sweep.ray import RayExecutor, check_ray
 
     check_ray()  # a clear message, before anything else, when Ray is not installed
     return RayExecutor(address=args.address, jobs=jobs, device=device, gpus_per_run=args.gpus_per_run)
@@ -213,7 +213,7 @@ def tuned_note(runs: list[Any], path: str) -> str:
 def with_device(runs: list[Any], device: str) -> list[Any]:
     """The runs on ``device`` (``--device``: where they run, not what they compute, so the same folders)."""
     from fedskew.config import make_config
-    from fedskew.sweep import PlannedRun
+    from fedskew.sweep.core import PlannedRun
 
     return [
         PlannedRun(r.name, make_config({**r.cfg.model_dump(), "device": device}), r.label, r.point, r.tuned)
@@ -222,8 +222,8 @@ def with_device(runs: list[Any], device: str) -> list[Any]:
 
 
 def default_jobs(runs: list[Any]) -> int:
-    """Runs at a time when neither --jobs nor the spec says (:func:`fedskew.sweep_pool.default_jobs`)."""
-    from fedskew.sweep_pool import default_jobs as by_devices
+    """Runs at a time when neither --jobs nor the spec says (:func:`fedskew.sweep.pool.default_jobs`)."""
+    from fedskew.sweep.pool import default_jobs as by_devices
 
     return by_devices([r.cfg.device for r in runs])
 
@@ -233,7 +233,7 @@ def at_a_time(jobs: int, given: int | None) -> str:
 
 
 def _states(runs: list[Any]) -> list[str]:
-    from fedskew.sweep import run_state
+    from fedskew.sweep.core import run_state
 
     lines = []
     for run in runs:
@@ -244,7 +244,7 @@ def _states(runs: list[Any]) -> list[str]:
 
 
 def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None) -> Any:
-    from fedskew.sweep import run_sweep
+    from fedskew.sweep.core import run_sweep
 
     with Display(len(runs), quiet) as display:
         display.labels = {r.name: r.label for r in runs}
@@ -281,7 +281,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedskew.config import ConfigError
     from fedskew.results.report import build_report
     from fedskew.results.store import ResultsDB
-    from fedskew.sweep import expand, load_spec, with_log
+    from fedskew.sweep.core import expand, load_spec, with_log
 
     spec = load_spec(args.spec)
     if args.tuned:

@@ -1,6 +1,6 @@
 """``fedskew reproduce PAPER``: a paper's main tables as one sweep, and the table with the paper's numbers beside ours.
 
-A reproduction is a :class:`~fedskew.sweep.SweepSpec` built from the paper's data (:mod:`.papers`) for one scale
+A reproduction is a :class:`~fedskew.sweep.core.SweepSpec` built from the paper's data (:mod:`.papers`) for one scale
 (:mod:`.plan`), run by the sweep machinery (idempotent: run it again to resume or extend it), then assembled from the
 database into the paper's tables (:mod:`.table`). Everything goes to one folder::
 
@@ -27,7 +27,7 @@ from typing import Any
 from fedskew.reproduce.papers import SCALES, Paper, load_paper, paper_names
 from fedskew.reproduce.plan import Plan, make_plan
 from fedskew.reproduce.table import BuiltTable, build_tables, compute_table, render_markdown, tables_json
-from fedskew.sweep import (
+from fedskew.sweep.core import (
     Event,
     PlannedRun,
     RunResult,
@@ -77,7 +77,7 @@ def run_reproduction(
     executor: Callable[..., bool] | None = None,
 ) -> Reproduction:
     """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``; ``executor``: see
-    :func:`fedskew.sweep.run_sweep` (the Ray executor)."""
+    :func:`fedskew.sweep.core.run_sweep` (the Ray executor)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "sweep.yaml").write_text(dump_spec(plan.spec()))
     runs = planned_runs(plan)

@@ -1,5 +1,5 @@
 """What a reproduction runs here: the paper's settings whose data is present, its methods that this version has, at
-one scale, as a :class:`~fedskew.sweep.SweepSpec`.
+one scale, as a :class:`~fedskew.sweep.core.SweepSpec`.
 
 Nothing is dropped silently: a method that is not registered (another engineer may be adding it) is listed as *not
 available in this version* and runs as soon as it is registered; a setting whose files are missing, or that this
@@ -14,7 +14,7 @@ from typing import Any
 
 from fedskew.config import ConfigError, make_config
 from fedskew.reproduce.papers import Paper, Row, Setting
-from fedskew.sweep import MethodEntry, SweepSpec
+from fedskew.sweep.core import MethodEntry, SweepSpec
 
 DIGITS_SUITE = ("mnist", "usps", "svhn")  # files the Digits domain suite reads; "synth" is made from MNIST
 

@@ -140,9 +140,9 @@ class ServerStep(Piece):
 class ServerHalf(Piece):
     """The server's side of a client part: what the server keeps for that client algorithm across rounds, what it
     broadcasts with the model, and how a round's uploads advance it (SCAFFOLD's and FedDC's global control variate,
-    FedDyn's mean client size, FedGen's generator, FedProto's global prototypes; each in its method's module). It runs before
-    the aggregation, on the same :class:`RoundInput`. This base keeps nothing and broadcasts nothing (the client parts
-    without a server side)."""
+    FedDyn's mean client size, FedGen's generator, FedProto's global prototypes; each in its method's module). It runs
+    before the aggregation, on the same :class:`RoundInput`. This base keeps nothing and broadcasts nothing (the client
+    parts without a server side)."""
 
     def broadcast(self, state: State) -> Params:
         """The tensors every sampled client receives with its model this round."""

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
-from fedskew.sweep import MethodEntry
+from fedskew.sweep.core import MethodEntry
 from fedskew.tuning.method_space import method_space, unknown_overrides
 from fedskew.tuning.space import RUN_LEVEL, Dist, as_dist
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from fedskew.config import make_config
 from fedskew.schema import ConfigError
-from fedskew.sweep import MethodEntry
+from fedskew.sweep.core import MethodEntry
 from fedskew.tuning.method_space import method_space
 from fedskew.tuning.space import RUN_LEVEL, Dist
 from fedskew.tuning.spec import TuneSpec, dump_tune_spec, load_tune_spec, objective_metric, trial_values
@@ -257,7 +257,7 @@ def tune(
 ) -> list[MethodResult]:
     """Tune every method of ``spec`` (one after the other; ``spec.jobs`` trials of a method at a time), then write
     ``tuned.yaml`` and the figures. Re-running continues an interrupted search. ``executor``: a
-    :class:`fedskew.ray_executor.RayExecutor` whose tasks are the ``spec.jobs`` workers (each sampling from its own
+    :class:`fedskew.sweep.ray.RayExecutor` whose tasks are the ``spec.jobs`` workers (each sampling from its own
     seed, all on the one study storage); default local processes."""
     note = on_note or (lambda msg: None)
     spec.root.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ def _parallel(spec: TuneSpec, index: int) -> None:
     import threading
     from concurrent.futures import ProcessPoolExecutor
 
-    from fedskew.sweep_pool import mp_context, terminate
+    from fedskew.sweep.pool import mp_context, terminate
 
     def stop_workers(*_: Any) -> None:
         terminate([proc.pid for proc in multiprocessing.active_children() if proc.pid is not None])

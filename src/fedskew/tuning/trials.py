@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.config import ConfigError, make_config
-from fedskew.sweep import MethodEntry
+from fedskew.sweep.core import MethodEntry
 from fedskew.tuning.space import Dist, suggest
 from fedskew.tuning.spec import TuneSpec, trial_values
 from fedskew.tuning.tuned import canonical_method
@@ -24,7 +24,7 @@ class Pruned(Exception):
 
 
 def _run_dir(spec: TuneSpec, entry: MethodEntry, cfg: Any) -> Path:
-    from fedskew.sweep import run_name
+    from fedskew.sweep.core import run_name
 
     slug = canonical_method(entry.name).replace("+", "_")
     if entry.args:
@@ -39,7 +39,7 @@ def run_trial_run(
     from its checkpoint when it was cut off, else (re)started. ``report(round, value)`` gets the metric of every
     evaluated round and may raise :class:`Pruned`. Returns the run's summary."""
     from fedskew.runner import StopRun, run_experiment
-    from fedskew.sweep import PlannedRun, run_state
+    from fedskew.sweep.core import PlannedRun, run_state
 
     _wait_for_other_writer(Path(cfg.out))
     state, detail = run_state(PlannedRun(Path(cfg.out).name, cfg, ""))

@@ -1,7 +1,7 @@
 """One run of a sweep, as any executor runs it: :class:`Task` (plain data that crosses a process or machine
 boundary), :func:`execute_run` (never raises: a failure comes back as a :class:`RunResult` with its error) and the
-progress :data:`Event` it emits. The local pool (``sweep_pool.py``) and the Ray executor (``ray_executor.py``) both
-call it; ``sweep.py`` decides which runs to give them."""
+progress :data:`Event` it emits. The local pool (``sweep/pool.py``) and the Ray executor (``sweep/ray.py``) both
+call it; ``sweep/core.py`` decides which runs to give them."""
 
 from __future__ import annotations
 

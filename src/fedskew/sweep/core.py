@@ -29,7 +29,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
-from fedskew.sweep_run import Event, RunResult, Task, execute_run
+from fedskew.sweep.task import Event, RunResult, Task, execute_run
 from fedskew.tuning.tuned import apply_tuned
 
 # keys every run gets from the sweep itself, never from an axis
@@ -358,7 +358,7 @@ def run_sweep(
     """Run every planned run that is not done: ``jobs`` at a time in worker processes (``jobs=1``: one after the
     other in this process; with ``cuda`` and several GPUs, one GPU per worker), or by ``executor`` (called as
     ``executor(todo, on_event, results, on_result)``, returning whether it was interrupted: the Ray executor,
-    :mod:`fedskew.ray_executor`). ``on_event`` gets the runs' progress events, ``on_result`` each run's result
+    :mod:`fedskew.sweep.ray`). ``on_event`` gets the runs' progress events, ``on_result`` each run's result
     (skipped runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new
     one, and returns with ``interrupted``; running the sweep again continues where it stopped."""
     emit = on_event or (lambda ev: None)
@@ -393,7 +393,7 @@ def run_sweep(
                     results[rest.name] = RunResult(rest.name, "not started", str(rest.values.get("out")))
                 break
     else:
-        from fedskew.sweep_pool import run_pool  # the local process pool (its own module: sweep_pool.py)
+        from fedskew.sweep.pool import run_pool  # the local process pool (its own module: sweep/pool.py)
 
         interrupted = run_pool(todo, jobs, emit, results, report)
     return SweepOutcome([results[r.name] for r in runs if r.name in results], interrupted)

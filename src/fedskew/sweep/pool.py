@@ -1,7 +1,7 @@
-"""The local process pool of a sweep (``fedskew sweep --jobs N``): ``jobs`` worker processes forked from a server
-that imported fedskew once, each running :func:`fedskew.sweep.execute_run` on one run at a time, their progress events
+"""The local process pool of a sweep (``fedskew sweep --jobs N``): ``jobs`` worker processes forked from a server that
+imported fedskew once, each running :func:`fedskew.sweep.task.execute_run` on one run at a time, their progress events
 sent back over a queue; with plain ``cuda`` and several visible GPUs, one GPU per worker. Ctrl-C or SIGTERM lets the
-running runs checkpoint and starts no new one. The Ray executor (``ray_executor.py``) is the other way to run them.
+running runs checkpoint and starts no new one. The Ray executor (``sweep/ray.py``) is the other way to run them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fedskew.sweep_run import Event, RunResult, Task, execute_run
+from fedskew.sweep.task import Event, RunResult, Task, execute_run
 
 _QUEUE: Any = None
 _DEVICE: tuple[int, int] = (0, 0)  # (this worker's index, GPUs visible)

@@ -2,10 +2,10 @@
 landing in the driver's run directories and database (no shared file system needed).
 
 Each run is one Ray task (one CPU, or ``threads``/``workers`` CPUs; with a ``cuda`` device also ``--gpus-per-run``
-GPUs, one by default, a fraction to share a GPU). The task runs :func:`fedskew.sweep.execute_run` in a temporary
+GPUs, one by default, a fraction to share a GPU). The task runs :func:`fedskew.sweep.task.execute_run` in a temporary
 run directory on its node, without a database. What travels, through Ray's object store:
 
-* driver -> task: the run's configuration (:class:`fedskew.sweep.Task`) and, for a run that continues (state
+* driver -> task: the run's configuration (:class:`fedskew.sweep.task.Task`) and, for a run that continues (state
   ``resume`` or ``restart``), the files of its run directory, checkpoint included;
 * task -> driver, through an inbox actor on the driver's node: the run's progress events, and the run directory's
   changed files each time a checkpoint is written and once more when the run ends (finished, diverged, failed after
@@ -45,8 +45,8 @@ import yaml
 
 from fedskew.config import ConfigError
 from fedskew.results.rundir import CHECKPOINT, LOCK, ROUND_FILES, STATUS, RunDirectory, RunDirError, write_atomic
-from fedskew.sweep import PlannedRun, _finished_id, run_state
-from fedskew.sweep_run import Event, RunResult, Task, execute_run
+from fedskew.sweep.core import PlannedRun, _finished_id, run_state
+from fedskew.sweep.task import Event, RunResult, Task, execute_run
 
 INSTALL_HINT = "--executor ray needs Ray: pip install 'fedskew[ray]' (on the driver and on every node)"
 MAX_RETRIES = 3  # re-submissions of a run whose worker or node died
