@@ -37,7 +37,7 @@ from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import CLIENTS
 from fedskew.schema import StrictSettings
-from fedskew.tuning.space import LogFloat
+from fedskew.space import LogFloat
 
 EPS = 1e-8  # the official FedDecorrLoss's
 

@@ -20,8 +20,8 @@ import yaml
 
 from fedskew.config import ConfigError, make_config
 from fedskew.registry import CLIENTS, SERVER_PLUGINS
+from fedskew.space import Choice, Float, Int, parse_dist
 from fedskew.tuning.method_space import method_space
-from fedskew.tuning.space import Choice, Float, Int, parse_dist
 from fedskew.tuning.tuned import TunedEntry, apply_tuned, canonical_method, load_tuned, setting_of, write_tuned
 
 optuna = pytest.importorskip("optuna", reason="fedskew tune needs the optional extra fedskew[tune] (optuna)")

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from fedskew.client.local import LocalAlgorithm
 from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import ServerHalf
-from fedskew.tuning.space import Dist
+from fedskew.space import Dist
 
 # the roles a server plug-in may fill (each at most once per method), see fedskew.server.api.Aggregation:
 #   weighting  [K] client weights                      (Disco, FAEL, AFL, ...)
@@ -69,7 +69,7 @@ class ClientPart:
     weights: Literal["samples", "uniform"] = "samples"
     # params -> keyword arguments for models.build_model (MOON's projection head)
     model_options: Callable[[Any], dict[str, Any]] = lambda p: {}
-    # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
+    # hyper-parameter -> the range `fedskew tune` searches (fedskew.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)
 
 
@@ -83,7 +83,7 @@ class ServerPlugin:
     # params -> {role: piece}; "personalize" is a factory weighting -> strategy; optional "local" (groups kept on the
     # clients, see engine.model_init.LOCAL_GROUPS) and "upload_extras" (a client-side UploadExtras)
     build: Callable[[Any], dict[str, Any]]
-    # hyper-parameter -> the range `fedskew tune` searches (fedskew.tuning.space; the paper's or official code's)
+    # hyper-parameter -> the range `fedskew tune` searches (fedskew.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)
 
 

@@ -34,7 +34,7 @@ from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, Serve
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import Weighting
-from fedskew.tuning.space import Float
+from fedskew.space import Float
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
 ONLY_IID_COS = 0.9  # code: a client counts as IID when cos(P_k, T) > 0.9

@@ -20,7 +20,7 @@ from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
-from fedskew.tuning.space import LogFloat
+from fedskew.space import LogFloat
 
 
 @dataclass

@@ -50,7 +50,7 @@ from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import Composition, Diagnostics, ServerHalf, ServerStep
 from fedskew.server.combine import weighted_sums
-from fedskew.tuning.space import LogFloat
+from fedskew.space import LogFloat
 
 # the tensors the client parts and their server halves exchange (a trailing "/": one tensor per trainable entry)
 FEDDYN_MEAN_SAMPLES = "feddyn/mean_samples"  # broadcast, FedDyn: the mean training-set size over all clients

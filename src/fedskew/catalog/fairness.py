@@ -41,7 +41,7 @@ from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import Combine, Composition, Diagnostics, Weighting, refuse_masks
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.weights import normalize
-from fedskew.tuning.space import Float, Int, LogFloat
+from fedskew.space import Float, Int, LogFloat
 
 
 def reported(rin: RoundInput, metric: str, who: str) -> Tensor:

@@ -31,7 +31,7 @@ from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerOutput, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.personal import PersonalState, mix, personal_models
-from fedskew.tuning.space import LogFloat
+from fedskew.space import LogFloat
 
 
 # ---- client ----------------------------------------------------------------------------------------------------------

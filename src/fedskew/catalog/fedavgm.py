@@ -18,7 +18,7 @@ from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import Descent
 from fedskew.server.optimizers import Ema, Scale, Trace
-from fedskew.tuning.space import Float
+from fedskew.space import Float
 
 
 def fedavgm(momentum: float = 0.9, server_lr: float = 1.0, form: Literal["ema", "hsu"] = "ema") -> Descent:

@@ -31,7 +31,7 @@ from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerOutput, Weighting
 from fedskew.server.combine import WeightedMean
 from fedskew.server.personal import PersonalState, mix, personal_models
-from fedskew.tuning.space import Float, LogFloat
+from fedskew.space import Float, LogFloat
 
 MASK_PREFIX = "cac_mask/"  # upload: the critical mask of trainable tensor n, named MASK_PREFIX + n
 COLLAB_TOL = 1e-12  # spec 7: exact ties with the threshold collaborate

@@ -15,7 +15,7 @@ from fedskew.client.kernels import proximal
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
-from fedskew.tuning.space import LogFloat
+from fedskew.space import LogFloat
 
 
 @dataclass

@@ -13,7 +13,7 @@ from fedskew.client.kernels import is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
-from fedskew.tuning.space import Int
+from fedskew.space import Int
 
 
 @dataclass

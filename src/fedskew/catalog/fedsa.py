@@ -62,7 +62,7 @@ from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import Combine, Composition, Diagnostics, refuse_masks
 from fedskew.server.dispersion import CV_NORMS, EPS, column_stats, cv_of, high_dispersion
-from fedskew.tuning.space import Float, Int
+from fedskew.space import Float, Int
 
 MICRO_NORMS = ("layer_minmax", "position_max", "raw")
 ALPHA_NORMS = ("per_position", "literal")

@@ -48,7 +48,7 @@ from fedskew.schema import StrictSettings
 from fedskew.server.api import Aggregation, Masking, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
-from fedskew.tuning.space import Float
+from fedskew.space import Float
 
 DISTANCES = ("l2_per_tensor", "squared")
 FAEL_INITS = ("uniform", "datasize")

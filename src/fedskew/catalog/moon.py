@@ -23,7 +23,7 @@ from fedskew.models import projection_width
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
-from fedskew.tuning.space import Float, LogFloat
+from fedskew.space import Float, LogFloat
 
 
 @dataclass

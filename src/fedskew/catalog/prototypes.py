@@ -37,7 +37,7 @@ from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerHalf
-from fedskew.tuning.space import Float, LogFloat
+from fedskew.space import Float, LogFloat
 
 # the tensors the two halves exchange
 PROTO_MEAN = "proto/mean"  # upload: [C, D] the client's mean feature per class (0 where none)

@@ -1,6 +1,6 @@
 """Hyper-parameter search on validation data (``fedskew tune``) and its product, ``tuned.yaml``.
 
-* :mod:`~fedskew.tuning.space`: the search-space types method parts declare their tunable hyper-parameters with
+* :mod:`~fedskew.space`: the search-space types method parts declare their tunable hyper-parameters with
   (:attr:`fedskew.registry.ClientPart.tunable`) and override strings (``--space mu=log:1e-4..1``);
 * :mod:`~fedskew.tuning.method_space`: a composition's space from its parts' declarations and the overrides;
 * :mod:`~fedskew.tuning.tuned`: ``tuned.yaml`` (best arguments per method and setting), read and applied by

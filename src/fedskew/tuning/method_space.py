@@ -1,5 +1,5 @@
 """A composition's search space: the tunable ranges its parts declare (:attr:`fedskew.registry.ClientPart.tunable`),
-under the keys ``-m`` takes, with a search's overrides (:mod:`fedskew.tuning.space` holds the range types)."""
+under the keys ``-m`` takes, with a search's overrides (:mod:`fedskew.space` holds the range types)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from fedskew.methods import method_parts
 from fedskew.schema import ConfigError
-from fedskew.tuning.space import RUN_LEVEL, Dist
+from fedskew.space import RUN_LEVEL, Dist
 
 
 def method_space(method: str, overrides: Mapping[str, Dist | None] | None = None) -> dict[str, Dist]:

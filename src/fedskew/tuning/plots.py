@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.results.plotting import DPI, FONT, PAGE_WIDTH, TITLE_FONT, write_figure
-from fedskew.tuning.space import Float, Int, parse_dist
+from fedskew.space import Float, Int, parse_dist
 
 
 def plot_search(result: Any, folder: Path) -> Path | None:

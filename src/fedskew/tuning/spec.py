@@ -10,9 +10,9 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
+from fedskew.space import RUN_LEVEL, Dist, as_dist
 from fedskew.sweep.core import MethodEntry
 from fedskew.tuning.method_space import method_space, unknown_overrides
-from fedskew.tuning.space import RUN_LEVEL, Dist, as_dist
 
 # keys a tune spec's base may not set: the search sets them per trial
 _TUNE_OWNED = ("method", "seed", "out", "db", "validation", "evaluate_on")

@@ -34,9 +34,9 @@ from typing import Any
 
 from fedskew.config import make_config
 from fedskew.schema import ConfigError
+from fedskew.space import RUN_LEVEL, Dist
 from fedskew.sweep.core import MethodEntry
 from fedskew.tuning.method_space import method_space
-from fedskew.tuning.space import RUN_LEVEL, Dist
 from fedskew.tuning.spec import TuneSpec, dump_tune_spec, load_tune_spec, objective_metric, trial_values
 from fedskew.tuning.trials import Pruned, make_objective, run_trial_run
 from fedskew.tuning.tuned import TunedEntry, canonical_method, setting_of, write_tuned

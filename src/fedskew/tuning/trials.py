@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.config import ConfigError, make_config
+from fedskew.space import Dist, suggest
 from fedskew.sweep.core import MethodEntry
-from fedskew.tuning.space import Dist, suggest
 from fedskew.tuning.spec import TuneSpec, trial_values
 from fedskew.tuning.tuned import canonical_method
 

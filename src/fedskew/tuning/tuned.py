@@ -31,7 +31,7 @@ import yaml
 
 from fedskew.config import SETTING_KEYS, TRAINING_KEYS
 from fedskew.schema import ConfigError
-from fedskew.tuning.space import RUN_LEVEL
+from fedskew.space import RUN_LEVEL
 
 # what "the same setting" means for tuned arguments: the data, the federation, the local training and the model;
 # rounds, seeds, evaluation cadence and where output goes do not

@@ -2,10 +2,11 @@
 
 A method part declares its tunable hyper-parameters next to their defaults (``ClientPart(..., tunable={"mu":
 LogFloat(1e-3, 1.0)})``), with the ranges its paper or official code tunes over;
-:func:`fedskew.tuning.method_space.method_space` gathers a composition's space under the keys ``-m`` uses
-(``heal.tau`` where two parts share ``tau``). This module knows no method (the registry imports it). Run-level settings
-(``lr``, ``momentum``, ``local_epochs``) are tuned only when asked for (``--space lr=log:0.001..0.1``): the papers
-share one learning rate across methods and tune each method's own hyper-parameters.
+:func:`fedskew.tuning.method_space.method_space` gathers a composition's space under the keys ``-m`` uses (``heal.tau``
+where two parts share ``tau``). This module knows no method and sits below the registry and the method modules, which
+import it (it lived in tuning/ before, and made them import upwards). Run-level settings (``lr``, ``momentum``,
+``local_epochs``) are tuned only when asked for (``--space lr=log:0.001..0.1``): the papers share one learning rate
+across methods and tune each method's own hyper-parameters.
 
 Override strings (``--space KEY=SPEC``, a tune spec's ``space:``):
 
