@@ -37,8 +37,9 @@ def test_custom_weighting_example_reports_every_method(tmp_path):
 
 
 def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
-    """The skeleton's declared entry point, installed as pip would (a dist-info with entry_points.txt on the path):
-    `fedskew methods` lists it and `fedskew run` composes it with FedProx, hyper-parameter included."""
+    """The skeleton's declared entry points, installed as pip would (a dist-info with entry_points.txt on the path):
+    `fedskew methods` lists its weighting and `fedskew run` composes it with FedProx, hyper-parameter included, on
+    its partition scheme, with the scheme's parameter given by -P."""
     pkg = EXAMPLES / "plugin_package"
     meta = tomllib.loads((pkg / "pyproject.toml").read_text())
     eps = meta["project"]["entry-points"]["fedskew.methods"]
@@ -46,7 +47,13 @@ def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
     info = site / "fedskew_invloss-0.1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['project']['name']}\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[fedskew.methods]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    parts = meta["project"]["entry-points"]["fedskew.partitions"]
+    (info / "entry_points.txt").write_text(
+        "[fedskew.methods]\n"
+        + "".join(f"{k} = {v}\n" for k, v in eps.items())
+        + "[fedskew.partitions]\n"
+        + "".join(f"{k} = {v}\n" for k, v in parts.items())
+    )
     paths = [site, pkg / "src"]
     listing = _run(["-m", "fedskew.cli", "methods"], tmp_path, paths)
     assert "invloss_pkg" in listing
@@ -59,6 +66,10 @@ def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
             "fedprox+invloss_pkg",
             "-m",
             "power=2",
+            "--partition",
+            "shards_pkg",
+            "-P",
+            "per_client=3",
             "--rounds",
             "2",
             "--clients",
@@ -73,6 +84,8 @@ def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
     )
     cfg = (tmp_path / "r" / "config.yaml").read_text()
     assert "fedprox+invloss_pkg" in cfg and "power: 2" in cfg
+    assert "partition: shards_pkg" in cfg and "per_client: 3" in cfg
+    assert "shards_pkg" in _run(["-m", "fedskew.cli", "partition", "--list"], tmp_path, paths)
 
 
 def test_one_file_method_example_runs_both_paths(tmp_path):

@@ -2,8 +2,8 @@
 
 The library API (:mod:`fedskew.api`) is importable from here: ``fedskew.run``, ``fedskew.from_arrays``,
 ``fedskew.from_clients``, ``fedskew.split_model``, ``fedskew.weighting``, ``fedskew.combine``, ``fedskew.register``,
-``fedskew.ClientPart``, ``fedskew.ServerPlugin``, ``fedskew.LocalAlgorithm``, ``fedskew.RunResult``. They load on first
-use, so ``import fedskew`` (and the CLI's start-up) stays light.
+``fedskew.ClientPart``, ``fedskew.ServerPlugin``, ``fedskew.partition``, ``fedskew.LocalAlgorithm``,
+``fedskew.RunResult``. They load on first use, so ``import fedskew`` (and the CLI's start-up) stays light.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _API = (
     "combine",
     "from_arrays",
     "from_clients",
+    "partition",
     "register",
     "run",
     "split_model",

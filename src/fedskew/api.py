@@ -42,6 +42,7 @@ from torch import Tensor
 
 from fedskew.client.local import LocalAlgorithm
 from fedskew.data.federated import build_federated
+from fedskew.data.partition.registry import partition
 from fedskew.data.readers import ClientDatasets, ImageDataset
 from fedskew.engine.loop import UserModel
 from fedskew.models.custom import split_model
@@ -58,6 +59,7 @@ __all__ = [
     "combine",
     "from_arrays",
     "from_clients",
+    "partition",
     "register",
     "run",
     "split_model",

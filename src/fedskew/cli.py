@@ -4,101 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from fedskew import __version__
-
-# `fedskew run` switches (store_true flags) that set a config key of the same name to true
-RUN_SWITCHES = ("batched_clients", "channels_last")
-
-# flag name -> config key; every one of these overrides the YAML file
-RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    "--method": ("method", str, "method or composition (see `fedskew methods`)"),
-    "--dataset": ("dataset", str, "digits (embedded), mnist, ..., folder or npz (your data, with --data-dir)"),
-    "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
-    "--partition": ("partition", str, "iid | dir | pat | dirfixed | niid2 | biased | quantity | domain | given"),
-    "--protocol": (
-        "protocol",
-        str,
-        "fedskew | pfllib (PFLlib's split and evaluation semantics) | fedcac (FedCAC's fixed-size train/test draws)",
-    ),
-    "--alpha": ("alpha", float, "Dirichlet concentration"),
-    "--classes-per-client": ("classes_per_client", int, "classes per client for pat, per biased client for biased"),
-    "--uniform-clients": ("uniform_clients", int, "biased: clients holding every class (the others are biased)"),
-    "--pat-scheme": ("pat_scheme", str, "pat: random | pfllib (blocked)"),
-    "--min-size": ("min_size", int, "minimum samples per client for dir"),
-    "--imbalance-ratio": ("imbalance_ratio", float, "global long-tail imbalance of the training pool"),
-    "--samples-per-client": ("samples_per_client", int, "samples per client for dirfixed"),
-    "--test-samples-per-client": ("test_samples_per_client", int, "local test samples per client (fedcac)"),
-    "--clients": ("clients", int, "number of clients"),
-    "--join-ratio": ("join_ratio", float, "share of clients sampled per round"),
-    "--rounds": ("rounds", int, "communication rounds"),
-    "--local-epochs": ("local_epochs", int, "local epochs per round"),
-    "--batch-size": ("batch_size", int, "local batch size"),
-    "--lr": ("lr", float, "local SGD learning rate"),
-    "--momentum": ("momentum", float, "local SGD momentum"),
-    "--weight-decay": ("weight_decay", float, "local SGD weight decay"),
-    "--model": ("model", str, "mlp | cnn | lenet | resnet8/10/18/34 | textcnn | auto"),
-    "--train-ratio": ("train_ratio", float, "per-client train share (rest = local test)"),
-    "--validation": ("validation", float, "share of every client's training split held out as validation (0: none)"),
-    "--evaluate-on": ("evaluate_on", str, "test | validation: what every evaluation view scores"),
-    "--eval-every": ("eval_every", int, "evaluate every N rounds"),
-    "--eval-clients": (
-        "eval_clients",
-        int,
-        "score per-client models on a seeded sample of N clients per evaluated round (all at the last round)",
-    ),
-    "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
-    "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
-    "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),
-    "--image-size": ("image_size", int, "common image side of the domains (domain suites)"),
-    "--resize": ("resize", int, "dataset folder: resize every image to N x N (needed when image sizes differ)"),
-    "--on-bad-update": ("on_bad_update", str, "fail | drop: what a non-finite, mis-shaped or wrong-dtype upload does"),
-    "--client-dropout": ("client_dropout", float, "probability that a sampled client fails to report (seeded)"),
-    "--checkpoint-every": (
-        "checkpoint_every",
-        lambda v: v if v == "auto" else int(v),
-        "write a resumable checkpoint every K rounds (0: never; default auto: < 2%% of the run time)",
-    ),
-    "--seed": ("seed", int, "the one seed of the run"),
-    "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
-    "--threads": ("threads", int, "torch CPU threads (default 1; 0 = torch's default)"),
-    "--workers": ("workers", int, "processes training clients in parallel (default 1; results identical)"),
-    "--state-store": ("state_store", str, "auto | memory | disk: where per-client state lives (results identical)"),
-    "--state-memory": ("state_memory", str, "RAM budget for per-client state, e.g. 2GB (default: 25%% of RAM)"),
-    "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
-    "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
-    "--log": ("log", str, "live loggers, comma-separated: tensorboard, mlflow, wandb (docs/loggers.md)"),
-    "--log-uri": ("log_uri", str, "MLflow tracking URI (default $MLFLOW_TRACKING_URI, else a file store runs/mlruns)"),
-}
-
-
-def _parse_kv(items: list[str]) -> dict[str, Any]:
-    from fedskew.config import ConfigError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        k, eq, v = item.partition("=")
-        if not eq or not k.strip():
-            raise ConfigError(f"-m/--method-arg expects KEY=VALUE, got {item!r}")
-        try:
-            out[k.strip().replace("-", "_")] = yaml.safe_load(v)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"-m {item!r}: the value is not valid YAML ({exc})") from None
-    return out
-
-
-def _add_download_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--download",
-        action="store_true",
-        default=None,
-        help="fetch missing official dataset files into --data-dir (MD5-checked; needs the network)",
-    )
+from fedskew.commands.flags import (
+    RUN_FLAGS,
+    add_download_flag,
+    add_partition_arg,
+    config_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="method hyper-parameter, repeatable (e.g. -m weights=uniform)",
     )
-    _add_download_flag(run)
+    add_partition_arg(run)
+    add_download_flag(run)
     run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
     run.add_argument(
         "--overwrite",
@@ -139,33 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
     sub.add_parser("methods", help="list the available methods and building blocks")
-
-    pa = sub.add_parser("partition", help="show a partition: per-client label table and a bubble plot")
-    pa.add_argument("--config", help="YAML file of settings; flags override it")
-    for flag in (
-        "--dataset",
-        "--data-dir",
-        "--partition",
-        "--protocol",
-        "--alpha",
-        "--classes-per-client",
-        "--uniform-clients",
-        "--pat-scheme",
-        "--min-size",
-        "--samples-per-client",
-        "--test-samples-per-client",
-        "--imbalance-ratio",
-        "--clients",
-        "--train-ratio",
-        "--domain-fraction",
-        "--image-size",
-        "--resize",
-        "--seed",
-    ):
-        _, typ, help_ = RUN_FLAGS[flag]
-        pa.add_argument(flag, type=typ, default=None, help=help_)
-    _add_download_flag(pa)
-    pa.add_argument("--plot", default=None, help="write the bubble plot to this PNG")
 
     sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
     sk.add_argument("run_dir", help="a run directory (with skew.jsonl)")
@@ -235,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands defined next to what they drive: each module has add_parsers(sub) and HANDLERS (name -> handler)
-COMMAND_MODULES = ("fedskew.commands.sweep", "fedskew.commands.tune", "fedskew.commands.flower")
+COMMAND_MODULES = (
+    "fedskew.commands.partition",
+    "fedskew.commands.sweep",
+    "fedskew.commands.tune",
+    "fedskew.commands.flower",
+)
 
 
 def _command_modules() -> list[Any]:
@@ -243,41 +137,6 @@ def _command_modules() -> list[Any]:
     import importlib.util
 
     return [importlib.import_module(m) for m in COMMAND_MODULES if importlib.util.find_spec(m) is not None]
-
-
-def _config_from_args(args: argparse.Namespace):
-    """The run configuration from ``--config``, the ``RUN_FLAGS`` and ``-m`` (``fedskew run``, ``fedskew flower``)."""
-    from fedskew.config import ConfigError, load_yaml, make_config
-
-    if getattr(args, "resume", None):
-        from fedskew.runner import resume_config
-
-        flags = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()}
-        if args.no_db:
-            flags["db"] = None
-        for switch in RUN_SWITCHES:
-            if getattr(args, switch, False):
-                flags[switch] = True
-        if args.config or args.method_arg:
-            raise ConfigError("--resume takes the run's own config.yaml; drop --config and -m")
-        if flags.get("out") not in (None, args.resume):
-            raise ConfigError("--resume RUN_DIR continues in RUN_DIR; drop --out")
-        return resume_config(args.resume, {k: v for k, v in flags.items() if k != "out"})
-
-    file_values = load_yaml(args.config) if args.config else {}
-    overrides: dict[str, Any] = {
-        key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in RUN_FLAGS.items()
-    }
-    overrides["download"] = getattr(args, "download", None)  # flags a subcommand lacks are simply not set
-    for switch in RUN_SWITCHES:  # flags a subcommand lacks are simply not set
-        if getattr(args, switch, False):
-            overrides[switch] = True
-    if args.method_arg:
-        overrides["method_args"] = _parse_kv(args.method_arg)
-    if args.no_db:
-        file_values["db"] = None
-        overrides.pop("db", None)
-    return make_config(file_values, overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -288,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedskew.runner import RunInterrupted, run_experiment
 
     console = make_console(stderr=True, soft_wrap=True)
-    cfg = _config_from_args(args)
+    cfg = config_from_args(args)
     out_root = Path(cfg.out).parent if cfg.out else Path("runs")
     for stale in stale_runs(out_root):
         if not cfg.out or Path(cfg.out).resolve() != stale.resolve():
@@ -443,24 +302,6 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_partition(args: argparse.Namespace) -> int:
-    from fedskew.config import load_yaml, make_config
-    from fedskew.data.federated import build_federated
-    from fedskew.results.partition_view import bubble_plot, label_table
-
-    file_values = load_yaml(args.config) if args.config else {}
-    overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
-    overrides["download"] = args.download
-    cfg = make_config({**file_values, "db": None}, overrides)
-    data = build_federated(cfg)
-    print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")
-    print(label_table(data.train_hists, data.test_hists))
-    if args.plot:
-        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, seed {cfg.seed}"
-        print(f"bubble plot: {bubble_plot(data.train_hists + data.test_hists, args.plot, title)}")
-    return 0
-
-
 def cmd_skew(args: argparse.Namespace) -> int:
     from fedskew.results.plots import skew_figure
 
@@ -553,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         "methods": cmd_methods,
         "report": cmd_report,
         "skew": cmd_skew,
-        "partition": cmd_partition,
         "db": cmd_db,
     }
     for module in _command_modules():

@@ -15,7 +15,6 @@ from fedskew.data.settings import DataSettings
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
-PartitionName = Literal["iid", "dir", "pat", "dirfixed", "niid2", "biased", "quantity", "domain", "given"]
 
 
 DOMAIN_DATASETS = ("digits_domains", "office_caltech")  # the domain suites (fedskew.data.readers.domains)
@@ -54,7 +53,7 @@ NOT_IDENTITY = frozenset(
 
 # keys added after runs were recorded with this schema: left out of an experiment's identity at their default, so
 # that experiments recorded before keep their identity (group keys, sweep folder names)
-ADDED_AT_DEFAULT: dict[str, Any] = {"uniform_clients": 1}
+ADDED_AT_DEFAULT: dict[str, Any] = {"uniform_clients": 1, "partition_args": {}}
 
 
 # the keys that define a *setting*: the data and the federation (figures group an experiment's curves by them; an
@@ -63,6 +62,7 @@ SETTING_KEYS = (
     "dataset",
     "protocol",
     "partition",
+    "partition_args",
     "alpha",
     "classes_per_client",
     "uniform_clients",
@@ -105,7 +105,14 @@ class RunConfig(StrictSettings):
         description="pfllib: PFLlib's data split and evaluation semantics; fedcac: FedCAC's fixed-size client train "
         "and test samples with shared class proportions (docs/protocols.md)",
     )
-    partition: PartitionName = "dir"
+    partition: str = Field(
+        "dir",
+        description="iid | dir | pat | dirfixed | niid2 | biased | quantity | domain | given, or a registered scheme "
+        "(fedskew.partition; `fedskew partition --list`)",
+    )
+    partition_args: dict[str, Any] = Field(
+        default_factory=dict, description="a registered partition scheme's own parameters (-P KEY=VALUE)"
+    )
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
     classes_per_client: int = Field(2, ge=1, description="classes per client (pat), per biased client (biased)")
     uniform_clients: int = Field(
@@ -286,9 +293,32 @@ class RunConfig(StrictSettings):
             raise ValueError(f"device {v!r} requested but CUDA is not available")
         return v
 
+    @field_validator("partition")
+    @classmethod
+    def _partition_known(cls, v: str) -> str:
+        from fedskew.data.partition.registry import PARTITIONS, RESERVED, load_entry_points
+
+        load_entry_points()
+        if v not in PARTITIONS and v not in RESERVED:
+            raise ValueError(f"unknown partition {v!r}; choose one of {', '.join([*PARTITIONS, *RESERVED])}")
+        return v
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        from fedskew.data.partition.registry import BUILTIN, PartitionError, check_partition_params
         from fedskew.methods import resolve_method
+
+        if self.partition in BUILTIN or self.partition in ("domain", "given"):
+            if self.partition_args:
+                raise ValueError(
+                    f"partition {self.partition!r} takes its parameters from its own settings (alpha, "
+                    f"classes_per_client, ...); partition_args is for a registered scheme, got {self.partition_args}"
+                )
+        else:
+            try:
+                check_partition_params(self.partition, self.partition_args)
+            except PartitionError as exc:
+                raise ValueError(str(exc)) from None
 
         if (self.partition == "domain" and self.dataset not in DOMAIN_DATASETS) or (
             self.partition != "domain" and self.dataset in DOMAIN_ONLY
@@ -428,8 +458,8 @@ def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, 
     for k, v in (overrides or {}).items():
         if v is None:
             continue
-        if k == "method_args":
-            values["method_args"] = {**values.get("method_args", {}), **v}
+        if k in ("method_args", "partition_args"):
+            values[k] = {**values.get(k, {}), **v}
         else:
             values[k] = v
     values = {**PROTOCOL_DEFAULTS.get(str(values.get("protocol")), {}), **values}

@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    from fedskew.cli import RUN_FLAGS
+    from fedskew.commands.flags import RUN_FLAGS
 
     p.add_argument("--config", help="fedskew YAML file of settings (as `fedskew run --config`); flags override it")
     for flag, (_, typ, help_) in RUN_FLAGS.items():
@@ -139,12 +139,12 @@ def add_parsers(sub: Any) -> None:
 def _config(args: argparse.Namespace):
     """The run configuration from --config and the flags, as `fedskew run` reads them (with --node-data, the data
     directory is each node's own, so none is needed here)."""
-    from fedskew.cli import _config_from_args
+    from fedskew.commands.flags import config_from_args
     from fedskew.flower.settings import NODE_DATA
 
     if getattr(args, "node_data", False) and not getattr(args, "data_dir", None):
         args.data_dir = NODE_DATA
-    return _config_from_args(args)
+    return config_from_args(args)
 
 
 def _settings(args: argparse.Namespace):

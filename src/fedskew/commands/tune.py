@@ -12,7 +12,7 @@ _OWNED_FLAGS = ("--method", "--seed", "--out", "--db", "--validation", "--evalua
 
 
 def add_parsers(sub: Any) -> None:
-    from fedskew.cli import RUN_FLAGS, _add_download_flag
+    from fedskew.commands.flags import RUN_FLAGS, add_download_flag
 
     tp = sub.add_parser(
         "tune",
@@ -30,7 +30,7 @@ def add_parsers(sub: Any) -> None:
     for flag, (_, typ, help_) in RUN_FLAGS.items():
         if flag not in _OWNED_FLAGS:
             tp.add_argument(flag, type=typ, default=None, help=help_)
-    _add_download_flag(tp)
+    add_download_flag(tp)
     tp.add_argument(
         "--method-arg", "-m", action="append", default=[], metavar="KEY=VALUE", help="fixed method argument (all)"
     )
@@ -71,7 +71,7 @@ def add_parsers(sub: Any) -> None:
 
 def _updates(args: argparse.Namespace) -> dict[str, Any]:
     """The tune spec's values given on the command line."""
-    from fedskew.cli import RUN_FLAGS, _parse_kv
+    from fedskew.commands.flags import RUN_FLAGS, parse_kv
     from fedskew.config import ConfigError, load_yaml
 
     base: dict[str, Any] = load_yaml(args.config) if args.config else {}
@@ -84,7 +84,7 @@ def _updates(args: argparse.Namespace) -> dict[str, Any]:
     if args.download:
         base["download"] = True
     if args.method_arg:
-        base["method_args"] = {**base.get("method_args", {}), **_parse_kv(args.method_arg)}
+        base["method_args"] = {**base.get("method_args", {}), **parse_kv(args.method_arg)}
     space: dict[str, Any] = {}
     for item in args.space:
         key, eq, value = item.partition("=")

@@ -31,6 +31,7 @@ from fedskew.data.partition import (
     pfllib_least_samples,
     train_test_split_clients,
 )
+from fedskew.data.partition.registry import BUILTIN
 from fedskew.data.readers import ClientDatasets, ImageDataset, load_source
 from fedskew.data.readers.domains import domain_suite
 from fedskew.data.settings import DataSettings, HasDataSettings, data_settings
@@ -144,7 +145,10 @@ def split_holdout(labels: np.ndarray, share: float, rng: np.random.Generator) ->
 
 
 def partition_params(cfg: DataSettings) -> dict[str, object]:
-    """The partition's own parameters from the data settings."""
+    """The partition's own parameters from the data settings: a built-in scheme's from its dedicated settings, a
+    registered one's from ``partition_args``."""
+    if cfg.partition not in BUILTIN:
+        return dict(cfg.partition_args)
     return {
         "iid": {},
         "dir": {"alpha": cfg.alpha, "min_size": cfg.min_size},
@@ -154,6 +158,7 @@ def partition_params(cfg: DataSettings) -> dict[str, object]:
         "biased": {"classes_per_client": cfg.classes_per_client, "num_uniform": cfg.uniform_clients},
         "quantity": {"beta": cfg.alpha},
     }[cfg.partition]
+
 
 
 def _assemble(

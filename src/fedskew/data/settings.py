@@ -27,6 +27,7 @@ class DataSettings:
     # the protocol, the partition and its parameters
     protocol: str  # fedskew | pfllib | fedcac
     partition: str
+    partition_args: dict[str, object]  # a registered scheme's own parameters (the built-in ones read the fields below)
     alpha: float  # dir, dirfixed, quantity (as beta)
     min_size: int  # dir
     classes_per_client: int  # pat; biased (a biased client's classes)

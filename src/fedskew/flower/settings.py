@@ -3,10 +3,11 @@
 Flower hands every app ``context.run_config``: the flat ``[tool.flwr.app.config]`` table of the app's
 ``pyproject.toml`` with ``flwr run --run-config "k=v ..."`` overrides (flwr refuses an override whose key the file does
 not have, so :func:`app_config` writes every key). The keys are fedskew's own run-config keys (``rounds``,
-``method``, ``local_epochs``, ... as in ``config.yaml``; ``-`` may stand for ``_``), plus two tables:
+``method``, ``local_epochs``, ... as in ``config.yaml``; ``-`` may stand for ``_``), plus three tables:
 
 * ``method_args``: the method's hyper-parameters (``[tool.flwr.app.config.method_args]``, ``mu = 0.01``; a
   qualified one is a quoted key, ``"heal.tau" = 0.3``; a list is written as a string, ``target = "[0.2, 0.8]"``);
+* ``partition_args``: a registered partition scheme's parameters (``[tool.flwr.app.config.partition_args]``);
 * ``flower``: what only a deployment has, :class:`FlowerSettings` (how long a phase waits for replies, ...).
 
 TOML has no null: ``""`` stands for an unset value (``out = ""``: the default run directory; ``db = ""``: no database).
@@ -34,6 +35,8 @@ from fedskew.schema import StrictSettings, describe_errors
 SERVER_APP = "fedskew.flower.server_app:app"
 CLIENT_APP = "fedskew.flower.client_app:app"
 METHOD_ARGS = "method_args"
+PARTITION_ARGS = "partition_args"
+ARG_TABLES = (METHOD_ARGS, PARTITION_ARGS)  # the run config's mappings, each a table of its own
 ENGINE = "flower"
 
 
@@ -101,24 +104,25 @@ def _arg_value(value: Any) -> Any:
 def parse_run_config(
     run_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
 ) -> tuple[RunConfig, FlowerSettings]:
-    """``context.run_config`` (flat, ``method_args.<key>`` and ``flower.<key>`` for the two tables) -> the validated
-    run configuration and the deployment settings; ``overrides`` (e.g. a node's ``data_dir``) win over the run
-    config. Unknown keys are refused with the key named, as in a fedskew YAML file."""
+    """``context.run_config`` (flat, ``method_args.<key>``, ``partition_args.<key>`` and ``flower.<key>`` for the
+    tables) -> the validated run configuration and the deployment settings; ``overrides`` (e.g. a node's ``data_dir``)
+    win over the run config. Unknown keys are refused with the key named, as in a fedskew YAML file."""
     values: dict[str, Any] = {}
-    method_args: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {name: {} for name in ARG_TABLES}
     engine: dict[str, Any] = {}
     for key, value in run_config.items():
         head, dot, rest = str(key).partition(".")
         head = head.replace("-", "_")
-        if head == METHOD_ARGS and dot:
-            method_args[rest.replace("-", "_")] = _arg_value(value)
+        if head in tables and dot:
+            tables[head][rest.replace("-", "_")] = _arg_value(value)
         elif head == ENGINE and dot:
             engine[rest.replace("-", "_")] = _none_if_empty(value)
         elif dot:
-            raise ConfigError(f"run config key {key!r}: unknown table {head!r} (known: {METHOD_ARGS}, {ENGINE})")
+            known = ", ".join([*ARG_TABLES, ENGINE])
+            raise ConfigError(f"run config key {key!r}: unknown table {head!r} (known: {known})")
         else:
             values[head] = _none_if_empty(value)
-    values[METHOD_ARGS] = method_args
+    values.update(tables)
     try:
         settings = FlowerSettings(**engine)
     except ValidationError as exc:
@@ -176,11 +180,12 @@ def app_config(cfg: RunConfig, settings: FlowerSettings | None = None) -> str:
     """The ``[tool.flwr.app.config]`` tables for ``cfg``: every run-config key (so that any can be overridden with
     ``--run-config``), the method's given hyper-parameters, and the deployment settings."""
     dumped = cfg.model_dump()
-    args = dumped.pop(METHOD_ARGS)
+    tables = {name: dumped.pop(name) for name in ARG_TABLES}
     lines = ["[tool.flwr.app.config]"]
     lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in dumped.items()]
-    lines += ["", f"[tool.flwr.app.config.{METHOD_ARGS}]"]
-    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in args.items()]
+    for name, args in tables.items():
+        lines += ["", f"[tool.flwr.app.config.{name}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in args.items()]
     lines += ["", f"[tool.flwr.app.config.{ENGINE}]"]
     lines += [f"{k} = {_toml_value(v)}" for k, v in (settings or FlowerSettings()).model_dump().items()]
     return "\n".join(lines) + "\n"

@@ -144,13 +144,14 @@ def _set(values: dict[str, Any], key: str, value: Any, where: str) -> None:
         raise ConfigError(
             f"{where}: {key!r} is set by the sweep itself (top-level out/db, seeds:), not by a configuration key"
         )
-    if key == "method_args":
+    mapping = key.split(".", 1)[0]
+    if key in ("method_args", "partition_args"):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: method_args must be a mapping, got {value!r}")
-        values["method_args"] = {**values.get("method_args", {}), **value}
-    elif key.startswith("method_args."):
+            raise ConfigError(f"{where}: {key} must be a mapping, got {value!r}")
+        values[key] = {**values.get(key, {}), **value}
+    elif mapping in ("method_args", "partition_args") and "." in key:
         arg = key.split(".", 1)[1].replace("-", "_")
-        values["method_args"] = {**values.get("method_args", {}), arg: value}
+        values[mapping] = {**values.get(mapping, {}), arg: value}
     else:
         values[key] = value
 

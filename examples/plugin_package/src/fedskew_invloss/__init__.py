@@ -1,5 +1,7 @@
-"""Example fedskew plug-in: a server weighting ∝ (local training loss)^(-power), installed through an entry point."""
+"""Example fedskew plug-in package: a server weighting ∝ (local training loss)^(-power) and a partition scheme (label
+shards), each installed through an entry point."""
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -31,3 +33,14 @@ PLUGIN = ServerPlugin(
     roles=("weighting",),
     build=lambda p: {"weighting": InverseLossWeights(p.power)},
 )
+
+
+def shards(labels, num_clients, rng, *, per_client=2):
+    """label shards: the samples sorted by label, cut into num_clients * per_client shards, per_client random shards
+    per client (McMahan et al.'s pathological non-IID split)"""
+    order = np.argsort(np.asarray(labels), kind="stable")
+    pieces = np.array_split(order, num_clients * per_client)
+    drawn = rng.permutation(len(pieces))
+    return [
+        np.concatenate([pieces[j] for j in drawn[c * per_client : (c + 1) * per_client]]) for c in range(num_clients)
+    ]

@@ -36,7 +36,13 @@ from fedskew.data.partition.label_skew import (
     pathological,
     pfllib_least_samples,
 )
-from fedskew.data.partition.registry import PARTITIONS, make_partition
+from fedskew.data.partition.registry import (
+    PARTITIONS,
+    make_partition,
+    partition,
+    register_partition,
+    unregister_partition,
+)
 from fedskew.data.partition.sizes import domain_skew, iid, long_tail, quantity_skew
 from fedskew.data.partition.split import label_histograms, train_test_split_clients
 
@@ -53,8 +59,11 @@ __all__ = [
     "long_tail",
     "make_partition",
     "niid2",
+    "partition",
     "pathological",
     "pfllib_least_samples",
     "quantity_skew",
+    "register_partition",
     "train_test_split_clients",
+    "unregister_partition",
 ]
