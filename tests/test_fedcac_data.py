@@ -8,7 +8,8 @@ from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated, to_float
 from fedskew.data.partition import PartitionError, client_class_proportions
 from fedskew.data.readers import ImageDataset
-from fedskew.runner import headline, run_experiment
+from fedskew.recorder import headline
+from fedskew.runner import run_experiment
 from fedskew.seeding import Purpose, numpy_rng
 
 NUM_CLASSES = 6

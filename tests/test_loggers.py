@@ -213,7 +213,7 @@ def test_log_is_validated_and_not_part_of_the_experiment():
 
 
 def test_resume_accepts_log(tmp_path, monkeypatch):
-    from fedskew.cli import _config_from_args as config_from_args
+    from fedskew.commands.flags import config_from_args
     from fedskew.cli import build_parser
 
     monkeypatch.setitem(L.LOGGERS, "rec", L.LoggerSpec(_Recorder, (), "rec"))

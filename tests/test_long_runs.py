@@ -17,9 +17,10 @@ import pytest
 from fedskew.cli import main
 from fedskew.config import make_config
 from fedskew.protocol import TIMING_KEYS
+from fedskew.recorder import DatabaseWriteError, record_in_db
 from fedskew.results import store
 from fedskew.results.rundir import LOCK, RunDirectory, RunDirError
-from fedskew.runner import DatabaseWriteError, record_in_db, run_experiment
+from fedskew.runner import run_experiment
 
 
 def _cfg(tmp_path, name="run", **kw):

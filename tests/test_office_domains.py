@@ -97,7 +97,7 @@ def test_a_missing_domain_is_named_and_the_rest_runs(tmp_path):
     with pytest.warns(UserWarning, match=r"office_caltech: no files for dslr .* running on 3 domains"):
         data = fed.build_federated(_cfg(tmp_path, clients=6).data_settings())
     assert data.domains == ("amazon", "caltech", "webcam")
-    from fedskew.runner import domain_fields
+    from fedskew.recorder import domain_fields
 
     assert domain_fields(_cfg(tmp_path, clients=6), data.domains)["domains_missing"] == ["dslr"]
     shutil.rmtree(tmp_path / "office_caltech_10" / "caltech")

@@ -320,7 +320,7 @@ def cmd_skew(args: argparse.Namespace) -> int:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from fedskew.runner import record_in_db
+    from fedskew.recorder import record_in_db
 
     for run_dir in args.run_dirs:
         added = record_in_db(args.db, run_dir)
@@ -381,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.data.partition import PartitionError
     from fedskew.data.readers import DataError
     from fedskew.protocol import UploadError
+    from fedskew.recorder import DatabaseWriteError
     from fedskew.results.rundir import RunDirError
     from fedskew.results.store import DatabaseError
-    from fedskew.runner import DatabaseWriteError
 
     args = build_parser().parse_args(argv)
     command = args.command or "run"

@@ -7,9 +7,7 @@ with results identical to an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import signal
-import sqlite3
 import threading
 import time
 import uuid
@@ -23,23 +21,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew import __version__
-from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, dump_yaml, load_yaml, make_config
+from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, load_yaml, make_config
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.data.readers.base import VOCAB_FILE, vocabulary_digest, vocabulary_text
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
 from fedskew.engine.state_store import STATE_DIR, StoreDirError, StoreFiles
 from fedskew.methods import resolve_method
+from fedskew.recorder import RunRecorder, domain_fields
 from fedskew.results.loggers import LogContext, Loggers, check_installed
 from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
 from fedskew.results.store import (
-    DatabaseError,
-    ResultsDB,
     check_db_path,
-    client_rows,
     default_run_dir,
-    summarize_run,
 )
 
 # checkpoint_every=auto: write when the rounds since the last checkpoint took this many times its writing time
@@ -65,41 +59,12 @@ def label_table(data: FederatedData) -> dict[str, Any]:
     }
 
 
-def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
-    """The protocol's headline number: PFLlib reports the best round of the sample-weighted accuracy over the
-    clients' test splits; FedCAC the best round of the uniform mean over clients of the personalized models'
-    accuracy on their test splits (for a method without personalized models: the global model on each client's
-    test split); fedskew's own default is the last-N mean of the global model on the global test set."""
-    if cfg.protocol == "pfllib":
-        key, stat = "global_local_acc", "best"
-    elif cfg.protocol == "fedcac":
-        key = "personal_acc_mean" if "personal_acc_mean" in summary else "global_local_acc_mean"
-        stat = "best"
-    else:
-        key, stat = "global_acc", "last_n_mean"
-    return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
-
-
 def vocabulary_fields(data: FederatedData) -> dict[str, Any]:
     """Summary fields of a text run: its vocabulary's file in the run directory, size and SHA-1 (``{}`` without)."""
     if not data.vocabulary:
         return {}
     voc = data.vocabulary
     return {"vocabulary": {"file": VOCAB_FILE, "size": len(voc), "sha1": vocabulary_digest(voc)}}
-
-
-def domain_fields(cfg: RunConfig, domains: tuple[str, ...]) -> dict[str, Any]:
-    """Summary fields of a domain-skew run: the domains it used and those of its suite whose files were not found
-    (``{}`` without domains)."""
-    from fedskew.data.readers.domains import DOMAIN_SUITES
-
-    if not domains:
-        return {}
-    missing = []
-    suite = DOMAIN_SUITES.get(cfg.dataset)
-    if suite is not None and set(suite.domains) & set(domains):
-        missing = [d for d in suite.domains if d not in domains]
-    return {"domains": list(domains), "domains_missing": missing}
 
 
 class RunInterrupted(Exception):
@@ -117,10 +82,6 @@ class StopRun(Exception):
     """Raised by an ``on_round`` callback to end a run early on purpose (``fedskew tune`` pruning a hopeless trial):
     the finished rounds and the last checkpoint are kept, the run is marked ``stopped`` with the message, and the
     exception reaches the caller. Nothing is written to the database (the run did not finish)."""
-
-
-class DatabaseWriteError(DatabaseError):
-    """The run finished and its directory is complete, but its database rows could not be written."""
 
 
 class _Stop:
@@ -226,6 +187,7 @@ def run_experiment(
         note(msg)
     first, elapsed = 1, 0.0
     created = now.isoformat(timespec="seconds")
+    files = {VOCAB_FILE: vocabulary_text(data.vocabulary)} if data.vocabulary else {}  # text: the word of every id
     if resume:
         ckpt = rd.load_checkpoint(cfg.device)
         try:
@@ -244,16 +206,12 @@ def run_experiment(
         except StoreDirError as exc:
             rd.unlock()
             raise ConfigError(f"cannot run into {out_dir}: {exc}") from None
-        rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds)
-        rd.write_file("config.yaml", dump_yaml(cfg))
-        rd.write_file("clients.json", json.dumps(label_table(data)))
-        if data.vocabulary:  # text: the word of every token id, so that the run's model can be read back
-            rd.write_file(VOCAB_FILE, vocabulary_text(data.vocabulary))
+        RunRecorder(rd, cfg, run_id, created).start(label_table(data), files)
     rd.set_status("running", run_id=run_id)
-    records = rd.read_lines("metrics.jsonl")
     # live trackers on the same record stream (started at the first finished round; never stop the run)
     hists = data.train_hists + data.test_hists if cfg.log else None
     loggers = Loggers(cfg.log, cfg, out_dir, cfg.log_group or "", LogContext(run_id, first), note, hists)
+    recorder = RunRecorder(rd, cfg, run_id, created, rd.read_lines("metrics.jsonl"), loggers)
     diverged: Diverged | None = None
     ckpt_time, ckpt_count, since_ckpt = 0.0, 0, 0.0
     last_ckpt_cost: float | None = None
@@ -293,14 +251,7 @@ def run_experiment(
                 except Diverged as exc:  # keep the rounds before it, flagged; the caller reports it loudly
                     diverged = exc
                     break
-                records.append(result.record)
-                rd.append_line("metrics.jsonl", json.dumps(result.record, sort_keys=True, allow_nan=True))
-                if result.client_scores:
-                    rows = [list(r[1:]) for r in client_rows(rnd, result.client_scores)]
-                    rd.append_line("client_metrics.jsonl", json.dumps({"round": rnd, "rows": rows}))
-                if result.probe is not None:
-                    rd.append_line("skew.jsonl", json.dumps(result.probe))
-                loggers.round(result)
+                recorder.round(result)
                 since_ckpt += time.perf_counter() - t0
                 if stop.signum is not None:
                     checkpoint(rnd)
@@ -315,73 +266,26 @@ def run_experiment(
         loggers.close()
         raise
     except BaseException as exc:
-        loggers.close()
-        if not records:  # no round finished: leave no trace
-            sim.state_store.remove()
-            rd.discard()
-            raise
         done = rd.status().get("checkpoint_round") or 0
         status = "failed"
         if isinstance(exc, KeyboardInterrupt | StopRun):
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
-        rd.set_status(status, error=f"{type(exc).__name__}: {exc}", completed_rounds=len(records))
-        rd.unlock()
+        if not recorder.records:  # no round finished: no trace left, client state first
+            sim.state_store.remove()
+        if recorder.failed(exc, status):
+            raise
         if isinstance(exc, KeyboardInterrupt):
             raise RunInterrupted(signal.SIGINT, out_dir, done) from None
         raise
     finally:
         sim.close()  # worker processes, if any
 
-    summary = summarize_run(records, cfg.last_n)
-    summary.update(
-        {
-            "run_id": run_id,
-            "method": cfg.method,
-            "model": sim.model_name,
-            "seed": cfg.seed,
-            "wall_time": elapsed + time.perf_counter() - started,
-            "fedskew_version": __version__,
-            "created": created,
-            "diverged": diverged is not None,
-            "diverged_round": diverged.round if diverged else None,
-            "diverged_reason": diverged.reason if diverged else None,
-            "checkpoints": ckpt_count,
-            "checkpoint_time": ckpt_time,
-            **domain_fields(cfg, data.domains),
-            **vocabulary_fields(data),
-        }
+    wall_time = elapsed + time.perf_counter() - started
+    summary = recorder.summary(
+        model=sim.model_name, wall_time=wall_time, diverged=diverged, checkpoints=ckpt_count, checkpoint_time=ckpt_time
     )
-    summary["headline"] = headline(cfg, summary)
-    rd.finish("diverged" if diverged else "finished", summary)
+    summary.update({**domain_fields(cfg, data.domains), **vocabulary_fields(data)})
+    recorder.finish(summary)
     sim.state_store.remove()  # like the checkpoint, the client state is kept only while the run can be resumed
-    loggers.end(summary)
-    loggers.close()
-    if cfg.db:
-        record_in_db(cfg.db, out_dir)
-    return RunOutcome(run_id, out_dir, summary, records, data)
-
-
-def record_in_db(db_path: str | Path, run_dir: str | Path) -> bool:
-    """Insert the ended run in ``run_dir`` into the database (``fedskew db import``); ``False`` if it is already
-    there. Raises :class:`DatabaseWriteError` saying how to import it later."""
-    path = Path(run_dir)
-    rd = RunDirectory(path)
-    summary_file = path / "summary.json"
-    if not summary_file.is_file():
-        st = rd.status().get("status", "not a run directory")
-        raise DatabaseError(f"{path} holds no ended run (status: {st}); only finished or diverged runs are recorded")
-    summary = json.loads(summary_file.read_text())
-    cfg = make_config(load_yaml(path / "config.yaml"))
-    records = rd.read_lines("metrics.jsonl")
-    rows = [(line["round"], *row) for line in rd.read_lines("client_metrics.jsonl") for row in line["rows"]]
-    try:
-        with ResultsDB(db_path) as db:
-            if db.has_run(summary["run_id"]):
-                return False
-            db.add_run(summary["run_id"], cfg, summary["created"], summary, records, rows, str(path))
-    except (DatabaseError, OSError, sqlite3.Error) as exc:
-        raise DatabaseWriteError(
-            f"run {summary['run_id']} finished and {path}/ is complete, but the database {db_path} could not be "
-            f"written ({exc}). Record it later with: fedskew db import {path} --db {db_path}"
-        ) from None
-    return True
+    recorder.publish(summary)
+    return RunOutcome(run_id, out_dir, summary, recorder.records, data)

@@ -27,7 +27,6 @@ nodes, for one run), so no checkpoint is written.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -42,7 +41,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew import __version__
-from fedskew.config import ConfigError, RunConfig, dump_yaml
+from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import FederatedData, build_federated
 from fedskew.engine.evaluate import (
     ClientScores,
@@ -63,9 +62,10 @@ from fedskew.flower.server_data import domain_scores, load_test_data, server_vie
 from fedskew.flower.settings import FlowerSettings, config_hash, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import Params, Upload
+from fedskew.recorder import RunRecorder, domain_fields
 from fedskew.results.rundir import RunDirectory
-from fedskew.results.store import check_db_path, client_rows, default_run_dir, summarize_run
-from fedskew.runner import RunOutcome, domain_fields, headline, record_in_db
+from fedskew.results.store import check_db_path, default_run_dir
+from fedskew.runner import RunOutcome
 
 log = logging.getLogger("flwr.fedskew")
 ENGINE = "flower"
@@ -337,15 +337,6 @@ class FlowerServer(Simulation):
         return rec, scores
 
 
-def _append(rd: RunDirectory, rnd: int, result: RoundResult) -> None:
-    rd.append_line("metrics.jsonl", json.dumps(result.record, sort_keys=True, allow_nan=True))
-    if result.client_scores:
-        rows = [list(r[1:]) for r in client_rows(rnd, result.client_scores)]
-        rd.append_line("client_metrics.jsonl", json.dumps({"round": rnd, "rows": rows}))
-    if result.probe is not None:
-        rd.append_line("skew.jsonl", json.dumps(result.probe))
-
-
 def run_on_grid(
     grid: Grid,
     cfg: RunConfig,
@@ -387,12 +378,9 @@ def run_on_grid(
     out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
     server = FlowerServer(cfg, view, method, link, union, known=known_of(reports, request))
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite)
-    created = now.isoformat(timespec="seconds")
-    rd.set_status("running", run_id=run_id, completed_rounds=0, checkpoint_round=None, rounds=cfg.rounds, engine=ENGINE)
-    rd.write_file("config.yaml", dump_yaml(cfg))
-    rd.write_file("clients.json", json.dumps(server_knows(view, reports, request)))
+    recorder = RunRecorder(rd, cfg, run_id, now.isoformat(timespec="seconds"))
+    recorder.start(server_knows(view, reports, request), engine=ENGINE)
     log.info("fedskew %s on %s: %d clients connected, run directory %s", cfg.method, cfg.dataset, cfg.clients, out_dir)
-    records: list[dict[str, Any]] = []
     diverged: Diverged | None = None
     try:
         for rnd in range(1, cfg.rounds + 1):
@@ -401,48 +389,29 @@ def run_on_grid(
             except Diverged as exc:  # keep the rounds before it, flagged
                 diverged = exc
                 break
-            records.append(result.record)
-            _append(rd, rnd, result)
+            recorder.round(result)
             rd.set_status("running", completed_rounds=rnd)
             acc = result.record.get("global_acc")
             log.info("round %d/%d: global_acc %s", rnd, cfg.rounds, "-" if acc is None else f"{acc:.4f}")
             if on_round is not None:
                 on_round(result)
     except BaseException as exc:
-        if not records:
-            rd.discard()
-            raise
-        rd.set_status("failed", error=f"{type(exc).__name__}: {exc}", completed_rounds=len(records))
-        rd.unlock()
+        recorder.failed(exc)
         raise
     finally:
         server.close()
-    summary = summarize_run(records, cfg.last_n)
+    summary = recorder.summary(model=server.model_name, wall_time=time.perf_counter() - started, diverged=diverged)
     summary.update(
         {
-            "run_id": run_id,
-            "method": cfg.method,
-            "model": server.model_name,
-            "seed": cfg.seed,
-            "wall_time": time.perf_counter() - started,
-            "fedskew_version": __version__,
-            "created": created,
-            "diverged": diverged is not None,
-            "diverged_round": diverged.round if diverged else None,
-            "diverged_reason": diverged.reason if diverged else None,
-            "checkpoints": 0,
-            "checkpoint_time": 0.0,
             **domain_fields(cfg, view.domains),
             "engine": ENGINE,
             "evaluation": evaluation,
             "flower": {**settings.model_dump(), "failures": server.failures, "rejoined": server.rejoined},
         }
     )
-    summary["headline"] = headline(cfg, summary)
-    rd.finish("diverged" if diverged else "finished", summary)
-    if cfg.db:
-        record_in_db(cfg.db, out_dir)
-    return RunOutcome(run_id, out_dir, summary, records, view)
+    recorder.finish(summary)
+    recorder.publish(summary)
+    return RunOutcome(run_id, out_dir, summary, recorder.records, view)
 
 
 app = ServerApp()

@@ -337,7 +337,7 @@ def _settled(run: PlannedRun, state: str, detail: str) -> RunResult | None:
 
 def _finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
     """(run id, error) of a finished run directory, recording it in the database when it is not there yet."""
-    from fedskew.runner import record_in_db
+    from fedskew.recorder import record_in_db
 
     try:
         run_id = json.loads((Path(run_dir) / "summary.json").read_text())["run_id"]

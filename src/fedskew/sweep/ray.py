@@ -11,7 +11,7 @@ run directory on its node, without a database. What travels, through Ray's objec
   changed files each time a checkpoint is written and once more when the run ends (finished, diverged, failed after
   some rounds, interrupted). The driver writes them into the run directory (each file through a temporary name and a
   rename; the per-round files first, the checkpoint next, ``status.json`` last, so the directory is always one a
-  local run could have left), and records an ended run in the database itself (:func:`fedskew.runner.record_in_db`).
+  local run could have left), and records an ended run in the database itself (:func:`fedskew.recorder.record_in_db`).
 
 So the run directories and the database are those of a local sweep (``config.yaml`` names the driver's ``out`` and
 ``db``), and everything the local pool guarantees holds: a finished run is skipped, an interrupted one continues from
