@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from fedskew.config import make_config
-from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.federated import build_federated
+from fedskew.data.pools import FederatedData
 from fedskew.data.readers import ImageDataset
 from fedskew.engine import batched as batched_module
 from fedskew.engine.batched import batchable, train_batched

@@ -15,7 +15,8 @@ import torch
 
 from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
-from fedskew.data.federated import build_federated, input_shape, to_float
+from fedskew.data.federated import build_federated
+from fedskew.data.pools import input_shape, to_float
 from fedskew.data.readers import DataError, clear_cache, load_dataset
 from fedskew.data.readers.ag_news import (
     AG_CLASSES,

@@ -224,6 +224,29 @@ def test_the_protocol_holds_no_method_specific_name():
         assert not any(part in words for part in parts), (name, value)
 
 
+def test_a_protocol_is_one_record_not_a_string_branch():
+    """What an evaluation protocol changes is read from its record (fedskew/data/protocols.py: PROTOCOLS); no other
+    module compares a configuration's ``protocol`` with a protocol's name (issue 40)."""
+
+    def branches(tree: ast.AST) -> list[int]:
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                on_protocol = any(isinstance(x, ast.Attribute) and x.attr == "protocol" for x in sides)
+                named = any(isinstance(x, ast.Constant | ast.Tuple | ast.List | ast.Set) for x in sides)
+                if on_protocol and named:
+                    found.append(node.lineno)
+        return found
+
+    assert branches(ast.parse("if cfg.protocol == 'pfllib': pass")) == [1]  # the check sees a branch
+    for f in sorted(SRC.rglob("*.py")):
+        if f == SRC / "data" / "protocols.py":
+            continue
+        lines = branches(ast.parse(f.read_text()))
+        assert not lines, f"{f.relative_to(SRC)}:{lines} branches on a protocol's name; read its Protocol record"
+
+
 def test_no_import_cycle_at_import_time():
     """No circle among fedskew's modules through the imports that run when a module is imported."""
     assert _cycles(_graph(function_level=False)) == []

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from fedskew.config import ConfigError, make_config
-from fedskew.data.federated import build_federated, to_float
+from fedskew.data.federated import build_federated
 from fedskew.data.partition import PartitionError, client_class_proportions
+from fedskew.data.pools import to_float
 from fedskew.data.readers import ImageDataset
 from fedskew.recorder import headline
 from fedskew.runner import run_experiment

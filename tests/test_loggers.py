@@ -213,8 +213,8 @@ def test_log_is_validated_and_not_part_of_the_experiment():
 
 
 def test_resume_accepts_log(tmp_path, monkeypatch):
-    from fedskew.commands.flags import config_from_args
     from fedskew.cli import build_parser
+    from fedskew.commands.flags import config_from_args
 
     monkeypatch.setitem(L.LOGGERS, "rec", L.LoggerSpec(_Recorder, (), "rec"))
     monkeypatch.setattr(_Recorder, "calls", [])

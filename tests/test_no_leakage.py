@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import fedskew.data.federated as fed
-from fedskew.config import FEDCAC_PARTITIONS, PFLLIB_PARTITIONS, ConfigError, make_config
+import fedskew.data.pools as pools
+from fedskew.config import ConfigError, make_config
 from fedskew.data.partition import PartitionError
+from fedskew.data.protocols import PROTOCOLS as PROTOCOL_RECORDS
 from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
 
 PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "biased", "quantity"]  # on digits; domain needs digits_domains
 PROTOCOLS = ["fedskew", "pfllib", "fedcac"]
-VALID = {"fedskew": PARTITIONS, "pfllib": PFLLIB_PARTITIONS, "fedcac": FEDCAC_PARTITIONS}  # others are refused
+VALID = {"fedskew": PARTITIONS, **{p: PROTOCOL_RECORDS[p].partitions for p in ("pfllib", "fedcac")}}  # others refused
 COMBOS = [(p, proto) for proto in PROTOCOLS for p in VALID[proto]]
 
 
@@ -32,11 +34,11 @@ def _source(parts: list[ImageDataset]) -> tuple[np.ndarray, np.ndarray]:
 def _check_indices(x: torch.Tensor, y: torch.Tensor, index: np.ndarray | None, source: tuple) -> None:
     assert index is not None and index.dtype == np.int64 and index.shape == (len(y),)
     sx, sy = source
-    assert torch.equal(x.cpu(), fed.to_float(sx[index], "cpu"))
+    assert torch.equal(x.cpu(), pools.to_float(sx[index], "cpu"))
     assert np.array_equal(y.cpu().numpy(), sy[index])
 
 
-def leak_report(data: fed.FederatedData, source: tuple) -> dict[str, int]:
+def leak_report(data: pools.FederatedData, source: tuple) -> dict[str, int]:
     """Checks the recorded source indices against the tensors, then counts local-test and global-test samples that
     sit in some client's training split."""
     for c in data.clients:
@@ -53,7 +55,7 @@ def leak_report(data: fed.FederatedData, source: tuple) -> dict[str, int]:
     }
 
 
-def assert_no_leak(data: fed.FederatedData, source: tuple) -> dict[str, int]:
+def assert_no_leak(data: pools.FederatedData, source: tuple) -> dict[str, int]:
     r = leak_report(data, source)
     assert r["local_tests"] > 0 and r["global_tests"] > 0
     assert (r["local_leaks"], r["global_leaks"]) == (0, 0), (
@@ -161,7 +163,7 @@ def test_domain_partition_has_no_leak(shared_data):
 
 
 # ---- validation splits: carved from training, and under evaluate_on=validation no test sample is left -------------
-def _all_test_indices(data: fed.FederatedData) -> np.ndarray:
+def _all_test_indices(data: pools.FederatedData) -> np.ndarray:
     return np.concatenate([data.test_index, *(c.test_index for c in data.clients)])
 
 

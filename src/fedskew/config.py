@@ -20,11 +20,6 @@ from fedskew.schema import ConfigError, StrictSettings, describe_errors
 DOMAIN_DATASETS = ("digits_domains", "office_caltech")  # the domain suites (fedskew.data.readers.domains)
 DOMAIN_ONLY = ("digits_domains",)  # read only as domains; office_caltech also reads pooled for the other partitions
 
-# the partitions protocol fedcac can draw client-wise class proportions from (FedCAC's Dirichlet and pathological)
-FEDCAC_PARTITIONS = ("dirfixed", "pat")
-# the partitions PFLlib's generator scripts have
-PFLLIB_PARTITIONS = ("iid", "pat", "dir")
-
 
 # settings that change where a run goes, how fast it runs or when it is stopped, not what it computes
 NOT_IDENTITY = frozenset(
@@ -100,7 +95,7 @@ class RunConfig(StrictSettings):
     download: bool = Field(
         False, description="fetch missing official dataset files into data_dir (MD5-checked; needs the network)"
     )
-    protocol: Literal["fedskew", "pfllib", "fedcac"] = Field(
+    protocol: str = Field(
         "fedskew",
         description="pfllib: PFLlib's data split and evaluation semantics; fedcac: FedCAC's fixed-size client train "
         "and test samples with shared class proportions (docs/protocols.md)",
@@ -293,6 +288,15 @@ class RunConfig(StrictSettings):
             raise ValueError(f"device {v!r} requested but CUDA is not available")
         return v
 
+    @field_validator("protocol")
+    @classmethod
+    def _protocol_known(cls, v: str) -> str:
+        from fedskew.data.protocols import PROTOCOLS
+
+        if v not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {v!r}; choose one of {', '.join(PROTOCOLS)}")
+        return v
+
     @field_validator("partition")
     @classmethod
     def _partition_known(cls, v: str) -> str:
@@ -334,21 +338,11 @@ class RunConfig(StrictSettings):
                 "evaluate_on 'validation' scores the clients' validation splits: set validation to a share in (0, 1) "
                 "(e.g. 0.2)"
             )
-        if self.protocol == "pfllib" and self.partition not in (*PFLLIB_PARTITIONS, "given"):
-            raise ValueError(
-                f"protocol 'pfllib' supports partitions {', '.join(PFLLIB_PARTITIONS)} (and given, for per-client "
-                f"files), not {self.partition!r}"
-            )
-        if self.protocol == "fedcac":
-            if self.partition not in FEDCAC_PARTITIONS:
-                raise ValueError(
-                    f"protocol 'fedcac' supports partitions {' and '.join(FEDCAC_PARTITIONS)}, not {self.partition!r}"
-                )
-            if self.imbalance_ratio is not None:
-                raise ValueError(
-                    f"protocol 'fedcac' draws fixed-size client samples and has no global long tail: "
-                    f"imbalance_ratio must be unset, got {self.imbalance_ratio!r}"
-                )
+        from fedskew.data.protocols import PROTOCOLS
+
+        refused = PROTOCOLS[self.protocol].refuse(self.partition, self.imbalance_ratio)
+        if refused is not None:
+            raise ValueError(refused)
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
@@ -432,26 +426,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-# applied under --protocol X unless the file or a flag sets the key (docs/protocols.md):
-# pfllib: the PFLlib generator scripts' constants and its run-time defaults;
-# fedcac: the FedCAC paper's settings (N 40, 500 train / 100 test samples per client, Dir(0.1)) with Fling's
-# local-training configs (5 epochs, batch 100, SGD lr 0.1, momentum 0.9)
-PROTOCOL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "pfllib": {"batch_size": 10, "lr": 0.005, "train_ratio": 0.75, "clients": 20},
-    "fedcac": {
-        "clients": 40,
-        "samples_per_client": 500,
-        "test_samples_per_client": 100,
-        "local_epochs": 5,
-        "batch_size": 100,
-        "lr": 0.1,
-        "momentum": 0.9,
-        "partition": "dirfixed",
-        "alpha": 0.1,
-    },
-}
-
-
 def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Defaults < protocol preset < file values < overrides (``None`` overrides are ignored), validated as a whole."""
     values: dict[str, Any] = dict(file_values or {})
@@ -462,7 +436,11 @@ def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, 
             values[k] = {**values.get(k, {}), **v}
         else:
             values[k] = v
-    values = {**PROTOCOL_DEFAULTS.get(str(values.get("protocol")), {}), **values}
+    from fedskew.data.protocols import PROTOCOLS
+
+    # applied under --protocol X unless the file or a flag sets the key (docs/protocols.md)
+    protocol = PROTOCOLS.get(str(values.get("protocol")))
+    values = {**(protocol.defaults if protocol is not None else {}), **values}
     try:
         return RunConfig(**values)
     except ValidationError as exc:

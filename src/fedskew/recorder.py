@@ -41,13 +41,10 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     clients' test splits; FedCAC the best round of the uniform mean over clients of the personalized models'
     accuracy on their test splits (for a method without personalized models: the global model on each client's
     test split); fedskew's own default is the last-N mean of the global model on the global test set."""
-    if cfg.protocol == "pfllib":
-        key, stat = "global_local_acc", "best"
-    elif cfg.protocol == "fedcac":
-        key = "personal_acc_mean" if "personal_acc_mean" in summary else "global_local_acc_mean"
-        stat = "best"
-    else:
-        key, stat = "global_acc", "last_n_mean"
+    from fedskew.data.protocols import PROTOCOLS
+
+    protocol = PROTOCOLS[cfg.protocol]
+    key, stat = protocol.headline("personal_acc_mean" in summary), protocol.statistic  # personal views: personalized
     return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from fedskew.config import NOT_IDENTITY, ConfigError, RunConfig, load_yaml, make_config
-from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.federated import build_federated
+from fedskew.data.pools import FederatedData
 from fedskew.data.readers.base import VOCAB_FILE, vocabulary_digest, vocabulary_text
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name

@@ -29,7 +29,7 @@ from fedskew.client.local import LocalAlgorithm, overrides
 from fedskew.protocol import ClientScores, Params  # ClientScores: beside the exchange types, the results store reads it
 
 if TYPE_CHECKING:
-    from fedskew.data.federated import FederatedData
+    from fedskew.data.pools import FederatedData
 
 
 EVAL_ACTIVATION_BUDGET = 16 * 2**20  # bytes: the largest activation of an evaluation batch stays under this on CPU

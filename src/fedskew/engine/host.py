@@ -18,7 +18,7 @@ from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
     from fedskew.client.local import TrainSettings
-    from fedskew.data.federated import FederatedData
+    from fedskew.data.pools import FederatedData
     from fedskew.engine.rounds import RoundPlan, RoundResult
     from fedskew.methods import Method
 

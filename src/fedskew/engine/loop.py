@@ -27,7 +27,8 @@ import torch
 
 from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
-from fedskew.data.federated import FederatedData
+from fedskew.data.pools import FederatedData
+from fedskew.data.protocols import PROTOCOLS
 from fedskew.engine.backends import batched_trainer, worker_pool
 from fedskew.engine.buffers import BufferPool
 from fedskew.engine.evaluate import (
@@ -181,7 +182,7 @@ class Simulation:
             seed=cfg.seed,
             reports=self.reports,
         )
-        local_groups = self.method.local | ({"buffers"} if cfg.protocol == "pfllib" else set())
+        local_groups = self.method.local | PROTOCOLS[cfg.protocol].local  # PFLlib's clients keep their buffers
         self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
         # a client that has not trained yet holds the initial model's entries, not the average
         initial = {k: self.global_params[k] for k in self.local_names}

@@ -15,7 +15,7 @@ from fedskew.seeding import Purpose, torch_seed
 
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
-    from fedskew.data.federated import FederatedData
+    from fedskew.data.pools import FederatedData
     from fedskew.methods import Method
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from fedskew import __version__
 from fedskew.client.local import TrainSettings, snapshot
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import ClientData
+from fedskew.data.pools import ClientData
 from fedskew.engine.evaluate import predict_scores
 from fedskew.engine.model_init import init_model
 from fedskew.engine.rounds import LOCAL_PARAMS, keep_trained, train_client, train_settings, with_local

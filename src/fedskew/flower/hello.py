@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedskew.data.federated import FederatedData
+from fedskew.data.pools import FederatedData
 from fedskew.protocol import ClientReport
 
 

@@ -36,8 +36,9 @@ import torch
 
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import ClientData, FederatedData, build_federated, input_shape, to_float
+from fedskew.data.federated import build_federated
 from fedskew.data.partition import PartitionError, train_test_split_clients
+from fedskew.data.pools import ClientData, FederatedData, input_shape, to_float
 from fedskew.data.readers.base import cache_root
 from fedskew.flower.settings import NODE_DATA
 from fedskew.seeding import Purpose, numpy_rng

@@ -42,7 +42,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedskew import __version__
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import FederatedData, build_federated
+from fedskew.data.federated import build_federated
+from fedskew.data.pools import FederatedData
 from fedskew.engine.evaluate import (
     ClientScores,
     pooled,

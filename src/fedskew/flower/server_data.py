@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fedskew.config import ConfigError, RunConfig
-from fedskew.data.federated import ClientData, FederatedData, to_float
+from fedskew.data.pools import ClientData, FederatedData, to_float
 from fedskew.engine.evaluate import domain_summary
 from fedskew.flower.hello import NodeReport
 from fedskew.protocol import ClientScores

@@ -5,7 +5,7 @@ FedRep: local head), and :func:`norm_keys` names the normalization layers' entri
 so forward passes are deterministic given the weights (the engine relies on it for reproducibility).
 
 Text: ``textcnn`` reads int64 token ids ``[B, L]``; ``build_model`` then takes the vocabulary size as
-``in_channels`` and the sequence length as ``image_size`` (what :func:`fedskew.data.federated.input_shape` gives for
+``in_channels`` and the sequence length as ``image_size`` (what :func:`fedskew.data.pools.input_shape` gives for
 token ids).
 
 ``build_model(..., projection=D)`` appends MOON's projection head to the body (``body.proj``: Linear d→d, ReLU,

@@ -152,18 +152,11 @@ def objective_metric(spec: TuneSpec, cfg_values: dict[str, Any]) -> tuple[str, s
         cfg = make_config(cfg_values)
         if cfg.partition == "domain":
             metric = "domain_acc_avg"
-        elif cfg.protocol == "pfllib":
-            metric = "global_local_acc"
-        elif cfg.protocol == "fedcac":
+        else:
+            from fedskew.data.protocols import PROTOCOLS
             from fedskew.methods import resolve_method
 
-            metric = (
-                "personal_acc_mean"
-                if resolve_method(cfg.method, cfg.method_args).personalized
-                else ("global_local_acc_mean")
-            )
-        else:
-            metric = "global_acc"
+            metric = PROTOCOLS[cfg.protocol].headline(resolve_method(cfg.method, cfg.method_args).personalized)
     direction = "minimize" if metric.endswith(("_std", "_loss")) else "maximize"
     return metric, direction
 
