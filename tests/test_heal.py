@@ -346,7 +346,7 @@ def test_beta_zero_with_fphl_gives_masked_fedavg():
         (lambda: FaelWeights(distance="l1"), "unknown FAEL distance"),
         (lambda: FaelWeights(fael_init="zeros"), "unknown FAEL init"),
         (lambda: FaelWeights(uniform_over="all"), "unknown FAEL uniform_over"),
-        (lambda: heal_aggregation(beta=2.0), "beta must be"),
+        (lambda: heal_aggregation(beta=2.0), "FedHEAL: beta: Input should be less than or equal to 1"),
         (lambda: FaelWeights().init(None), "needs a ServerContext"),
         (lambda: FaelWeights(fael_init="datasize").init(_ctx(sizes=[1, 0, 2])), "positive sizes"),
         (lambda: fael_distances(_rin(_zeros(), R0), None, "l3"), "unknown FAEL distance"),

@@ -39,12 +39,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
-from fedskew.schema import StrictSettings
+from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, Masking, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.weights import normalize
@@ -300,6 +300,16 @@ class FaelWeights(Weighting):
         return weights, FaelState(clients, state.p0)
 
 
+# ---- registration ----------------------------------------------------------------------------------------------------
+def heal_pieces(p: HealParams) -> dict[str, Any]:
+    """FedHEAL's two pieces from its validated hyper-parameters: the FPHL masks and the FAEL weights (the one
+    builder: the ``heal`` plug-in and :func:`heal_aggregation` both use it)."""
+    return {
+        "masking": HealMasks(tau=p.tau, strict=p.strict),
+        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over),
+    }
+
+
 def heal_aggregation(
     tau: float = HEAL.tau,
     beta: float = HEAL.beta,
@@ -309,20 +319,16 @@ def heal_aggregation(
     fael_init: str = HEAL.fael_init,
     uniform_over: str = HEAL.uniform_over,
 ) -> Aggregation:
-    """FedHEAL's server step (FPHL masks -> FAEL weights -> masked weighted mean), for any client method."""
-    return Aggregation(
-        weighting=FaelWeights(beta=beta, distance=distance, fael_init=fael_init, uniform_over=uniform_over),
-        combine=WeightedMean(),
-        masking=HealMasks(tau=tau, strict=strict),
-    )
-
-
-# ---- registration ----------------------------------------------------------------------------------------------------
-def _heal(p: HealParams) -> dict[str, Any]:
-    return {
-        "masking": HealMasks(tau=p.tau, strict=p.strict),
-        "weighting": FaelWeights(beta=p.beta, distance=p.distance, fael_init=p.fael_init, uniform_over=p.uniform_over),
-    }
+    """FedHEAL's server step (FPHL masks -> FAEL weights -> masked weighted mean), for any client method; the
+    arguments are checked by :class:`HealParams`, as the plug-in's ``-m`` arguments are."""
+    try:
+        p = HealParams(
+            tau=tau, beta=beta, strict=strict, distance=distance, fael_init=fael_init, uniform_over=uniform_over
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"FedHEAL: {'; '.join(describe_errors(exc))}") from None
+    pieces = heal_pieces(p)
+    return Aggregation(weighting=pieces["weighting"], combine=WeightedMean(), masking=pieces["masking"])
 
 
 CLIENTS: dict[str, ClientPart] = {}
@@ -333,7 +339,7 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         "Chen et al., Fair Federated Learning under Domain Skew with Local Consistency and Domain Diversity, CVPR 2024",
         HealParams,
         ("masking", "weighting"),
-        _heal,
+        heal_pieces,
         tunable={"tau": Float(0.1, 0.6), "beta": Float(0.1, 0.9)},  # FedHEAL Table 4 / Fig. 6
     ),
 }
