@@ -90,15 +90,17 @@ class RunConfig(StrictSettings):
     method: str = Field("fedavg", description="method name or composition, e.g. fedavg, fedsa, fedprox+disco")
     method_args: dict[str, Any] = Field(default_factory=dict, description="method hyper-parameters")
     # data
-    dataset: str = "digits"
+    dataset: str = Field(
+        "digits", description="digits (embedded), mnist, fmnist, ..., folder or npz (your data, with data_dir)"
+    )
     data_dir: str | None = Field(None, description="directory with the dataset files (env FEDSKEW_DATA)")
     download: bool = Field(
         False, description="fetch missing official dataset files into data_dir (MD5-checked; needs the network)"
     )
     protocol: str = Field(
         "fedskew",
-        description="pfllib: PFLlib's data split and evaluation semantics; fedcac: FedCAC's fixed-size client train "
-        "and test samples with shared class proportions (docs/protocols.md)",
+        description="fedskew | pfllib: PFLlib's data split and evaluation semantics | fedcac: FedCAC's fixed-size "
+        "client train and test samples with shared class proportions (docs/protocols.md)",
     )
     partition: str = Field(
         "dir",
@@ -129,7 +131,7 @@ class RunConfig(StrictSettings):
         ge=1,
         description="global long-tail imbalance (largest/smallest class size) of the training pool",
     )
-    clients: int = Field(10, ge=1)
+    clients: int = Field(10, ge=1, description="number of clients")
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
     holdout: float = Field(
         0.2, gt=0, lt=1, description="global test share of the pool, for datasets without an official test split"
@@ -147,14 +149,14 @@ class RunConfig(StrictSettings):
         "sets, which are then never read (what `fedskew tune` runs); needs validation > 0",
     )
     # federation
-    rounds: int = Field(100, ge=1)
+    rounds: int = Field(100, ge=1, description="communication rounds")
     join_ratio: float = Field(1.0, gt=0, le=1, description="share of clients sampled each round")
     # local training
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(10, ge=1)
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    local_epochs: int = Field(1, ge=1, description="local epochs per round")
+    batch_size: int = Field(10, ge=1, description="local batch size")
+    lr: float = Field(0.05, gt=0, description="local SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
     drop_last: bool = False
     model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, textcnn (token ids), or auto")
     norm: Literal["bn", "gn"] = "bn"
@@ -173,7 +175,7 @@ class RunConfig(StrictSettings):
         0.0, ge=0, lt=1, description="probability that a sampled client fails to report in a round (seeded)"
     )
     # evaluation and output
-    eval_every: int = Field(1, ge=1)
+    eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and always the last)")
     eval_batch_size: Literal["auto"] | int = Field(
         "auto",
         description="evaluation batch (auto: on CPU the largest whose biggest layer output stays under 16 MiB, "
@@ -194,8 +196,8 @@ class RunConfig(StrictSettings):
         description="write a resumable checkpoint every K rounds (0: never; auto: as often as keeps the writing "
         "under 2% of the run time, and always on an interruption); see README, long runs",
     )
-    seed: int = Field(0, ge=0)
-    device: str = "cpu"
+    seed: int = Field(0, ge=0, description="the one seed of the run (partition, sampling, init, shuffling)")
+    device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     threads: int = Field(
         1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"
     )

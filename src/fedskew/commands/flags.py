@@ -5,78 +5,99 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
 # `fedskew run` switches (store_true flags) that set a config key of the same name to true
 RUN_SWITCHES = ("batched_clients", "channels_last")
 
-# flag name -> config key; every one of these overrides the YAML file
-RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    "--method": ("method", str, "method or composition (see `fedskew methods`)"),
-    "--dataset": ("dataset", str, "digits (embedded), mnist, ..., folder or npz (your data, with --data-dir)"),
-    "--data-dir": ("data_dir", str, "directory with the dataset files (default: $FEDSKEW_DATA)"),
-    "--partition": (
-        "partition",
-        str,
-        "iid | dir | pat | dirfixed | niid2 | biased | quantity | domain | given, or a registered scheme "
-        "(`fedskew partition --list`; its parameters with -P KEY=VALUE)",
-    ),
-    "--protocol": (
-        "protocol",
-        str,
-        "fedskew | pfllib (PFLlib's split and evaluation semantics) | fedcac (FedCAC's fixed-size train/test draws)",
-    ),
-    "--alpha": ("alpha", float, "Dirichlet concentration"),
-    "--classes-per-client": ("classes_per_client", int, "classes per client for pat, per biased client for biased"),
-    "--uniform-clients": ("uniform_clients", int, "biased: clients holding every class (the others are biased)"),
-    "--pat-scheme": ("pat_scheme", str, "pat: random | pfllib (blocked)"),
-    "--min-size": ("min_size", int, "minimum samples per client for dir"),
-    "--imbalance-ratio": ("imbalance_ratio", float, "global long-tail imbalance of the training pool"),
-    "--samples-per-client": ("samples_per_client", int, "samples per client for dirfixed"),
-    "--test-samples-per-client": ("test_samples_per_client", int, "local test samples per client (fedcac)"),
-    "--clients": ("clients", int, "number of clients"),
-    "--join-ratio": ("join_ratio", float, "share of clients sampled per round"),
-    "--rounds": ("rounds", int, "communication rounds"),
-    "--local-epochs": ("local_epochs", int, "local epochs per round"),
-    "--batch-size": ("batch_size", int, "local batch size"),
-    "--lr": ("lr", float, "local SGD learning rate"),
-    "--momentum": ("momentum", float, "local SGD momentum"),
-    "--weight-decay": ("weight_decay", float, "local SGD weight decay"),
-    "--model": ("model", str, "mlp | cnn | lenet | resnet8/10/18/34 | textcnn | auto"),
-    "--train-ratio": ("train_ratio", float, "per-client train share (rest = local test)"),
-    "--validation": ("validation", float, "share of every client's training split held out as validation (0: none)"),
-    "--evaluate-on": ("evaluate_on", str, "test | validation: what every evaluation view scores"),
-    "--eval-every": ("eval_every", int, "evaluate every N rounds"),
-    "--eval-clients": (
-        "eval_clients",
-        int,
-        "score per-client models on a seeded sample of N clients per evaluated round (all at the last round)",
-    ),
-    "--last-n": ("last_n", int, "summaries average the last N evaluated rounds"),
-    "--skew-probes": ("skew_probes", int, "positions per layer recorded for `fedskew skew` (0: off)"),
-    "--domain-fraction": ("domain_fraction", float, "share of its domain's training set per client (domain)"),
-    "--image-size": ("image_size", int, "common image side of the domains (domain suites)"),
-    "--resize": ("resize", int, "dataset folder: resize every image to N x N (needed when image sizes differ)"),
-    "--on-bad-update": ("on_bad_update", str, "fail | drop: what a non-finite, mis-shaped or wrong-dtype upload does"),
-    "--client-dropout": ("client_dropout", float, "probability that a sampled client fails to report (seeded)"),
-    "--checkpoint-every": (
-        "checkpoint_every",
-        lambda v: v if v == "auto" else int(v),
-        "write a resumable checkpoint every K rounds (0: never; default auto: < 2%% of the run time)",
-    ),
-    "--seed": ("seed", int, "the one seed of the run"),
-    "--device": ("device", str, "cpu, cuda, cuda:1, ..."),
-    "--threads": ("threads", int, "torch CPU threads (default 1; 0 = torch's default)"),
-    "--workers": ("workers", int, "processes training clients in parallel (default 1; results identical)"),
-    "--state-store": ("state_store", str, "auto | memory | disk: where per-client state lives (results identical)"),
-    "--state-memory": ("state_memory", str, "RAM budget for per-client state, e.g. 2GB (default: 25%% of RAM)"),
-    "--out": ("out", str, "run directory (default runs/<stamp>-<method>-<dataset>-...)"),
-    "--db": ("db", str, "SQLite results database (default runs/fedskew.db)"),
-    "--log": ("log", str, "live loggers, comma-separated: tensorboard, mlflow, wandb (docs/loggers.md)"),
-    "--log-uri": ("log_uri", str, "MLflow tracking URI (default $MLFLOW_TRACKING_URI, else a file store runs/mlruns)"),
-}
+# the run settings `fedskew run` takes as flags, in --help's order; each flag is the setting's name with dashes
+# (--local-epochs sets local_epochs), its type and help come from the setting's one declaration in RunConfig
+FLAG_KEYS = (
+    "method",
+    "dataset",
+    "data_dir",
+    "partition",
+    "protocol",
+    "alpha",
+    "classes_per_client",
+    "uniform_clients",
+    "pat_scheme",
+    "min_size",
+    "imbalance_ratio",
+    "samples_per_client",
+    "test_samples_per_client",
+    "clients",
+    "join_ratio",
+    "rounds",
+    "local_epochs",
+    "batch_size",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "model",
+    "train_ratio",
+    "validation",
+    "evaluate_on",
+    "eval_every",
+    "eval_clients",
+    "last_n",
+    "skew_probes",
+    "domain_fraction",
+    "image_size",
+    "resize",
+    "on_bad_update",
+    "client_dropout",
+    "checkpoint_every",
+    "seed",
+    "device",
+    "threads",
+    "workers",
+    "state_store",
+    "state_memory",
+    "out",
+    "db",
+    "log",
+    "log_uri",
+)
+
+
+def flag_type(annotation: Any) -> Callable[[str], Any]:
+    """The command-line parser of a setting's type: ``int`` / ``float`` for numbers (``X | None`` too), a word or a
+    number for ``Literal["auto"] | int``, else the string as given (the configuration validates it)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    args = tuple(a for a in args if a is not type(None))
+    words = [v for a in args if get_origin(a) is Literal for v in get_args(a)]
+    plain = [a for a in args if get_origin(a) is not Literal]
+    if plain == [int] and words:
+        return lambda v: v if v in words else int(v)
+    if len(plain) == 1 and plain[0] in (int, float) and not words:
+        return plain[0]  # type: ignore[no-any-return]
+    return str
+
+
+def flag_help(info: Any) -> str:
+    """A setting's description (with its choices when it has a fixed set), escaped for argparse."""
+    text = info.description or ""
+    choices = [
+        v for a in (info.annotation, *get_args(info.annotation)) if get_origin(a) is Literal for v in get_args(a)
+    ]
+    if choices and not all(str(c) in text for c in choices):
+        text = f"{' | '.join(map(str, choices))}: {text}" if text else " | ".join(map(str, choices))
+    return text.replace("%", "%%")
+
+
+def _run_flags() -> dict[str, tuple[str, Callable[[str], Any], str]]:
+    from fedskew.config import RunConfig
+
+    fields = RunConfig.model_fields
+    return {f"--{k.replace('_', '-')}": (k, flag_type(fields[k].annotation), flag_help(fields[k])) for k in FLAG_KEYS}
+
+
+# flag name -> (config key, parser, help); every one of these overrides the YAML file
+RUN_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = _run_flags()
 
 
 def parse_kv(items: list[str], flag: str = "-m/--method-arg") -> dict[str, Any]:
