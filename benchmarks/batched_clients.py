@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedskew.commands.flags import parse_kv
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.data.pools import FederatedData
@@ -142,11 +143,20 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None, help="MNIST folder (default: the shared copy when present)")
+    p.add_argument(
+        "--random-data",
+        action="store_true",
+        help="random images of MNIST's shape and counts instead of MNIST (a workload that is the same on every "
+        "machine, whatever data it holds: the GPU run book's --smoke)",
+    )
     p.add_argument("--clients", type=int, default=100 if cuda else 10)
     p.add_argument(
         "--fraction", type=float, default=1.0 if cuda else 0.03, help="share of each client's training samples used"
     )
     p.add_argument("--method", default="fedavg", help="a batchable method (fedavg, fedprox, scaffold, ...)")
+    p.add_argument(
+        "--method-arg", "-m", action="append", default=[], metavar="KEY=VALUE", help="method hyper-parameter"
+    )
     p.add_argument("--model", default="cnn")
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.005)
@@ -183,7 +193,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    data_dir = args.data_dir or next((str(d) for d in DATA_DIRS if d.is_dir()), None)
+    data_dir = None if args.random_data else args.data_dir or next((str(d) for d in DATA_DIRS if d.is_dir()), None)
     cfg = make_config(
         None,
         {
@@ -195,6 +205,7 @@ def main() -> None:
             "clients": args.clients,
             "model": args.model,
             "method": args.method,
+            "method_args": parse_kv(args.method_arg),
             "batch_size": args.batch_size,
             "lr": args.lr,
             "local_epochs": args.epochs,

@@ -84,7 +84,9 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     for m, path in [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")]:
         argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
         argv += ["--clients", "10", "--fraction", "0.03", "--repeats", "1"] if smoke else ["--clients", "100"]
-        if not smoke:
+        if smoke:  # the same random workload on every machine; FedBABU with one fine-tuning epoch (of 10) to stay small
+            argv += ["--random-data", *(["-m", "fine_tuning_epochs=1"] if m == "fedbabu" else [])]
+        else:
             argv += [
                 "--data-dir",
                 str(Path(args.data_dir) / "mnist"),
@@ -95,7 +97,7 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
             ]
         found.append(
             Piece(
-                f"batched-{m}" + ("-vmap" if path == "vmap" else ""), argv, 20 if smoke else 45, 120 if smoke else 240
+                f"batched-{m}" + ("-vmap" if path == "vmap" else ""), argv, 20 if smoke else 45, 300 if smoke else 240
             )
         )
     # what every whole-run piece shares: the CNN, batch 10, no probes, no database, a fresh run directory
@@ -108,20 +110,20 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     for name, extra, r in (("pfl-batched", ["--batched-clients"], rounds), ("pfl-sequential", [], seq_rounds)):
         run_dir = out / "runs" / name
         argv = fedskew("run", *pfl, *extra, "--rounds", str(r), "--eval-every", str(r), "--out", str(run_dir))
-        found.append(Piece(name, argv, 20 if smoke else 150, 120 if smoke else 400, run_dir))
+        found.append(Piece(name, argv, 20 if smoke else 150, 300 if smoke else 400, run_dir))
     run100_dir = out / "runs" / "run100"
     r100 = 2 if smoke else args.run_rounds
     run100 = [*mnist, "--protocol", "pfllib", "--partition", "dir", "--alpha", "0.1", "--lr", "0.005", *common]
     run100 += ["--clients", "10" if smoke else "100", "--batched-clients"]
     argv = fedskew("run", *run100, "--rounds", str(r100), "--eval-every", str(r100), "--out", str(run100_dir))
-    found.append(Piece("run100", argv, 20 if smoke else 120, 120 if smoke else 400, run100_dir))
+    found.append(Piece("run100", argv, 20 if smoke else 120, 300 if smoke else 400, run100_dir))
     # several runs sharing one device (issue 27, item 2): the same 8 seeds one at a time, then 2, 4 and 8 at a time
     argv = [sys.executable, str(HERE / "runs_per_gpu.py"), "--device", device]
     if smoke:
         argv += ["--smoke", "--jobs", "1,2", "--runs", "2"]
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--jobs", "1,2,4,8", "--runs", "8", "--rounds", "10"]
-    found.append(Piece("runs-per-gpu", argv, 30 if smoke else 300, 120 if smoke else 540))
+    found.append(Piece("runs-per-gpu", argv, 30 if smoke else 300, 300 if smoke else 540))
     for paper in args.papers:
         argv = fedskew("reproduce", paper, "--scale", "smoke" if smoke else "small", "--device", device)
         argv += ["--out", str(out / "reproduce" / paper), "--jobs", str(args.jobs), "--quiet"]
