@@ -1,14 +1,9 @@
-"""A federation's data, resident on the device: per-client train/test tensors and a global test set.
+"""Building a federation from the run's data settings (:func:`build_federated`): the protocol's split of one pool of
+samples (:mod:`fedskew.data.protocols`), a domain suite's clients (``partition: domain``), per-client data files as
+they are (``partition: given``), and every client's validation split carved from its training data.
 
-Every sample also carries its **source index**, the position of the sample in the dataset as read: the dataset's
-training split first, then its test split (index ``len(y_train) + j`` is ``x_test[j]``); for a domain suite
-(``digits_domains``, ``office_caltech``) the domains' training splits concatenated in domain order, then their test
-splits in the same order. A holdout taken from
-a dataset without a test split (digits) keeps its training-split indices. ``ClientData.train_index`` /
-``test_index`` and ``FederatedData.test_index`` hold these indices (int64 numpy arrays, row ``i`` of a tensor came
-from source index ``index[i]``), so that where every sample came from can be checked, e.g. that no test sample sits
-in a training split (tests/test_no_leakage.py). For per-client data (``--partition given``) the source order is every
-client's training file in client order, then every client's test file in client order.
+The result is a :class:`~fedskew.data.pools.FederatedData`, every sample with its source index
+(:mod:`fedskew.data.pools` says how indices run), so that where every sample came from can be checked.
 """
 
 from __future__ import annotations
