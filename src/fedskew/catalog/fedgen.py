@@ -131,7 +131,7 @@ class GeneratorState(NamedTuple):
 
 @dataclass(frozen=True)
 class FedGenServer(ServerHalf):
-    """FedGen's server half: trains and broadcasts the generator. Defaults as :class:`fedskew.client.fedgen.FedGen`
+    """FedGen's server half: trains and broadcasts the generator. Defaults as :class:`FedGen`
     (PFLlib's: ``generator_lr = 0.005`` Adam, ``server_epochs = 1000``, ``gen_batch_size = 10``)."""
 
     noise_dim: int = 512
