@@ -164,6 +164,39 @@ def test_data_settings_are_run_configuration_fields():
     assert {n: getattr(settings, n) for n in names} == {n: getattr(cfg, n) for n in names}
 
 
+def test_round_settings_are_run_configuration_fields():
+    import dataclasses
+
+    from fedskew.config import RunConfig
+    from fedskew.engine.settings import RoundSettings
+
+    names = [f.name for f in dataclasses.fields(RoundSettings)]
+    assert set(names) <= set(RunConfig.model_fields), set(names) - set(RunConfig.model_fields)
+    cfg = RunConfig(dataset="digits", clients=7, seed=3, join_ratio=0.5, client_dropout=0.1, eval_clients=3)
+    settings = cfg.round_settings()
+    assert {n: getattr(settings, n) for n in names} == {n: getattr(cfg, n) for n in names}
+
+
+def test_one_round_server_two_hosts():
+    """The server side of a round is one component (engine/round_server.py) that the simulator and the Flower
+    ServerApp both hold (issue 40): it reads the run only through RoundSettings, imports neither host, and the Flower
+    server is no Simulation (it neither inherits nor imports it)."""
+    engine = SRC / "engine"
+    server = _imports(engine / "round_server.py")
+    assert not server & {"fedskew.config", "fedskew.engine.loop", "fedskew.runner"}, server
+    assert not any(m.startswith("fedskew.flower") for m in server)
+    assert _imports(engine / "settings.py") == set()  # a leaf: the configuration imports it
+    for host in (engine / "loop.py", SRC / "flower" / "server_app.py"):
+        tree = ast.parse(host.read_text())
+        built = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "RoundServer"]
+        assert len(built) == 1, f"{host.name} builds {len(built)} round servers"
+    flower = ast.parse((SRC / "flower" / "server_app.py").read_text())
+    names = {a.name for n in ast.walk(flower) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "Simulation" not in names
+    bases = {ast.unparse(b) for n in ast.walk(flower) if isinstance(n, ast.ClassDef) for b in n.bases}
+    assert "Simulation" not in bases
+
+
 def test_the_engine_loop_knows_workers_and_batching_only_through_its_interface():
     """loop -> backends -> workers / batched -> host: the training back-ends see the simulation as
     engine.host.ClientHost and never import the loop, not even for annotations; the loop imports neither back-end."""

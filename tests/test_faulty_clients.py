@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import fedskew.engine.loop as loop
+import fedskew.engine.round_server as round_server  # where a round samples and draws its drop-outs
 import fedskew.engine.rounds as rounds  # where a client's step calls local_train
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
@@ -76,8 +76,8 @@ def _corrupt_uploads(monkeypatch, corrupt, bad_clients):
 
 def _without_clients(monkeypatch, excluded):
     """The reference: the same round with ``excluded`` never sampled."""
-    real = loop.sample_clients
-    monkeypatch.setattr(loop, "sample_clients", lambda *a: [c for c in real(*a) if c not in excluded])
+    real = round_server.sample_clients
+    monkeypatch.setattr(round_server, "sample_clients", lambda *a: [c for c in real(*a) if c not in excluded])
 
 
 def _same_params(a, b):
@@ -306,7 +306,7 @@ def test_round_where_everyone_drops_out_keeps_the_model(tmp_path, monkeypatch):
     sim.round(1)
     before = copy.deepcopy(sim.global_params)
     server_half_state = sim.server_half_state
-    monkeypatch.setattr(loop, "dropped_out", lambda seed, rnd, sampled, n, p: list(sampled))
+    monkeypatch.setattr(round_server, "dropped_out", lambda seed, rnd, sampled, n, p: list(sampled))
     rec = sim.round(2).record
     assert rec["skipped_aggregation"] == "every sampled client dropped out"
     assert rec["participants"] == 0 and rec["train_loss"] is None and rec["bytes_up"] == 0

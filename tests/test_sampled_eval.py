@@ -22,15 +22,15 @@ def _run(tmp_path, name: str, **over) -> tuple[list[dict], list[dict], dict]:
 
 def test_eval_sample_is_seeded_sized_and_full_at_the_last_round():
     sim = digits_simulation("ditto", rounds=5, clients=10, eval_clients=4)
-    first = [sim.eval_sample(r) for r in range(1, 5)]
+    first = [sim.server.eval_sample(r) for r in range(1, 5)]
     again = digits_simulation("ditto", rounds=5, clients=10, eval_clients=4)
-    assert first == [again.eval_sample(r) for r in range(1, 5)]
+    assert first == [again.server.eval_sample(r) for r in range(1, 5)]
     for s in first:
         assert len(s) == 4 and s == sorted(set(s)) and all(0 <= c < 10 for c in s)
     assert len({tuple(s) for s in first}) > 1  # a new sample every round
-    assert sim.eval_sample(5) is None  # the last round scores everyone
-    assert digits_simulation("ditto", rounds=5, clients=10, eval_clients=10).eval_sample(1) is None
-    assert digits_simulation("ditto", rounds=5, clients=10).eval_sample(1) is None
+    assert sim.server.eval_sample(5) is None  # the last round scores everyone
+    assert digits_simulation("ditto", rounds=5, clients=10, eval_clients=10).server.eval_sample(1) is None
+    assert digits_simulation("ditto", rounds=5, clients=10).server.eval_sample(1) is None
 
 
 def test_sampled_views_are_the_full_views_on_the_sample(tmp_path):

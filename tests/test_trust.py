@@ -81,7 +81,7 @@ def test_nonfinite_aggregate_is_divergence(tmp_path):
     sim = Simulation(cfg, build_federated(cfg))
     bad = {k: torch.full_like(v, float("inf")) for k, v in sim.global_params.items()}
     with pytest.raises(Diverged, match="aggregated global model holds NaN or Inf"):
-        sim._check_models(1, bad, None)
+        sim.server._check_models(1, bad, None)
 
 
 def test_check_model_refuses_dtype_and_shape_changes():

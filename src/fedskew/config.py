@@ -12,6 +12,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fedskew.data.settings import DataSettings
+from fedskew.engine.settings import RoundSettings
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
@@ -373,6 +374,10 @@ class RunConfig(StrictSettings):
     def data_settings(self) -> DataSettings:
         """What building the federation reads of this run (:func:`fedskew.data.federated.build_federated`)."""
         return DataSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSettings)})
+
+    def round_settings(self) -> RoundSettings:
+        """What the server side of a round reads of this run (:class:`fedskew.engine.round_server.RoundServer`)."""
+        return RoundSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RoundSettings)})
 
 
 def _reads_data_dir(dataset: str) -> bool:

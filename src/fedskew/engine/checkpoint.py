@@ -21,6 +21,8 @@ from typing import Any
 from fedskew.engine.loop import Simulation
 from fedskew.engine.state_store import MAPS
 
+# the round server's (engine/round_server.py) and the per-client maps of the simulation's store (personal among them)
+SERVER_ATTRS = ("global_params", "server_state", "server_half_state")
 STATE_ATTRS = ("global_params", "personal", "trained", "client_states", "server_state", "server_half_state")
 # 2: typed server state (AggregationState, ...) and the client part's server half's (before: client_server_state)
 FORMAT = 2
@@ -28,8 +30,9 @@ FORMAT = 2
 
 def capture(sim: Simulation) -> dict[str, Any]:
     """The simulation's state after its last finished round (shared, not copied: save it before the next round)."""
-    state = {name: getattr(sim, name) for name in STATE_ATTRS}
-    state.update(sim.state_store.capture({name: state[name] for name in MAPS}))
+    state = {name: getattr(sim.server, name) for name in SERVER_ATTRS}
+    bound = {"client_states": sim.client_states, "personal": sim.server.personal, "trained": sim.trained}
+    state.update(sim.state_store.capture({name: bound[name] for name in MAPS}))
     return {"format": FORMAT, **{name: state[name] for name in STATE_ATTRS}}
 
 
@@ -44,12 +47,11 @@ def restore(sim: Simulation, state: dict[str, Any]) -> None:
     missing = [name for name in STATE_ATTRS if name not in state]
     if missing:
         raise ValueError(f"checkpoint lacks {', '.join(missing)}")
-    template = sim.global_params
+    template = sim.server.global_params
     if set(state["global_params"]) != set(template) or any(
         state["global_params"][k].shape != v.shape for k, v in template.items()
     ):
         raise ValueError("the checkpoint's model does not match this configuration's model")
-    for name in STATE_ATTRS:
-        if name not in MAPS:
-            setattr(sim, name, state[name])
+    for name in SERVER_ATTRS:
+        setattr(sim.server, name, state[name])
     sim.bind_states(sim.state_store.restore({name: state[name] for name in MAPS}))

@@ -37,6 +37,11 @@ EVAL_BATCH_CAP = 2048
 
 
 @torch.inference_mode()
+def eval_batch_of(setting: int | str, model: nn.Module, sample: Tensor) -> int:
+    """The evaluation batch of a run: ``eval_batch_size`` itself, or :func:`auto_eval_batch` for ``"auto"``."""
+    return auto_eval_batch(model, sample) if setting == "auto" else int(setting)
+
+
 def auto_eval_batch(model: nn.Module, sample: Tensor) -> int:
     """The evaluation batch for ``eval_batch_size: auto``.
 

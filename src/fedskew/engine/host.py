@@ -46,7 +46,8 @@ class ClientHost(Protocol):
 
 
 class RoundHost(ClientHost, Protocol):
-    """A host whose rounds can be driven from outside: open, take every upload, close (``Simulation``)."""
+    """A host whose rounds can be driven from outside: open, take every upload, close (``Simulation``, through its
+    round server, ``engine/round_server.py``)."""
 
     def open_round(self, rnd: int) -> RoundPlan: ...
 

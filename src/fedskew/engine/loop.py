@@ -16,8 +16,6 @@ One round, as a reader should see it::
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -28,16 +26,14 @@ import torch
 from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
 from fedskew.data.pools import FederatedData
-from fedskew.data.protocols import PROTOCOLS
 from fedskew.engine.backends import batched_trainer, worker_pool
-from fedskew.engine.buffers import BufferPool
 from fedskew.engine.evaluate import (
     ClientScores,
     accumulate,
-    auto_eval_batch,
     batch_scores,
     client_part_views,
     domain_summary,
+    eval_batch_of,
     pooled,
     summarize,
 )
@@ -46,11 +42,12 @@ from fedskew.engine.model_init import (
     LOCAL_GROUPS,
     UserModel,
     init_model,
+    kept_local,
     local_state_names,
     resolve_model_name,
     user_model_name,
 )
-from fedskew.engine.probe import skew_probe
+from fedskew.engine.round_server import RoundServer, server_context
 from fedskew.engine.rounds import (
     LOCAL_PARAMS,
     Diverged,
@@ -66,17 +63,7 @@ from fedskew.engine.rounds import (
 )
 from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
-from fedskew.protocol import (
-    LABEL_HIST,
-    TRAIN_LOSS,
-    NonFiniteUploadError,
-    Params,
-    ServerContext,
-    Upload,
-    client_reports,
-)
-from fedskew.seeding import Purpose, numpy_rng
-from fedskew.server.api import UploadStack, check_model, enforce
+from fedskew.protocol import Params, Upload
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
 __all__ = [
@@ -116,14 +103,14 @@ def _same_samples(data: FederatedData) -> bool:
 def global_views(server: Any, global_params: Params) -> dict[str, float]:
     """The server-side views of the global model (loaded into ``server.model``): on the global test set (per domain
     under domain skew, skipped when it is exactly the clients' test splits, scored there), plus the views the client
-    part adds (FedProto's nearest-prototype accuracy). ``server``: a :class:`Simulation` or a deployment's server
-    (Flower's), with ``model``, ``data``, ``eval_batch``, ``method``, ``server_half_state``,
-    ``global_is_local_union`` and ``local_names``."""
+    part adds (FedProto's nearest-prototype accuracy). ``server``: a host of a round server, :class:`Simulation` or
+    a deployment's (Flower's), with ``server`` (its :class:`~fedskew.engine.round_server.RoundServer`), ``model``,
+    ``data``, ``eval_batch``, ``method``, ``global_is_local_union`` and ``local_names``."""
     data, bs, model = server.data, server.eval_batch, server.model
     model.load_state_dict(global_params)
     rec: dict[str, float] = {}
     # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
-    broadcast = server.method.server_half.broadcast(server.server_half_state)
+    broadcast = server.server.broadcast()
     rec.update(client_part_views(server.method.client, broadcast, model, data, bs))
     if data.domains and data.test_domain is not None:  # one pass, per domain; the global numbers pool the domains
         assert data.test_domain is not None
@@ -146,7 +133,8 @@ def _test_pass(server: Any, global_params: Params) -> list[tuple[torch.Tensor, t
 
 
 class Simulation:
-    """A seeded, single-process simulation of one federation."""
+    """A seeded, single-process simulation of one federation: the clients, trained here, and the round server
+    (:class:`~fedskew.engine.round_server.RoundServer`, shared with the Flower ServerApp) that aggregates them."""
 
     def __init__(
         self,
@@ -155,73 +143,79 @@ class Simulation:
         method: Method | None = None,
         model: UserModel | None = None,
         *,
-        known: tuple[np.ndarray, Mapping[str, np.ndarray]] | None = None,
         state_dir: Path | None = None,
         owner: str = "",
     ) -> None:
-        """``known``: what the server knows of the clients (training sample counts ``[N]``, and the client reports the
-        method declared, name -> ``[N, d]``) when not computed from ``data``'s partition (a deployment: the clients
-        sent them). ``state_dir``: where a disk-backed client-state store lives (``cfg.state_store``; the runner
-        passes ``<run dir>/client_state``, default a temporary directory); ``owner``: the run, for its marker."""
+        """``state_dir``: where a disk-backed client-state store lives (``cfg.state_store``; the runner passes
+        ``<run dir>/client_state``, default a temporary directory); ``owner``: the run, for its marker."""
         self.cfg = cfg
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
         self.model = init_model(cfg, data, self.method, model)
-        self.global_params: Params = snapshot(self.model)
-        self.trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
+        template = snapshot(self.model)
+        trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
         self.settings = train_settings(cfg)
-        num_train, reports = known or (data.num_train, client_reports(self.method.reports, data.train_hists))
-        self.reports: dict[str, np.ndarray] = dict(reports)  # only the declared ones (protocol.ClientReport)
-        self.ctx = ServerContext(
-            num_clients=data.num_clients,
-            num_classes=data.num_classes,
-            template=self.global_params,
-            trainable=self.trainable,
-            num_train=np.asarray(num_train),
-            label_hists=self.reports.get(LABEL_HIST.name),
-            seed=cfg.seed,
-            reports=self.reports,
-        )
-        local_groups = self.method.local | PROTOCOLS[cfg.protocol].local  # PFLlib's clients keep their buffers
-        self.local_names = local_state_names(frozenset(local_groups), self.model, self.trainable)
+        self.local_names = kept_local(cfg, self.method, self.model, trainable)
         # a client that has not trained yet holds the initial model's entries, not the average
-        initial = {k: self.global_params[k] for k in self.local_names}
+        initial = {k: template[k] for k in self.local_names}
         # the per-client maps, in RAM or on disk (engine/state_store.py): client_states (each client's persistent
         # state), personal (the models the server sent: personalized strategies), trained (personalized methods:
         # each client's model after its latest training)
         self.state_store = open_state_store(
             cfg,
             self.method,
-            self.global_params,
+            template,
             data.num_clients,
             default_state=(lambda: {LOCAL_PARAMS: initial}) if initial else dict,
             directory=state_dir,
             owner=owner,
         )
         self.client_states: MutableMapping[int, dict[str, Any]]
-        self.personal: MutableMapping[int, Params]
         self.trained: MutableMapping[int, Params]
-        self.bind_states(self.state_store.maps)
-        self.eval_batch = (
-            auto_eval_batch(self.model, data.x_test) if cfg.eval_batch_size == "auto" else cfg.eval_batch_size
-        )
+        self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, data.x_test)
         # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
         self.global_is_local_union = _same_samples(data)
-        # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
-        self.loss_limit = cfg.divergence_factor * math.log(data.num_classes) if cfg.divergence_factor else math.inf
-        self.server_state = self.method.server.init(self.ctx)
-        self.method.client.check_model(self.global_params, self.trainable)
-        # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
-        self.server_half_state = self.method.server_half.init(self.ctx)
+        self.server = RoundServer(
+            cfg.round_settings(),
+            self.method,
+            server_context(data, self.method, template, trainable, cfg.seed),
+            local_names=self.local_names,
+            personal=self.state_store.maps["personal"],
+        )
+        self.bind_states(self.state_store.maps)
         self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
-        self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
         self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
         self.batched = self._batched is not None
 
     def bind_states(self, maps: Mapping[str, MutableMapping[int, Any]]) -> None:
         """Use these per-client maps (the store's, after a restore)."""
-        self.client_states, self.personal, self.trained = (maps[name] for name in MAPS)
+        self.client_states, self.server.personal, self.trained = (maps[name] for name in MAPS)
+
+    # the server's state, read (and, for the global model, set) through the simulation as well
+    @property
+    def global_params(self) -> Params:
+        return self.server.global_params
+
+    @global_params.setter
+    def global_params(self, params: Params) -> None:
+        self.server.global_params = params
+
+    @property
+    def personal(self) -> MutableMapping[int, Params]:
+        return self.server.personal
+
+    @property
+    def server_state(self) -> Any:
+        return self.server.server_state
+
+    @property
+    def server_half_state(self) -> Any:
+        return self.server.server_half_state
+
+    @property
+    def trainable(self) -> frozenset[str]:
+        return self.server.trainable
 
     @property
     def model_name(self) -> str:
@@ -258,91 +252,22 @@ class Simulation:
         self.state_store.close()
 
     def open_round(self, rnd: int) -> RoundPlan:
-        """Start round ``rnd``: sample (seeded by (seed, round)), draw the drop-outs, prepare the upload buffers;
-        every sampled client is sent its model and the broadcast, whether or not it reports."""
-        cfg, data, method = self.cfg, self.data, self.method
-        t0 = time.perf_counter()
-        sampled = sample_clients(cfg.seed, rnd, data.num_clients, cfg.join_ratio)
-        gone = set(dropped_out(cfg.seed, rnd, sampled, data.num_clients, cfg.client_dropout))
-        broadcast = method.server_half.broadcast(self.server_half_state)
-        stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
-        plan = RoundPlan(rnd, sampled, gone, broadcast, stack, t0)
-        plan.bytes_down = sum(self.wire_bytes(self.params_for(cid)) + payload_bytes(broadcast) for cid in sampled)
-        return plan
+        """Start round ``rnd`` on the round server (:meth:`~fedskew.engine.round_server.RoundServer.open_round`)."""
+        return self.server.open_round(rnd)
 
     def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
-        """Validate one client's upload into the round's buffers (or reject it under ``on_bad_update``)."""
-        cid = upload.cid
-        plan.bytes_up += self.wire_bytes(upload.params) + payload_bytes(upload.extras)
-        rejected = plan.stack.add(upload)
+        """Hand one client's upload to the round server; the client keeps what it trained (unless the server
+        rejected a mis-shaped upload: see README) and its state goes back to the store."""
+        rejected = self.server.take_upload(plan, upload)
         if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
-            self._keep_trained(cid, upload)
-        if rejected is None or self.cfg.on_bad_update == "fail":
-            plan.losses.append((cid, upload.num_samples, upload.metrics.get(TRAIN_LOSS, math.nan)))
-        self.state_store.release(cid)  # this round is done with the client's state: to disk (a disk store)
+            self._keep_trained(upload.cid, upload)
+        self.state_store.release(upload.cid)  # this round is done with the client's state: to disk (a disk store)
 
     def close_round(self, plan: RoundPlan) -> RoundResult:
-        """Aggregate the round's uploads with the method's server strategy, evaluate on the cadence, record."""
-        cfg, method = self.cfg, self.method
-        rnd, sampled, gone, stack = plan.rnd, plan.sampled, plan.gone, plan.stack
-        t0, t1 = plan.t0, time.perf_counter()
-        train_loss = self._check_training(rnd, plan.losses)
-        try:
-            enforce(stack.rejected, cfg.on_bad_update)
-        except NonFiniteUploadError as error:  # fedskew trained these clients itself: that is divergence
-            raise Diverged(rnd, str(error)) from None
-
-        record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
-        if cfg.client_dropout > 0 or cfg.on_bad_update == "drop" or plan.failed:
-            record["sampled"] = len(sampled)
-        if cfg.client_dropout > 0:
-            record["dropped_out"] = sorted(gone)
-        if cfg.on_bad_update == "drop":
-            record["dropped"] = [r.as_record() for r in stack.rejected]
-        if plan.failed:
-            record["failed"] = plan.failed
-        rin, out = None, None
-        if stack.count:
-            rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
-            rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
-            self.server_half_state = method.server_half.advance(rin, self.server_half_state)
-            out, self.server_state = method.server.aggregate(rin, self.server_state)
-            self._check_models(rnd, out.global_params, out.personal)
-            self.global_params = out.global_params
-            if out.personal:
-                self.personal.update(out.personal)
-        elif len(gone) == len(sampled):  # nobody to aggregate: every model and all server state stay as they are
-            record["skipped_aggregation"] = "every sampled client dropped out"
-        else:
-            record["skipped_aggregation"] = "no sampled client replied" if plan.failed else "no valid upload"
-        self.state_store.commit()  # a disk store writes the round's remaining client state (personalized models)
-        t2 = time.perf_counter()
-
-        scores: dict[str, ClientScores] = {}
-        evaluated = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-        probe = None
-        if evaluated:
-            record_eval, scores = self.evaluate(rnd)
-            record.update(record_eval)
-        t3 = time.perf_counter()
-        if evaluated and cfg.skew_probes and rin is not None:
-            probe = skew_probe(rin, self.global_params, cfg.skew_probes, cfg.seed)
-        t4 = time.perf_counter()
-        record.update(
-            {
-                "bytes_up": plan.bytes_up,
-                "bytes_down": plan.bytes_down,
-                "time_train": t1 - t0,
-                "time_aggregate": t2 - t1,
-                "time_eval": t3 - t2,
-                "time_probe": t4 - t3,
-                "time_round": t4 - t0,
-                "evaluated": evaluated,
-            }
-        )
-        if out is not None and out.diagnostics:
-            record["diagnostics"] = out.diagnostics
-        return RoundResult(record, scores, probe)
+        """Aggregate, evaluate this simulation's views on the cadence, record (the round server's
+        :meth:`~fedskew.engine.round_server.RoundServer.close_round`); a disk store writes the round's client state
+        (personalized models) before the views are scored."""
+        return self.server.close_round(plan, self.evaluate, commit=self.state_store.commit)
 
     def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> Upload:
         """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``)."""
@@ -358,42 +283,10 @@ class Simulation:
         if trained is not None:
             self.trained[cid] = trained
 
-    def _check_training(self, rnd: int, losses: list[tuple[int, int, float]]) -> float | None:
-        """The round's sample-weighted training loss over ``(cid, samples, loss)`` (``None`` when empty);
-        :class:`Diverged` when a client's loss is not finite or the round's exceeds ``divergence_factor ×
-        ln(classes)``."""
-        if not losses:
-            return None
-        for cid, _, loss in losses:
-            if not math.isfinite(loss):
-                raise Diverged(rnd, f"client {cid}'s training loss is {loss}")
-        n = np.array([s for _, s, _ in losses], dtype=np.float64)
-        mean = float((n * np.array([loss for _, _, loss in losses])).sum() / n.sum())
-        if mean > self.loss_limit:
-            raise Diverged(
-                rnd,
-                f"training loss {mean:.3g} exceeds divergence_factor × ln({self.data.num_classes}) = "
-                f"{self.loss_limit:.3g}",
-            )
-        return mean
-
-    def _check_models(self, rnd: int, global_params: Params, personal: dict[int, Params] | None) -> None:
-        """The server's models must match the template (names, shapes, dtypes) and be finite."""
-        models = {"the aggregated global model": global_params}
-        models.update({f"client {cid}'s personalized model": p for cid, p in (personal or {}).items()})
-        for what, params in models.items():
-            bad = check_model(params, self.ctx.template, f"round {rnd}, {what}")
-            if bad:
-                raise Diverged(rnd, f"{what} holds NaN or Inf in {', '.join(bad[:3])}")
-
-    def wire_bytes(self, params: Params) -> int:
-        """Bytes of a model exchange; entries the clients keep locally (``method.local``) never travel."""
-        return payload_bytes({k: v for k, v in params.items() if k not in self.local_names})
-
     def params_for(self, cid: int, base: Params | None = None) -> Params:
-        """The model client ``cid`` holds after receiving ``base`` (default: its personal or the global model),
-        with the state-dict entries it keeps for itself (``method.local``) overlaid."""
-        params = base if base is not None else self.personal.get(cid, self.global_params)
+        """The model client ``cid`` holds after receiving ``base`` (default: what the server sends it, its personal
+        or the global model), with the state-dict entries it keeps for itself (``method.local``) overlaid."""
+        params = base if base is not None else self.server.received(cid)
         own = peek_entry(self.client_states, cid, LOCAL_PARAMS)
         return {**params, **own} if own else params
 
@@ -431,15 +324,6 @@ class Simulation:
             out.append(batch_scores(self.model, *self.eval_tensors(source), self.eval_batch))
         return out
 
-    def eval_sample(self, rnd: int) -> list[int] | None:
-        """The clients whose per-client models round ``rnd`` scores: ``None`` (all) unless ``eval_clients`` is set
-        and this is not the last round; else a sorted sample of that many, drawn from the run seed and the round
-        (its own stream: no other draw moves)."""
-        n, k = self.data.num_clients, self.cfg.eval_clients
-        if k is None or k >= n or rnd >= self.cfg.rounds:
-            return None
-        return sorted(int(c) for c in numpy_rng(self.cfg.seed, Purpose.EVAL_SAMPLE, rnd).choice(n, k, replace=False))
-
     def _per_client_scores(self, params_of: Callable[[int], Params], cids: list[int] | None = None) -> ClientScores:
         """Each client's model (of ``cids``, default all; the others count 0 samples, so no statistic sees them) on
         its test split, ``EVAL_CHUNK`` clients' models in RAM at a time (a disk store reads them one by one)."""
@@ -457,9 +341,9 @@ class Simulation:
 
     def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:
         """Every view once: each distinct (model, sample) pair is scored at most once. Views of per-client models
-        score the clients of :meth:`eval_sample` (``rnd``; default all), and the record says how many."""
+        score the clients of the round server's ``eval_sample`` (``rnd``; default all), and the record says how many."""
         data = self.data
-        sample = None if rnd is None else self.eval_sample(rnd)
+        sample = None if rnd is None else self.server.eval_sample(rnd)
         rec: dict[str, Any] = global_views(self, self.global_params)
         if sample is not None and (self.local_names or self.method.personalized):
             rec["eval_clients"] = len(sample)

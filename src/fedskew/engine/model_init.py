@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from fedskew.data.protocols import PROTOCOLS
 from fedskew.models import build_model, head_keys, norm_keys
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_seed
@@ -120,3 +121,9 @@ def local_state_names(groups: frozenset[str], model: nn.Module, trainable: froze
         else:
             raise ConfigError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
     return frozenset(names)
+
+
+def kept_local(cfg: RunConfig, method: Method, model: nn.Module, trainable: frozenset[str]) -> frozenset[str]:
+    """The state-dict entries a run's clients keep for themselves: the method's groups and its protocol's (PFLlib's
+    clients keep their buffers)."""
+    return local_state_names(frozenset(method.local | PROTOCOLS[cfg.protocol].local), model, trainable)

@@ -74,8 +74,8 @@ class RoundResult:
 @dataclass
 class RoundPlan:
     """One round in progress on the server: who was sampled and who dropped out (both seeded), what the server
-    broadcasts, and what the uploads taken so far came to. :meth:`Simulation.open_round` makes it,
-    :meth:`Simulation.take_upload` fills it (one upload at a time, in client order), :meth:`Simulation.close_round`
+    broadcasts, and what the uploads taken so far came to. :meth:`RoundServer.open_round` makes it,
+    :meth:`RoundServer.take_upload` fills it (one upload at a time, in client order), :meth:`RoundServer.close_round`
     aggregates, evaluates and records it. The simulator trains the clients in between; a deployment (Flower) sends
     them messages, and fills ``failed`` with the sampled clients that never replied."""
 

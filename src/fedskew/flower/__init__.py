@@ -2,9 +2,9 @@
 
 The only place in fedskew that imports ``flwr`` (the optional extra ``pip install -e ".[flower]"``). The apps run the
 objects the simulator runs, nothing re-implemented: the ClientApp calls :func:`fedskew.engine.rounds.train_client`
-with the method's :class:`~fedskew.client.local.LocalAlgorithm`; the ServerApp is a
-:class:`~fedskew.engine.loop.Simulation` whose clients are Flower nodes (its round opens, takes uploads and closes
-with the simulator's own code, the method's :class:`~fedskew.server.api.ServerStrategy` aggregating).
+with the method's :class:`~fedskew.client.local.LocalAlgorithm`; the ServerApp holds the simulator's round server
+(:class:`~fedskew.engine.round_server.RoundServer`) and its clients are Flower nodes (its round opens, takes uploads
+and closes with the simulator's own code, the method's :class:`~fedskew.server.api.ServerStrategy` aggregating).
 
 * :mod:`fedskew.flower.settings` run-config <-> :class:`~fedskew.config.RunConfig` and the app folder's
                                  ``pyproject.toml`` (no ``flwr`` needed: ``fedskew flower new``);

@@ -1,12 +1,11 @@
 """fedskew's ServerApp: the simulator's round, its clients Flower nodes; the run directory ``fedskew run`` writes.
 
 The ServerApp runs its own loop over the Grid (not ``Strategy.start``), so a round means exactly what it means in the
-simulator: :class:`FlowerServer` *is* a :class:`~fedskew.engine.loop.Simulation` whose round opens
-(:meth:`~fedskew.engine.loop.Simulation.open_round`: seeded sampling and drop-outs, the method's broadcast), takes
-each reply as an upload (:meth:`~fedskew.engine.loop.Simulation.take_upload`, validated into the ``[K, ...]``
-buffers in client order) and closes (:meth:`~fedskew.engine.loop.Simulation.close_round`: the method's
-:class:`~fedskew.server.api.ServerStrategy` aggregates, the strategy state stays in this process) with the simulator's
-own code. What differs is where the clients are:
+simulator: :class:`FlowerServer` holds the simulator's round server (:class:`~fedskew.engine.round_server.RoundServer`),
+whose round opens (``open_round``: seeded sampling and drop-outs, the method's broadcast), takes each reply as an
+upload (``take_upload``, validated into the ``[K, ...]`` buffers in client order) and closes (``close_round``: the
+method's :class:`~fedskew.server.api.ServerStrategy` aggregates, the strategy state stays in this process) with the
+same code. What differs is where the clients are:
 
 1. ``query.hello`` to every node once: each reports its stable ``cid`` (node config) and its label histograms, from
    which the server builds what it knows before round 1 (:class:`~fedskew.protocol.ServerContext`). The server holds
@@ -41,22 +40,20 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew import __version__
+from fedskew.client.local import snapshot
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.federated import build_federated
 from fedskew.data.pools import FederatedData
 from fedskew.engine.evaluate import (
     ClientScores,
+    eval_batch_of,
     pooled,
     summarize,
 )
-from fedskew.engine.loop import (
-    Diverged,
-    RoundResult,
-    Simulation,
-    _same_samples,
-    global_views,
-    resolve_model_name,
-)
+from fedskew.engine.loop import Diverged, RoundResult, _same_samples, global_views
+from fedskew.engine.model_init import init_model, kept_local, resolve_model_name
+from fedskew.engine.round_server import Known, RoundServer, server_context
+from fedskew.engine.state_store import open_state_store
 from fedskew.flower.codec import from_record, to_record
 from fedskew.flower.hello import FederationError, Hello, NodeReport, known_of, server_knows
 from fedskew.flower.server_data import domain_scores, load_test_data, server_view
@@ -230,8 +227,9 @@ def decode_update(cid: int, content: RecordDict, device: str) -> Upload:
     )
 
 
-class FlowerServer(Simulation):
-    """A :class:`Simulation` whose clients train and evaluate on Flower nodes (see the module docstring)."""
+class FlowerServer:
+    """The round server (:class:`~fedskew.engine.round_server.RoundServer`, the simulator's) whose clients train and
+    evaluate on Flower nodes (see the module docstring)."""
 
     def __init__(
         self,
@@ -241,15 +239,43 @@ class FlowerServer(Simulation):
         link: GridLink,
         global_is_local_union: bool,
         *,
-        known: tuple[np.ndarray, dict[str, np.ndarray]],
+        known: Known,
     ) -> None:
-        super().__init__(cfg, view, method, known=known)
-        self.link = link
+        """``view``: the server's view of the federation (no client data; at most a held-out test set); ``known``:
+        what the clients reported of themselves (sample counts, declared reports)."""
+        self.cfg, self.data, self.method = cfg, view, method
+        self.model = init_model(cfg, view, method)  # scores the global model on the server's test set
+        template = snapshot(self.model)
+        trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
+        self.local_names = kept_local(cfg, method, self.model, trainable)
+        # the models the server sends individual clients (personalized strategies) live in a client-state store, so
+        # that a disk store keeps them out of RAM; the clients keep their own state on their nodes
+        self.state_store = open_state_store(cfg, method, template, view.num_clients)
+        self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, view.x_test)
         self.global_is_local_union = global_is_local_union  # the global test set is the clients' test splits
+        self.server = RoundServer(
+            cfg.round_settings(),
+            method,
+            server_context(view, method, template, trainable, cfg.seed, known),
+            local_names=self.local_names,
+            personal=self.state_store.maps["personal"],
+        )
+        self.link = link
         self.unreachable: dict[int, str] = {}  # clients that failed this round: not asked again until the next
         self.failures: list[dict[str, Any]] = []  # every failure of the run, with round and phase
         self.rejoined: list[dict[str, Any]] = []  # clients whose node re-registered during the run
         self._round = 0
+
+    @property
+    def model_name(self) -> str:
+        return resolve_model_name(self.cfg, self.data, self.method)
+
+    @property
+    def global_params(self) -> Params:
+        return self.server.global_params
+
+    def close(self) -> None:
+        self.state_store.close()
 
     def _wire(self, params: Params) -> Params:
         """What travels to a client: the model without the entries the clients keep for themselves."""
@@ -263,13 +289,13 @@ class FlowerServer(Simulation):
         for cid, nid in self.link.rejoin().items():
             log.warning("round %d: client %d is back on a new node (%d), with a fresh state", rnd, cid, nid)
             self.rejoined.append({"round": rnd, "client": cid})
-        plan = self.open_round(rnd)
+        plan = self.server.open_round(rnd)
         targets = [cid for cid in plan.sampled if cid not in plan.gone]
         broadcast = to_record(plan.broadcast)
         contents = {
             cid: RecordDict(
                 {
-                    "model": to_record(self._wire(self.personal.get(cid, self.global_params))),
+                    "model": to_record(self._wire(self.server.received(cid))),
                     "broadcast": broadcast,
                     "config": self._config(cid),
                 }
@@ -284,23 +310,21 @@ class FlowerServer(Simulation):
                 except (KeyError, TypeError, ValueError, FederationError) as exc:
                     failed[cid] = f"malformed reply: {exc}"
                     continue
-                self.take_upload(plan, update)
+                # the client keeps its local entries and the model it trained in its own context.state
+                self.server.take_upload(plan, update)
         plan.failed = _failures(failed)
         self.unreachable = dict(failed)
         self.failures += [{"round": rnd, "phase": "train", **f} for f in plan.failed]
         for f in plan.failed:
             log.warning("round %d: client %d failed: %s", rnd, f["client"], f["reason"])
-        return self.close_round(plan)
-
-    def _keep_trained(self, cid: int, update: Upload) -> None:
-        """Nothing: the client keeps its local entries and the model it trained in its own ``context.state``."""
+        return self.server.close_round(plan, self.evaluate, commit=self.state_store.commit)
 
     def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:
         """The simulator's views: the global model on the global test set here, every client's views on its test
         split there (its replies are the per-client scores the simulator computes). With ``eval_clients`` only the
         round's seeded sample of clients is asked (every view the clients compute is then over the sample)."""
         data, bs, n = self.data, self.eval_batch, self.data.num_clients
-        sample = None if rnd is None else self.eval_sample(rnd)
+        sample = None if rnd is None else self.server.eval_sample(rnd)
         rec: dict[str, Any] = global_views(self, self.global_params)
         if sample is not None:
             rec["eval_clients"] = len(sample)
@@ -310,8 +334,8 @@ class FlowerServer(Simulation):
         asked = range(n) if sample is None else sample
         for cid in (c for c in asked if c not in self.unreachable):
             content = RecordDict({"global": glob, "config": self._config(cid, views=views, eval_batch=bs)})
-            if cid in self.personal:
-                content["personal"] = to_record(self._wire(self.personal[cid]))
+            if cid in self.server.personal:
+                content["personal"] = to_record(self._wire(self.server.personal[cid]))
             contents[cid] = content
         replies, failed = self.link.exchange(MessageType.EVALUATE, contents, self._round)
         failed.update(self.unreachable)

@@ -1,0 +1,254 @@
+"""The server side of a round: one component that both hosts hold, the simulator (``engine/loop.py``) and the Flower
+ServerApp (``flower/server_app.py``).
+
+One round, as the server sees it::
+
+    plan   = server.open_round(rnd)             # seeded sample and drop-outs, the broadcast, the [K, ...] buffers
+    server.take_upload(plan, upload)            # validated into the buffers in client order (or rejected)
+    result = server.close_round(plan, views)    # half.advance -> strategy.aggregate -> model checks -> views -> record
+
+Between open and close the host gets the uploads: the simulator trains the clients itself, the Flower server sends
+them messages. The host also keeps what the clients keep (their local entries, the model they trained) and scores the
+views (``views``: its ``evaluate``). The server knows the clients only through :class:`~fedskew.protocol.ServerContext`
+(sample counts and the reports the method declared), their uploads and, in a deployment, the ones that never replied;
+it reads the run only through :class:`~fedskew.engine.settings.RoundSettings`.
+
+What it carries from round to round (a checkpoint's server half): the global model, the strategy's state, the client
+part's server half's state (SCAFFOLD's c) and the models it sent to clients (``personal``: personalized strategies;
+a map of the host's client-state store, so a disk store keeps them out of RAM).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedskew.engine.buffers import BufferPool
+from fedskew.engine.probe import skew_probe
+from fedskew.engine.rounds import Diverged, RoundPlan, RoundResult, dropped_out, payload_bytes, sample_clients
+from fedskew.engine.settings import RoundSettings
+from fedskew.protocol import (
+    LABEL_HIST,
+    TRAIN_LOSS,
+    ClientScores,
+    NonFiniteUploadError,
+    Params,
+    Rejection,
+    ServerContext,
+    Upload,
+    client_reports,
+)
+from fedskew.seeding import Purpose, numpy_rng
+from fedskew.server.api import UploadStack, check_model, enforce
+
+if TYPE_CHECKING:
+    from fedskew.data.pools import FederatedData
+    from fedskew.methods import Method
+
+# a host's views of the models after aggregation in round rnd: (the record's fields, per-view per-client scores)
+Views = Callable[[int], tuple[dict[str, Any], dict[str, ClientScores]]]
+# what the server knows of the clients when its host does not compute it from a partition (a deployment: the clients
+# reported it): training sample counts [N], and the declared client reports, name -> [N, d]
+Known = tuple[np.ndarray, Mapping[str, np.ndarray]]
+
+
+def server_context(
+    data: FederatedData,
+    method: Method,
+    template: Params,
+    trainable: frozenset[str],
+    seed: int,
+    known: Known | None = None,
+) -> ServerContext:
+    """What the server knows before round 1: from ``data``'s partition (the simulator), or ``known`` (a deployment's
+    clients reported it; ``data`` is then the server's view, with no client data)."""
+    num_train, reports = known or (data.num_train, client_reports(method.reports, data.train_hists))
+    declared = dict(reports)  # only the declared ones (protocol.ClientReport)
+    return ServerContext(
+        num_clients=data.num_clients,
+        num_classes=data.num_classes,
+        template=template,
+        trainable=trainable,
+        num_train=np.asarray(num_train),
+        label_hists=declared.get(LABEL_HIST.name),
+        seed=seed,
+        reports=declared,
+    )
+
+
+class RoundServer:
+    """The server of one federation: the method's server strategy and client part's server half, their states, the
+    global model and the personalized models it sent, driven one round at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: RoundSettings,
+        method: Method,
+        ctx: ServerContext,
+        *,
+        local_names: frozenset[str],
+        personal: MutableMapping[int, Params],
+    ) -> None:
+        """``local_names``: the state-dict entries the clients keep for themselves (never on the wire);
+        ``personal``: where the models sent to individual clients live (a client-state store's map)."""
+        self.settings = settings
+        self.method = method
+        self.ctx = ctx
+        self.local_names = local_names
+        self.personal = personal
+        self.global_params: Params = ctx.template
+        self.reports: dict[str, np.ndarray] = dict(ctx.reports)
+        # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
+        factor = settings.divergence_factor
+        self.loss_limit = factor * math.log(ctx.num_classes) if factor else math.inf
+        self.server_state = method.server.init(ctx)
+        method.client.check_model(ctx.template, ctx.trainable)
+        # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
+        self.server_half_state = method.server_half.init(ctx)
+        self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
+
+    @property
+    def trainable(self) -> frozenset[str]:
+        return self.ctx.trainable
+
+    def received(self, cid: int) -> Params:
+        """The model the server sends client ``cid``: its personalized model, else the global one."""
+        return self.personal.get(cid, self.global_params)
+
+    def broadcast(self) -> Params:
+        """What the server half sends every sampled client beside its model (SCAFFOLD's c; ``{}`` for most)."""
+        return self.method.server_half.broadcast(self.server_half_state)
+
+    def wire_bytes(self, params: Params) -> int:
+        """Bytes of a model exchange; entries the clients keep locally (``method.local``) never travel."""
+        return payload_bytes({k: v for k, v in params.items() if k not in self.local_names})
+
+    def eval_sample(self, rnd: int) -> list[int] | None:
+        """The clients whose per-client models round ``rnd`` scores: ``None`` (all) unless ``eval_clients`` is set
+        and this is not the last round; else a sorted sample of that many, drawn from the run seed and the round
+        (its own stream: no other draw moves)."""
+        n, k = self.ctx.num_clients, self.settings.eval_clients
+        if k is None or k >= n or rnd >= self.settings.rounds:
+            return None
+        rng = numpy_rng(self.settings.seed, Purpose.EVAL_SAMPLE, rnd)
+        return sorted(int(c) for c in rng.choice(n, k, replace=False))
+
+    # ---- one round ---------------------------------------------------------------------------------------
+    def open_round(self, rnd: int) -> RoundPlan:
+        """Start round ``rnd``: sample (seeded by (seed, round)), draw the drop-outs, prepare the upload buffers;
+        every sampled client is sent its model and the broadcast, whether or not it reports."""
+        s, n = self.settings, self.ctx.num_clients
+        t0 = time.perf_counter()
+        sampled = sample_clients(s.seed, rnd, n, s.join_ratio)
+        gone = set(dropped_out(s.seed, rnd, sampled, n, s.client_dropout))
+        broadcast = self.broadcast()
+        stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
+        plan = RoundPlan(rnd, sampled, gone, broadcast, stack, t0)
+        plan.bytes_down = sum(self.wire_bytes(self.received(cid)) + payload_bytes(broadcast) for cid in sampled)
+        return plan
+
+    def take_upload(self, plan: RoundPlan, upload: Upload) -> Rejection | None:
+        """Validate one client's upload into the round's buffers; its rejection under ``on_bad_update``, if any."""
+        plan.bytes_up += self.wire_bytes(upload.params) + payload_bytes(upload.extras)
+        rejected = plan.stack.add(upload)
+        if rejected is None or self.settings.on_bad_update == "fail":
+            plan.losses.append((upload.cid, upload.num_samples, upload.metrics.get(TRAIN_LOSS, math.nan)))
+        return rejected
+
+    def close_round(self, plan: RoundPlan, views: Views, commit: Callable[[], None] | None = None) -> RoundResult:
+        """Aggregate the round's uploads with the method's server strategy, then (``commit``: the host's store writes
+        the round's client state) score the host's ``views`` on the cadence and the skew probe, and record."""
+        s, method = self.settings, self.method
+        rnd, sampled, gone, stack = plan.rnd, plan.sampled, plan.gone, plan.stack
+        t0, t1 = plan.t0, time.perf_counter()
+        train_loss = self._check_training(rnd, plan.losses)
+        try:
+            enforce(stack.rejected, s.on_bad_update)
+        except NonFiniteUploadError as error:  # fedskew trained these clients itself: that is divergence
+            raise Diverged(rnd, str(error)) from None
+
+        record: dict[str, Any] = {"round": rnd, "participants": stack.count, "train_loss": train_loss}
+        if s.client_dropout > 0 or s.on_bad_update == "drop" or plan.failed:
+            record["sampled"] = len(sampled)
+        if s.client_dropout > 0:
+            record["dropped_out"] = sorted(gone)
+        if s.on_bad_update == "drop":
+            record["dropped"] = [r.as_record() for r in stack.rejected]
+        if plan.failed:
+            record["failed"] = plan.failed
+        rin, out = None, None
+        if stack.count:
+            rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
+            rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
+            self.server_half_state = method.server_half.advance(rin, self.server_half_state)
+            out, self.server_state = method.server.aggregate(rin, self.server_state)
+            self._check_models(rnd, out.global_params, out.personal)
+            self.global_params = out.global_params
+            if out.personal:
+                self.personal.update(out.personal)
+        elif len(gone) == len(sampled):  # nobody to aggregate: every model and all server state stay as they are
+            record["skipped_aggregation"] = "every sampled client dropped out"
+        else:
+            record["skipped_aggregation"] = "no sampled client replied" if plan.failed else "no valid upload"
+        if commit is not None:
+            commit()
+        t2 = time.perf_counter()
+
+        scores: dict[str, ClientScores] = {}
+        evaluated = rnd % s.eval_every == 0 or rnd == s.rounds
+        probe = None
+        if evaluated:
+            record_eval, scores = views(rnd)
+            record.update(record_eval)
+        t3 = time.perf_counter()
+        if evaluated and s.skew_probes and rin is not None:
+            probe = skew_probe(rin, self.global_params, s.skew_probes, s.seed)
+        t4 = time.perf_counter()
+        record.update(
+            {
+                "bytes_up": plan.bytes_up,
+                "bytes_down": plan.bytes_down,
+                "time_train": t1 - t0,
+                "time_aggregate": t2 - t1,
+                "time_eval": t3 - t2,
+                "time_probe": t4 - t3,
+                "time_round": t4 - t0,
+                "evaluated": evaluated,
+            }
+        )
+        if out is not None and out.diagnostics:
+            record["diagnostics"] = out.diagnostics
+        return RoundResult(record, scores, probe)
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def _check_training(self, rnd: int, losses: list[tuple[int, int, float]]) -> float | None:
+        """The round's sample-weighted training loss over ``(cid, samples, loss)`` (``None`` when empty);
+        :class:`Diverged` when a client's loss is not finite or the round's exceeds ``divergence_factor ×
+        ln(classes)``."""
+        if not losses:
+            return None
+        for cid, _, loss in losses:
+            if not math.isfinite(loss):
+                raise Diverged(rnd, f"client {cid}'s training loss is {loss}")
+        n = np.array([s for _, s, _ in losses], dtype=np.float64)
+        mean = float((n * np.array([loss for _, _, loss in losses])).sum() / n.sum())
+        if mean > self.loss_limit:
+            raise Diverged(
+                rnd,
+                f"training loss {mean:.3g} exceeds divergence_factor × ln({self.ctx.num_classes}) = "
+                f"{self.loss_limit:.3g}",
+            )
+        return mean
+
+    def _check_models(self, rnd: int, global_params: Params, personal: dict[int, Params] | None) -> None:
+        """The server's models must match the template (names, shapes, dtypes) and be finite."""
+        models = {"the aggregated global model": global_params}
+        models.update({f"client {cid}'s personalized model": p for cid, p in (personal or {}).items()})
+        for what, params in models.items():
+            bad = check_model(params, self.ctx.template, f"round {rnd}, {what}")
+            if bad:
+                raise Diverged(rnd, f"{what} holds NaN or Inf in {', '.join(bad[:3])}")
