@@ -335,3 +335,31 @@ def test_each_server_pieces_defaults_live_in_its_schema():
     for text in (SRC / "flower" / "strategies.py", SRC / "methods.py"):  # no literal copy of a default left
         source = text.read_text()
         assert "tau: float = 0.3" not in source and "a: float = 0.5" not in source and "lam: float = 0.2" not in source
+
+
+def test_the_flower_strategies_take_their_parameters_from_the_schema():
+    """Issue 40: a Flower-native strategy declares none of its method's hyper-parameters: its signature (what help()
+    shows) is made from the schema's fields and defaults, and its arguments are validated by the schema."""
+    import inspect
+
+    pytest.importorskip("flwr")
+    from fedskew.catalog.disco import DiscoParams
+    from fedskew.catalog.fedsa import FedSAParams
+    from fedskew.catalog.heal import HealParams
+    from fedskew.flower.strategies import FedDisco, FedHEAL, FedSA
+
+    cases = ((FedDisco, DiscoParams, {"report"}), (FedHEAL, HealParams, set()), (FedSA, FedSAParams, set()))
+    for cls, schema, leave in cases:
+        sig = inspect.signature(cls).parameters
+        for name, f in schema.model_fields.items():
+            if name in leave:
+                assert name not in sig
+                continue
+            assert sig[name].default == f.default and sig[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        source = inspect.getsource(cls.__init__)
+        header = source[: source.index(") -> None:")]
+        assert not [n for n in schema.model_fields if f"{n}:" in header or f"{n} =" in header], cls.__name__
+    with pytest.raises(ValueError, match="report does not apply"):
+        FedDisco(report="histogram")
+    with pytest.raises(ValueError, match="FedSA: lam"):
+        FedSA(lam=2.0)

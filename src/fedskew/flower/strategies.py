@@ -41,6 +41,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from inspect import Parameter, Signature
 from typing import Any
 
 import numpy as np
@@ -48,13 +49,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from pydantic import ValidationError
 from torch import Tensor
 
-from fedskew.catalog.disco import DISCO, DISCREPANCY, DiscoWeights
-from fedskew.catalog.fedsa import FEDSA, FedSACombine
-from fedskew.catalog.heal import HEAL, heal_aggregation
+from fedskew.catalog.disco import DISCREPANCY, DiscoParams, DiscoWeights
+from fedskew.catalog.fedsa import FedSACombine, FedSAParams
+from fedskew.catalog.heal import HealParams, heal_aggregation
 from fedskew.flower.codec import from_record, to_record
 from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
+from fedskew.schema import StrictSettings, describe_errors
 from fedskew.server.api import (
     NO_SERVER_HALF,
     ON_BAD_UPDATE,
@@ -317,32 +320,66 @@ class ReportedDiscoWeights(Weighting):
         return self.disco(replace(rin, reports={**rin.reports, DISCREPANCY: d}), masks, state)
 
 
+def _schema_args(schema: type[StrictSettings], kwargs: dict[str, Any], who: str, *, leave: tuple[str, ...] = ()) -> Any:
+    """The method's hyper-parameters among a strategy's keyword arguments (popped from ``kwargs``; the rest are
+    :class:`FedskewStrategy`'s and ``FedAvg``'s), validated by the method's own schema (its defaults and bounds);
+    ``leave``: schema fields that do not apply to the strategy (refused when given)."""
+    given = [k for k in leave if k in kwargs]
+    if given:
+        raise ValueError(f"{who} on Flower: {', '.join(given)} does not apply to the strategy")
+    mine = {k: kwargs.pop(k) for k in list(kwargs) if k in schema.model_fields}
+    try:
+        return schema(**mine)
+    except ValidationError as exc:
+        raise ValueError(f"{who}: " + "; ".join(describe_errors(exc))) from None
+
+
+def _signed(schema: type[StrictSettings], *, leave: tuple[str, ...] = (), extra: tuple[Parameter, ...] = ()) -> Any:
+    """A class decorator: the strategy's ``__init__`` signature (what ``help()`` and an editor show) is its method's
+    schema fields with their defaults, ``extra``, then ``**kwargs``: declared once, in the method's module."""
+
+    def decorate(cls: type) -> type:
+        fields = [
+            Parameter(name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
+            for name, f in schema.model_fields.items()
+            if name not in leave
+        ]
+        kwargs = Parameter("kwargs", Parameter.VAR_KEYWORD, annotation=Any)
+        self_ = Parameter("self", Parameter.POSITIONAL_OR_KEYWORD)
+        cls.__init__.__signature__ = Signature([self_, *fields, *extra, kwargs])  # type: ignore[misc]
+        return cls
+
+    return decorate
+
+
+@_signed(
+    DiscoParams,
+    leave=("report",),
+    extra=(
+        Parameter("discrepancy_key", Parameter.KEYWORD_ONLY, default="discrepancy", annotation=str),
+        Parameter("label_counts_key", Parameter.KEYWORD_ONLY, default="label-counts", annotation=str),
+    ),
+)
 class FedDisco(FedskewStrategy):
     """FedDisco (Ye et al., ICML 2023): weights ``ReLU(n_k - a·d_k + b)`` normalized, then the weighted mean.
 
-    ``a``, ``b``, ``metric`` (``kl``, ``l1``, ``l2``, ``cosine``, ``only_iid``), ``target`` (``None``: uniform) are
-    fedskew's (:class:`~fedskew.catalog.disco.DiscoWeights`). Each train reply's MetricRecord must carry
-    ``label_counts_key`` (list of training label counts; used when present) or ``discrepancy_key`` (scalar d_k
-    computed on the client with the same metric and target). Other keyword arguments: :class:`FedskewStrategy`'s.
+    ``a``, ``b``, ``metric`` (``kl``, ``l1``, ``l2``, ``cosine``, ``only_iid``), ``target`` (``None``: uniform):
+    :class:`~fedskew.catalog.disco.DiscoParams`, its defaults and bounds (``report`` does not apply: a Flower client
+    sends its label information with every reply). Each train reply's MetricRecord must carry ``label_counts_key``
+    (list of training label counts; used when present) or ``discrepancy_key`` (scalar d_k computed on the client with
+    the same metric and target). Other keyword arguments: :class:`FedskewStrategy`'s.
     """
 
     def __init__(
-        self,
-        a: float = DISCO.a,
-        b: float = DISCO.b,
-        metric: str = DISCO.metric,
-        target: Iterable[float] | None = DISCO.target,
-        *,
-        discrepancy_key: str = "discrepancy",
-        label_counts_key: str = "label-counts",
-        **kwargs: Any,
+        self, *, discrepancy_key: str = "discrepancy", label_counts_key: str = "label-counts", **kwargs: Any
     ) -> None:
+        params = _schema_args(DiscoParams, kwargs, "FedDisco", leave=("report",))
         for what, key in (("discrepancy_key", discrepancy_key), ("label_counts_key", label_counts_key)):
             if not isinstance(key, str) or not key:
                 raise ValueError(f"FedDisco {what} must be a non-empty string, got {key!r}")
         if discrepancy_key == label_counts_key:
             raise ValueError(f"FedDisco discrepancy_key and label_counts_key must differ, both are {discrepancy_key!r}")
-        disco = DiscoWeights(a=a, b=b, metric=metric, target=None if target is None else tuple(target))
+        disco = DiscoWeights(a=params.a, b=params.b, metric=params.metric, target=params.target)
         self.a, self.b, self.metric, self.target = disco.a, disco.b, disco.metric, disco.target
         self.discrepancy_key = discrepancy_key
         server = Aggregation(weighting=ReportedDiscoWeights(disco, discrepancy_key), combine=WeightedMean())
@@ -365,67 +402,47 @@ class FedDisco(FedskewStrategy):
             raise ValueError(f"FedDisco: node {node} sent '{self.discrepancy_key}' = {d!r}; expected a number >= 0")
 
 
+@_signed(HealParams)
 class FedHEAL(FedskewStrategy):
     """FedHEAL (Chen et al., CVPR 2024): FPHL consistency masks + FAEL momentum weights, masked weighted mean.
 
-    ``tau``, ``beta``, ``strict``, ``distance``, ``fael_init``, ``uniform_over`` are fedskew's
-    (:func:`~fedskew.catalog.heal.heal_aggregation`); the per-client sign tables and FAEL momenta are kept in the
-    strategy across rounds. ``fael_init='datasize'`` is refused: it needs every client's training-set size before the
-    first round. The clients send what the quickstart sends. Other keyword arguments: :class:`FedskewStrategy`'s.
+    ``tau``, ``beta``, ``strict``, ``distance``, ``fael_init``, ``uniform_over``:
+    :class:`~fedskew.catalog.heal.HealParams`, built by :func:`~fedskew.catalog.heal.heal_aggregation`; the per-client
+    sign tables and FAEL momenta are kept in the strategy across rounds. ``fael_init='datasize'`` is refused: it needs
+    every client's training-set size before the first round. The clients send what the quickstart sends. Other
+    keyword arguments: :class:`FedskewStrategy`'s.
     """
 
-    def __init__(
-        self,
-        tau: float = HEAL.tau,
-        beta: float = HEAL.beta,
-        *,
-        strict: bool = HEAL.strict,
-        distance: str = HEAL.distance,
-        fael_init: str = HEAL.fael_init,
-        uniform_over: str = HEAL.uniform_over,
-        **kwargs: Any,
-    ) -> None:
-        if fael_init == "datasize":
+    def __init__(self, **kwargs: Any) -> None:
+        params = _schema_args(HealParams, kwargs, "FedHEAL")
+        if params.fael_init == "datasize":
             raise ValueError(
                 "FedHEAL on Flower: fael_init='datasize' needs every client's training-set size before round 1, "
                 "which the strategy does not have; use fael_init='uniform'"
             )
-        server = heal_aggregation(
-            tau, beta, strict=strict, distance=distance, fael_init=fael_init, uniform_over=uniform_over
-        )
-        self.tau, self.beta = tau, beta
-        super().__init__(server, **kwargs)
-        self.name = f"heal(tau={tau}, beta={beta})"
+        self.params = params
+        self.tau, self.beta = params.tau, params.beta
+        super().__init__(heal_aggregation(**params.model_dump()), **kwargs)
+        self.name = f"heal(tau={params.tau}, beta={params.beta})"
 
 
+@_signed(FedSAParams)
 class FedSA(FedskewStrategy):
     """FedSA / FedPake (arXiv 2408.11278): parameter-skew-aware aggregation of every trainable array.
 
-    ``lam``, ``delta``, ``C``, ``S``, ``micro_norm``, ``alpha_norm``, ``low_weighting``, ``buffers``, ``cv_norm`` are
-    fedskew's (:class:`~fedskew.catalog.fedsa.FedSACombine`); client weights are sample shares (used only with
-    ``low_weighting='samples'``). ``buffers='local'`` returns the broadcast buffers: your ClientApp must then keep its
-    own. The clients send what the quickstart sends. Other keyword arguments: :class:`FedskewStrategy`'s.
+    ``lam``, ``delta``, ``C``, ``S``, ``micro_norm``, ``alpha_norm``, ``low_weighting``, ``buffers``, ``cv_norm``:
+    :class:`~fedskew.catalog.fedsa.FedSAParams`, for :class:`~fedskew.catalog.fedsa.FedSACombine`; client weights are
+    sample shares (used only with ``low_weighting='samples'``). ``buffers='local'`` returns the broadcast buffers:
+    your ClientApp must then keep its own. The clients send what the quickstart sends. Other keyword arguments:
+    :class:`FedskewStrategy`'s.
     """
 
-    def __init__(
-        self,
-        lam: float = FEDSA.lam,
-        delta: float = FEDSA.delta,
-        C: int = FEDSA.C,
-        S: int = FEDSA.S,
-        *,
-        micro_norm: str = FEDSA.micro_norm,
-        alpha_norm: str = FEDSA.alpha_norm,
-        low_weighting: str = FEDSA.low_weighting,
-        buffers: str = FEDSA.buffers,
-        cv_norm: str = FEDSA.cv_norm,
-        **kwargs: Any,
-    ) -> None:
-        args = {"lam": lam, "delta": delta, "C": C, "S": S, "micro_norm": micro_norm, "alpha_norm": alpha_norm}
-        args |= {"low_weighting": low_weighting, "buffers": buffers, "cv_norm": cv_norm}
-        self.combine = FedSACombine(**args)  # validates every argument
+    def __init__(self, **kwargs: Any) -> None:
+        params = _schema_args(FedSAParams, kwargs, "FedSA")
+        self.params = params
+        self.combine = FedSACombine(**params.model_dump())
         super().__init__(Aggregation(weighting=SampleWeights(), combine=self.combine), **kwargs)
-        self.name = f"fedsa(lam={lam}, delta={delta}, C={C}, S={S})"
+        self.name = f"fedsa(lam={params.lam}, delta={params.delta}, C={params.C}, S={params.S})"
 
 
 FedPake = FedSA
