@@ -259,7 +259,7 @@ def test_fedbabu_keeps_the_initial_head_and_personalizes_by_fine_tuning():
     heads = [k for k in initial if k.startswith("head.")]
     assert heads and all(torch.equal(sim.global_params[k], initial[k]) for k in heads)  # exactly the initial head
     assert not torch.equal(sim.global_params["body.1.weight"], initial["body.1.weight"])
-    own = sim.client_states[0][PERSONAL]
+    own = sim.client_states[0][PERSONAL.name]
     assert not torch.equal(own["head.weight"], initial["head.weight"])  # the fine-tuned head
     assert recs[-1]["personal_acc"] > recs[-1]["global_local_acc"] + 0.1
     # fine-tuned from the local model, the personal view is good from round 1 on (0.89 there, 0.83 in round 3)
@@ -276,8 +276,8 @@ def test_fedbabu_fine_tunes_its_locally_trained_model_by_default():
     ctx = _ctx(model, received)
     assert [p.name for p in algo.phases(ctx)] == ["body", "fine_tune"]
     upd = local_train(algo, ctx, x, y, torch.Generator().manual_seed(0))
-    own = ctx.client_state[PERSONAL]
-    assert set(ctx.client_state) == {PERSONAL}  # the upload kept aside during training is not client state
+    own = ctx.client_state[PERSONAL.name]
+    assert set(ctx.client_state) == {PERSONAL.name}  # the upload kept aside during training is not client state
     assert torch.equal(own["body.0.weight"], upd.params["body.0.weight"])  # head-only fine-tuning of the local body
     assert not torch.equal(own["body.0.weight"], received["body.0.weight"])
     assert not torch.equal(own["head.weight"], received["head.weight"])
@@ -293,7 +293,7 @@ def test_fedbabu_fine_tunes_its_locally_trained_model_by_default():
     ctx3 = _ctx(model3, received)
     full = local_train(FedBABU(fine_tuning_epochs=1), ctx3, x, y, torch.Generator().manual_seed(0))
     assert _same_params(full.params, ref.params, tol=0.0)
-    assert not torch.equal(ctx3.client_state[PERSONAL]["body.0.weight"], full.params["body.0.weight"])
+    assert not torch.equal(ctx3.client_state[PERSONAL.name]["body.0.weight"], full.params["body.0.weight"])
 
 
 def test_fedbabu_fine_tune_from_global_fine_tunes_the_received_model_then_trains_the_body():
@@ -302,7 +302,7 @@ def test_fedbabu_fine_tune_from_global_fine_tunes_the_received_model_then_trains
     algo = FedBABU(fine_tuning_epochs=2, fine_tune="head", fine_tune_from="global")
     ctx = _ctx(model, received, generator=torch.Generator().manual_seed(0))
     upd = local_train(algo, ctx, x, y, torch.Generator().manual_seed(0))
-    own = ctx.client_state[PERSONAL]
+    own = ctx.client_state[PERSONAL.name]
     assert torch.equal(own["body.0.weight"], received["body.0.weight"])  # head-only fine-tuning of the received model
     assert not torch.equal(own["head.weight"], received["head.weight"])
     assert torch.equal(upd.params["head.weight"], received["head.weight"])  # uploaded: head frozen, body trained
@@ -327,10 +327,10 @@ def test_fedbabu_local_fine_tuning_leaves_the_federated_training_unchanged():
     never = digits_simulation("fedbabu", {"fine_tune_every": 1000}, rounds=2)
     tuned.run(), never.run()
     assert _same_params(tuned.global_params, never.global_params, tol=0.0)
-    assert all(set(st) == {PERSONAL} for st in tuned.client_states.values())
+    assert all(set(st) == {PERSONAL.name} for st in tuned.client_states.values())
     glob = digits_simulation("fedbabu", {"fine_tuning_epochs": 1, "fine_tune_from": "global"}, rounds=2)
     glob.run()
-    own, old = tuned.client_states[0][PERSONAL], glob.client_states[0][PERSONAL]
+    own, old = tuned.client_states[0][PERSONAL.name], glob.client_states[0][PERSONAL.name]
     assert not torch.equal(own["body.1.weight"], old["body.1.weight"])
 
 
@@ -429,11 +429,11 @@ def test_fedala_learns_weights_in_the_unit_interval_and_keeps_lower_layers_globa
     sim = digits_simulation("fedala", {"layer_idx": 2}, rounds=3)
     recs = sim.run()
     state = sim.client_states[1]
-    w = state[ALA_WEIGHTS]
-    assert set(w) == {"head.weight", "head.bias"} == set(state[ALA_LOCAL])
+    w = state[ALA_WEIGHTS.name]
+    assert set(w) == {"head.weight", "head.bias"} == set(state[ALA_LOCAL.name])
     assert all(float(t.min()) >= 0 and float(t.max()) <= 1 for t in w.values())
     assert any(float(t.min()) < 1 for t in w.values())  # learning moved some weight off its initial 1
-    init = state[ALA_INIT]
+    init = state[ALA_INIT.name]
     assert not torch.equal(init["head.weight"], sim.global_params["head.weight"])
     assert recs[-1]["personal_acc"] > 0.3 and recs[-1]["global_local_acc"] > recs[0]["global_local_acc"]
 
@@ -512,9 +512,9 @@ def test_partial_participation_and_missed_rounds(method, args):
         s = sample_clients(5, r, 6, 0.5)
         trained |= set(s) - set(dropped_out(5, r, s, 6, 0.3))
     if method == "fedala":  # only clients that trained hold a local model; ALA starts at their second participation
-        assert {c for c, st in sim.client_states.items() if ALA_LOCAL in st} == trained
+        assert {c for c, st in sim.client_states.items() if ALA_LOCAL.name in st} == trained
     if method == "fedbabu":
-        assert {c for c, st in sim.client_states.items() if PERSONAL in st} == trained
+        assert {c for c, st in sim.client_states.items() if PERSONAL.name in st} == trained
 
 
 @pytest.mark.parametrize("method, args", STATEFUL[:3], ids=[m for m, _ in STATEFUL[:3]])

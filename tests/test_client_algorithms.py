@@ -151,3 +151,70 @@ def test_default_server_weighting_follows_the_client_parts_paper(name, args, exp
     m = resolve_method(name, args)
     kind = {SampleWeights: "samples", UniformWeights: "uniform"}[type(m.server.weighting)]
     assert kind == expected and m.args["weights"] == expected
+
+
+# ---- the client state: typed entries, each declared by the part that keeps it ---------------------------------------
+def test_a_client_part_keeps_only_the_state_it_declares():
+    from dataclasses import dataclass
+
+    from fedskew.client.local import StateKey, Wrapper, declared_state
+
+    COUNT = StateKey[int]("count", "rounds this client trained")
+
+    class Counting(LocalAlgorithm):
+        state_keys = (COUNT,)
+
+        def begin(self, ctx):
+            ctx.keep(COUNT, (ctx.kept(COUNT) or 0) + 1)
+
+    class Sloppy(LocalAlgorithm):
+        def begin(self, ctx):
+            ctx.client_state["scratch"] = 1  # an entry no part declared
+
+    model, received, x, y = _setup()
+    state: dict = {}
+    for _ in range(2):
+        _train(Counting(), model, received, x, y, state=state, epochs=1)
+    assert state == {"count": 2}
+    with pytest.raises(TypeError, match=r"Sloppy keeps \['scratch'\] in the client state without declaring"):
+        _train(Sloppy(), model, received, x, y, epochs=1)
+
+    TAG = StateKey[str]("tag")
+
+    @dataclass
+    class Tagging(Wrapper):
+        inner: LocalAlgorithm
+        state_keys = (TAG,)
+
+        def begin(self, ctx):
+            ctx.keep(TAG, "seen")
+            self.inner.begin(ctx)
+
+    wrapped = Tagging(Counting())
+    assert declared_state(wrapped) == {"count", "tag"}
+    state = {}
+    _train(wrapped, model, received, x, y, state=state, epochs=1)
+    assert state == {"count": 1, "tag": "seen"}
+    ctx = LocalContext(0, 1, model, received, {}, {}, TrainSettings(epochs=1, batch_size=5, lr=0.1))
+    with pytest.raises(KeyError, match="client 0 holds no 'count' in its state"):
+        ctx.held(COUNT)
+
+
+def test_every_registered_client_part_declares_its_state():
+    """Each built-in part's state entries are typed keys of its own module, and no two parts share a name unless it
+    is the same entry (PERSONAL: the model a client keeps for itself)."""
+    from fedskew.client.local import StateKey, declared_state, unwrapped
+    from fedskew.methods import resolve_method
+    from fedskew.registry import CLIENTS
+
+    resolve_method("fedavg", {})  # the built-in parts are registered
+    owners: dict[str, set[str]] = {}
+    for name in CLIENTS:
+        algo = resolve_method(name, {}).client
+        for c in type(unwrapped(algo)).__mro__:
+            for key in vars(c).get("state_keys", ()):
+                assert isinstance(key, StateKey), (name, key)
+        for key in declared_state(algo):
+            owners.setdefault(key, set()).add(name)
+    assert {"scaffold_ci", "moon_prev", "feddyn_grad", "feddc_ci", "personal_model", "ala_weights"} <= set(owners)
+    assert owners["personal_model"] >= {"ditto", "fedamp", "fedbabu"}

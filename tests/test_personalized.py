@@ -10,7 +10,15 @@ import torch
 from fedskew.catalog.ditto import Ditto
 from fedskew.catalog.fedamp import FedAMP, amp_mixing, squared_distances
 from fedskew.client.kernels import PERSONAL, is_head
-from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSettings, local_train, snapshot
+from fedskew.client.local import (
+    LocalAlgorithm,
+    LocalContext,
+    Phase,
+    StateKey,
+    TrainSettings,
+    local_train,
+    snapshot,
+)
 from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation, payload_bytes
@@ -41,9 +49,14 @@ def _data(n=40):
 # ---- phases on the one loop ----------------------------------------------------------------------------------------
 
 
+AFTER_HEAD = StateKey[dict]("after_head", "the model after the head phase")
+
+
 class HeadOnly(LocalAlgorithm):
+    state_keys = (AFTER_HEAD,)
+
     def phases(self, ctx):
-        return [Phase(2, name="head", trains=is_head, keep="after_head")]
+        return [Phase(2, name="head", trains=is_head, keep=AFTER_HEAD)]
 
 
 def test_a_phase_trains_only_its_parameters_and_keeps_a_snapshot():
@@ -82,7 +95,7 @@ def test_ditto_keeps_a_personal_model_pulled_towards_the_global_one():
         ctx = _ctx(model, settings)
         up = local_train(Ditto(lam=lam), ctx, x, y, torch.Generator().manual_seed(1))
         own = Ditto().personal_model(ctx.client_state)
-        assert own is ctx.client_state[PERSONAL]
+        assert own is ctx.client_state[PERSONAL.name]
         drift[lam] = sum(float((own[k] - received[k]).norm()) for k in own if own[k].is_floating_point())
         assert any(not torch.equal(up.params[k], own[k]) for k in own)  # upload = global model, not personal
     assert drift[5.0] < 0.5 * drift[0.0]
@@ -92,8 +105,8 @@ def test_ditto_personal_view_is_the_kept_model():
     sim = _sim("ditto", rounds=1)
     sim.round(1)
     for c in range(4):
-        assert sim.personal_params(c) is sim.client_states[c][PERSONAL]
-        assert sim.trained_params(c) is sim.client_states[c][PERSONAL]
+        assert sim.personal_params(c) is sim.client_states[c][PERSONAL.name]
+        assert sim.trained_params(c) is sim.client_states[c][PERSONAL.name]
 
 
 def test_local_never_communicates_and_each_client_keeps_its_own_model():
@@ -221,7 +234,7 @@ def test_fedamp_client_keeps_its_own_model_and_starts_from_it():
     sim = _sim("fedamp", rounds=2)
     assert sim.method.name == "fedamp+amp"
     sim.round(1)
-    own = {c: sim.client_states[c][PERSONAL] for c in range(4)}
+    own = {c: sim.client_states[c][PERSONAL.name] for c in range(4)}
     for c in range(4):
         assert sim.personal_params(c) is own[c]
         assert any(not torch.equal(sim.params_for(c)[k], own[c][k]) for k in sim.trainable)  # u_i is only the anchor

@@ -29,11 +29,13 @@ class Ditto(LocalAlgorithm):
     epochs) on ``CE + (lam/2)||v_k − w||²`` with ``w`` the received global model, kept on the client; then the global
     model trained with plain SGD and uploaded. Default ``lam = 0.1`` (FedSA/FedPake used 0.001)."""
 
+    state_keys = (PERSONAL,)
     lam: float = 0.1
     personal_epochs: int | None = None
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
-        own = ctx.client_state.get(PERSONAL, ctx.received)
+        kept = ctx.kept(PERSONAL)
+        own = ctx.received if kept is None else kept
         epochs = self.personal_epochs or ctx.settings.epochs
         return [
             Phase(epochs, name="personal", start=own, keep=PERSONAL),
@@ -50,7 +52,7 @@ class Ditto(LocalAlgorithm):
         return BatchedStep(prox_mu=lambda phase: float(self.lam) if phase == "personal" else 0.0)
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
-        return client_state.get(PERSONAL)
+        return PERSONAL.get(client_state)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from fedskew import registry
 from fedskew.client.batched_form import BatchedStep, Pull, Shift
-from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.client.local import LocalAlgorithm, LocalContext, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
@@ -57,6 +57,10 @@ FEDDYN_MEAN_SAMPLES = "feddyn/mean_samples"  # broadcast, FedDyn: the mean train
 FEDDC_MEAN_SAMPLES = "feddc/mean_samples"  # broadcast, FedDC: the same, for its size weights
 FEDDC_C = "feddc_c/"  # broadcast, FedDC: the global control variate c
 FEDDC_DELTA = "feddc_dc/"  # upload, FedDC: the client's control delta
+# what the clients keep across rounds (client state)
+FEDDYN_GRAD = StateKey[Params]("feddyn_grad", "FedDyn: the client's accumulated gradient g_k")
+FEDDC_DRIFT = StateKey[Params]("feddc_drift", "FedDC: the client's local drift h_i")
+FEDDC_CI = StateKey[Params]("feddc_ci", "FedDC: the client's control variate c_i")
 
 
 # ---- client ----------------------------------------------------------------------------------------------------------
@@ -117,6 +121,7 @@ class FedDyn(LocalAlgorithm):
     ``size_scaling`` on and gradient-norm clip 10 (both official codes). α = 0 with clip = 0 is plain local SGD.
     """
 
+    state_keys = (FEDDYN_GRAD,)
     alpha: float = 0.01
     size_scaling: bool = True
     clip: float = 10.0
@@ -126,8 +131,8 @@ class FedDyn(LocalAlgorithm):
 
     def begin(self, ctx: LocalContext) -> None:
         named = _trainable(ctx.model)
-        g = ctx.client_state.get("feddyn_grad") or _zeros(ctx)
-        ctx.client_state["feddyn_grad"] = g
+        g = ctx.kept(FEDDYN_GRAD) or _zeros(ctx)
+        ctx.keep(FEDDYN_GRAD, g)
         alpha = self.alpha_for(ctx)
         params = [p for _, p in named]
         anchors = [ctx.received[n] for n, _ in named]
@@ -147,10 +152,8 @@ class FedDyn(LocalAlgorithm):
 
     def end(self, ctx: LocalContext) -> Params:
         alpha = ctx.prep(DriftRound).alpha
-        g = ctx.client_state["feddyn_grad"]
-        ctx.client_state["feddyn_grad"] = {
-            n: g[n] - alpha * (p.detach() - ctx.received[n]) for n, p in _trainable(ctx.model)
-        }
+        g = ctx.held(FEDDYN_GRAD)
+        ctx.keep(FEDDYN_GRAD, {n: g[n] - alpha * (p.detach() - ctx.received[n]) for n, p in _trainable(ctx.model)})
         return {}
 
 
@@ -165,6 +168,7 @@ class FedDC(LocalAlgorithm):
     adds it to the loss: ``correction=False`` reproduces that, and then no control variate travels).
     """
 
+    state_keys = (FEDDC_DRIFT, FEDDC_CI)
     alpha: float = 0.01
     size_scaling: bool = True
     clip: float = 10.0
@@ -173,14 +177,14 @@ class FedDC(LocalAlgorithm):
     def begin(self, ctx: LocalContext) -> None:
         named = _trainable(ctx.model)
         omega = size_weight(ctx, FEDDC_MEAN_SAMPLES) if self.size_scaling else 1.0
-        h = ctx.client_state.get("feddc_drift") or _zeros(ctx)
-        ctx.client_state["feddc_drift"] = h
+        h = ctx.kept(FEDDC_DRIFT) or _zeros(ctx)
+        ctx.keep(FEDDC_DRIFT, h)
         params = [p for _, p in named]
         anchors = [ctx.received[n] - h[n] for n, _ in named]
         ctx.prepared = prep = DriftRound(params, anchors, self.alpha / omega)
         if self.correction:
-            c_i = ctx.client_state.get("feddc_ci") or _zeros(ctx)
-            ctx.client_state["feddc_ci"] = c_i
+            c_i = ctx.kept(FEDDC_CI) or _zeros(ctx)
+            ctx.keep(FEDDC_CI, c_i)
             prep.c = {n: ctx.broadcast[f"{FEDDC_C}{n}"] / omega for n, _ in named}
             prep.shift = [prep.c[n] - c_i[n] for n, _ in named]
 
@@ -208,14 +212,14 @@ class FedDC(LocalAlgorithm):
     def end(self, ctx: LocalContext) -> Params:
         named = _trainable(ctx.model)
         delta = {n: p.detach() - ctx.received[n] for n, p in named}
-        h = ctx.client_state["feddc_drift"]
-        ctx.client_state["feddc_drift"] = {n: h[n] + delta[n] for n, _ in named}
+        h = ctx.held(FEDDC_DRIFT)
+        ctx.keep(FEDDC_DRIFT, {n: h[n] + delta[n] for n, _ in named})
         if not self.correction:
             return {}
-        c, c_i = ctx.prep(DriftRound).c, ctx.client_state["feddc_ci"]
+        c, c_i = ctx.prep(DriftRound).c, ctx.held(FEDDC_CI)
         scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
         new_ci = {n: c_i[n] - c[n] - delta[n] * scale for n, _ in named}
-        ctx.client_state["feddc_ci"] = new_ci
+        ctx.keep(FEDDC_CI, new_ci)
         return {f"{FEDDC_DELTA}{n}": new_ci[n] - c_i[n] for n, _ in named}
 
 

@@ -18,14 +18,15 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep
-from fedskew.client.local import LocalAlgorithm, LocalContext, snapshot
+from fedskew.client.local import LocalAlgorithm, LocalContext, StateKey, snapshot
 from fedskew.protocol import Params
 from fedskew.registry import NO_GLOBAL_MODEL, ClientPart, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
 
-ALA_LOCAL = "ala_local"  # client_state: the top tensors of the client's model after its latest training
-ALA_WEIGHTS = "ala_weights"  # client_state: the learned element-wise aggregation weights (persist across rounds)
-ALA_INIT = "ala_init"  # client_state: the model ALA produced at the client's latest participation (personal view)
+# what a client keeps across rounds (client state)
+ALA_LOCAL = StateKey[Params]("ala_local", "the top tensors of the client's model after its latest training")
+ALA_WEIGHTS = StateKey[Params]("ala_weights", "the learned element-wise aggregation weights")
+ALA_INIT = StateKey[Params]("ala_init", "the model ALA produced at the client's latest participation (personal)")
 
 
 def ala_combine(local: Tensor, received: Tensor, weight: Tensor) -> Tensor:
@@ -129,6 +130,7 @@ class FedALA(LocalAlgorithm):
     ``threshold = 0.1``, ``num_pre_loss = 10``) and the FedSA/FedPake paper (``layer_idx = 1``; PFLlib's default 2).
     ``max_start_epochs`` caps the first weight learning, which PFLlib runs until convergence with no cap."""
 
+    state_keys = (ALA_LOCAL, ALA_WEIGHTS, ALA_INIT)
     eta: float = 1.0
     rand_percent: float = 0.8
     layer_idx: int = 1
@@ -139,11 +141,11 @@ class FedALA(LocalAlgorithm):
 
     def begin(self, ctx: LocalContext) -> None:
         names = top_parameter_names(ctx.model, self.layer_idx)
-        local = ctx.client_state.get(ALA_LOCAL)
+        local = ctx.kept(ALA_LOCAL)
         passes = 0
         if names and local is not None:
             assert ctx.x is not None and ctx.y is not None and ctx.generator is not None
-            previous = ctx.client_state.get(ALA_WEIGHTS)
+            previous = ctx.kept(ALA_WEIGHTS)
             weights = previous or {n: torch.ones_like(ctx.received[n]) for n in names}
             blended, weights, passes = learn_ala_weights(
                 ctx.model,
@@ -161,21 +163,21 @@ class FedALA(LocalAlgorithm):
                 num_pre_loss=self.num_pre_loss,
                 max_epochs=self.max_start_epochs,
             )
-            ctx.client_state[ALA_WEIGHTS] = weights
+            ctx.keep(ALA_WEIGHTS, weights)
             # the received entries everywhere else (weight learning ran in train mode: BN statistics are reset)
             ctx.model.load_state_dict({**ctx.received, **blended})
         ctx.metrics["ala_epochs"] = float(passes)
-        ctx.client_state[ALA_INIT] = snapshot(ctx.model)
+        ctx.keep(ALA_INIT, snapshot(ctx.model))
 
     def end(self, ctx: LocalContext) -> Params:
         names = top_parameter_names(ctx.model, self.layer_idx)
         if names:
             state = ctx.model.state_dict()
-            ctx.client_state[ALA_LOCAL] = {n: state[n].detach().clone() for n in names}
+            ctx.keep(ALA_LOCAL, {n: state[n].detach().clone() for n in names})
         return {}
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
-        return client_state.get(ALA_INIT)
+        return ALA_INIT.get(client_state)
 
     def batched_step(self) -> BatchedStep:
         # the weight learning runs in begin, per client on its own data and generator, as the sequential loop runs it

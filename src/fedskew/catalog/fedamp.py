@@ -41,10 +41,11 @@ class AmpClient(LocalAlgorithm):
     ``CE + (mu/2)||w − u_i||²`` with ``u_i`` the received cloud model; ``mu = λ/α_K`` (Fling's FedCAC-protocol
     config: λ = 1, α_K = 1e4, so ``mu = 1e-4``). In its first round a client starts from the received model."""
 
+    state_keys = (PERSONAL,)
     mu: float = 1e-4
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
-        return [Phase(ctx.settings.epochs, start=ctx.client_state.get(PERSONAL), keep=PERSONAL)]
+        return [Phase(ctx.settings.epochs, start=ctx.kept(PERSONAL), keep=PERSONAL)]
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         ce = F.cross_entropy(logits, y)
@@ -54,7 +55,7 @@ class AmpClient(LocalAlgorithm):
         return BatchedStep(prox_mu=lambda phase: float(self.mu))
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
-        return client_state.get(PERSONAL)
+        return PERSONAL.get(client_state)
 
 
 # ---- server ----------------------------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ from pydantic import Field
 
 from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import PERSONAL, is_head
-from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
+from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, StateKey
 from fedskew.protocol import Params
 from fedskew.registry import NO_GLOBAL_MODEL, ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 
-BABU_UPLOAD = "fedbabu_upload"  # client_state, within one local_train only: the body-trained model to upload
+# client state, within one round's training only: the body-trained model to upload
+BABU_UPLOAD = StateKey[Params]("fedbabu_upload", "FedBABU: the body-trained model to upload (within a round)")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class FedBABU(LocalAlgorithm):
     docs/methods.md). ``fine_tune_every = k`` fine-tunes only in rounds divisible by k (the personal model is the
     latest one between): with ``--eval-every k`` the evaluated personal views are the same at a k-th of the cost."""
 
+    state_keys = (PERSONAL, BABU_UPLOAD)
     fine_tuning_epochs: int = 10
     fine_tune: Literal["full", "head"] = "full"
     fine_tune_every: int = 1
@@ -64,13 +66,13 @@ class FedBABU(LocalAlgorithm):
         return [replace(body, keep=BABU_UPLOAD), tune]
 
     def end(self, ctx: LocalContext) -> Params:
-        upload = ctx.client_state.pop(BABU_UPLOAD, None)
+        upload = ctx.take(BABU_UPLOAD)
         if upload is not None:  # fine-tuned after the body phase: upload the body-trained model, not the personal one
             ctx.model.load_state_dict(upload)
         return {}
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
-        return client_state.get(PERSONAL)
+        return PERSONAL.get(client_state)
 
     def batched_step(self) -> BatchedStep:
         return BatchedStep()  # phases only (the body with the head frozen, then the fine-tuning)

@@ -18,12 +18,14 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep, FrozenTermFn
-from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.client.local import LocalAlgorithm, LocalContext, StateKey
 from fedskew.models import projection_width
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.space import Float, LogFloat
+
+MOON_PREV = StateKey[Params]("moon_prev", "the model the client trained at its previous participation")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Moon(LocalAlgorithm):
     Tiny-ImageNet, 5 for CIFAR-10), tau = 0.5 (paper and code), projection 256 (paper and code; set by the registry).
     """
 
+    state_keys = (MOON_PREV,)
     mu: float = 1.0
     tau: float = 0.5
     projection: int = 0  # width of the projection head the model must carry (0: none expected)
@@ -67,7 +70,7 @@ class Moon(LocalAlgorithm):
         return self._frozen[model]
 
     def begin(self, ctx: LocalContext) -> None:
-        previous = ctx.client_state.get("moon_prev")
+        previous = ctx.kept(MOON_PREV)
         ctx.prepared = MoonRound(contrast=self.mu != 0 and previous is not None)
         if ctx.prepared.contrast:
             glob, prev = self._aux(ctx.model)
@@ -88,7 +91,7 @@ class Moon(LocalAlgorithm):
         return ce + self.mu * contrastive.mean()
 
     def end(self, ctx: LocalContext) -> Params:
-        ctx.client_state["moon_prev"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
+        ctx.keep(MOON_PREV, {k: v.detach().clone() for k, v in ctx.model.state_dict().items()})
         return {}
 
     def batched_step(self) -> BatchedStep:
@@ -108,7 +111,7 @@ class Moon(LocalAlgorithm):
             return contrastive
 
         def previous(ctx: LocalContext) -> Params | None:  # begin decided: the term only with a previous model
-            return ctx.client_state.get("moon_prev") if ctx.prep(MoonRound).contrast else None
+            return ctx.kept(MOON_PREV) if ctx.prep(MoonRound).contrast else None
 
         return BatchedStep(term=term, frozen=("received", "previous"), previous=previous)
 

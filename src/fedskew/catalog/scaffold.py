@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep, Shift
-from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.client.local import LocalAlgorithm, LocalContext, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
 from fedskew.server.api import ServerHalf
@@ -39,7 +39,7 @@ from fedskew.server.api import ServerHalf
 # the tensors the two halves exchange (a trailing "/": one tensor per trainable entry n, named PREFIX + n)
 SCAFFOLD_C = "scaffold_c/"  # broadcast: the global control variate c
 SCAFFOLD_DELTA = "scaffold_dc/"  # upload: the client's control delta c_i⁺ − c_i
-CLIENT_CI = "scaffold_ci"  # client state: the client's control variate c_i
+CLIENT_CI = StateKey[Params]("scaffold_ci", "the client's control variate c_i")  # client state
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -63,10 +63,12 @@ class Scaffold(LocalAlgorithm):
     """SCAFFOLD's client: the shift ``−lr·(c − c_i)`` after each optimizer step, then ``c_i⁺`` and the uploaded
     ``Δc_i`` (module docstring)."""
 
+    state_keys = (CLIENT_CI,)
+
     def begin(self, ctx: LocalContext) -> None:
         names = [n for n, _ in _trainable(ctx.model)]
-        c_i = ctx.client_state.get(CLIENT_CI) or {n: torch.zeros_like(ctx.received[n]) for n in names}
-        ctx.client_state[CLIENT_CI] = c_i
+        c_i = ctx.kept(CLIENT_CI) or {n: torch.zeros_like(ctx.received[n]) for n in names}
+        ctx.keep(CLIENT_CI, c_i)
         c = {n: ctx.broadcast.get(f"{SCAFFOLD_C}{n}", torch.zeros_like(ctx.received[n])) for n in names}
         params = [p for _, p in _trainable(ctx.model)]
         ctx.prepared = ScaffoldRound(params, [c[n] - c_i[n] for n in names], -ctx.settings.lr, c)
@@ -76,13 +78,13 @@ class Scaffold(LocalAlgorithm):
         torch._foreach_add_(prep.params, prep.correction, alpha=prep.scale)
 
     def end(self, ctx: LocalContext) -> Params:
-        c, c_i = ctx.prep(ScaffoldRound).c, ctx.client_state[CLIENT_CI]
+        c, c_i = ctx.prep(ScaffoldRound).c, ctx.held(CLIENT_CI)
         scale = 1.0 / (max(ctx.steps, 1) * ctx.settings.lr)
         extras, new_ci = {}, {}
         for n, p in _trainable(ctx.model):
             new_ci[n] = c_i[n] - c[n] + (ctx.received[n] - p.detach()) * scale
             extras[f"{SCAFFOLD_DELTA}{n}"] = new_ci[n] - c_i[n]
-        ctx.client_state[CLIENT_CI] = new_ci
+        ctx.keep(CLIENT_CI, new_ci)
         return extras
 
     def batched_step(self) -> BatchedStep:

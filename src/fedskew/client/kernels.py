@@ -2,7 +2,7 @@
 
 * :func:`trainable` the parameters the model trains now (named), in the model's order;
 * :func:`proximal`  ``(mu/2)·Σ‖w − anchor‖²`` over them (FedProx, Ditto's personal phase, FedAMP's client);
-* :data:`PERSONAL`  the ``client_state`` key of a client's own model (Ditto, FedAMP, FedBABU), and :func:`is_head`,
+* :data:`PERSONAL`  the client-state entry of a client's own model (Ditto, FedAMP, FedBABU), and :func:`is_head`,
   the state-dict names of the classifier head (FedRep's and FedBABU's phases).
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.local import LocalContext
+from fedskew.client.local import LocalContext, StateKey
 from fedskew.protocol import Params
 
-PERSONAL = "personal_model"  # client_state key of a client's own model (Ditto, FedAMP)
+PERSONAL = StateKey[Params]("personal_model", "the model the client keeps for itself (Ditto, FedAMP, FedBABU)")
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

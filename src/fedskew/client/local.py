@@ -17,6 +17,11 @@ A local algorithm never copies the loop. It overrides hooks:
 * ``eval_views``       views it adds to the evaluation of the global model (FedProto: nearest-prototype accuracy),
                        from what the server broadcasts.
 
+What a client keeps across rounds is its *client state* (``ctx.client_state``, which the engine's client-state store
+holds and a checkpoint saves): each entry is a :class:`StateKey` the part that keeps it declares in ``state_keys``
+(SCAFFOLD's ``c_i``, MOON's previous model, Ditto's own model), read with ``ctx.kept(KEY)`` and written with
+``ctx.keep(KEY, value)``; an entry nobody declared is refused after training (:func:`check_state`).
+
 What the server keeps for an algorithm across rounds (SCAFFOLD's global control variate) is its *server half*, a
 :class:`fedskew.server.api.ServerHalf` the registry pairs with it; the two exchange tensors only, through the
 broadcast and the upload's extras, under names defined in :mod:`fedskew.protocol`. Everything is seeded by the
@@ -28,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,27 @@ from fedskew.client.batched_form import BatchedStep
 from fedskew.protocol import STEPS, TRAIN_LOSS, ClientReport, Params, Upload
 
 _P = TypeVar("_P")
+_S = TypeVar("_S")
+
+
+@dataclass(frozen=True)
+class StateKey(Generic[_S]):
+    """One entry of a client's persistent state: its key in the state (what the client-state store and a checkpoint
+    hold), the type of its value (``StateKey[Params]``: a model's tensors) and what it is. The client part that keeps
+    it declares it in :attr:`LocalAlgorithm.state_keys`."""
+
+    name: str
+    what: str = ""
+
+    def get(self, state: dict[str, Any]) -> _S | None:
+        """The entry's value in a client's ``state`` (``None``: not kept yet)."""
+        return state.get(self.name)
+
+
+# the entries the engine itself keeps in every client's state: the state-dict entries the client keeps for itself
+# (method.local: FedPer's head, FedBN's norms), overlaid on every model it receives
+LOCAL_PARAMS = "local_params"
+ENGINE_STATE = frozenset({LOCAL_PARAMS})
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,26 @@ class LocalContext:
     # the part's own (SCAFFOLD's correction, MOON's frozen models), read back with :meth:`prep`
     prepared: Any = None
 
+    def kept(self, key: StateKey[_S]) -> _S | None:
+        """What this client kept under ``key`` (``None``: nothing yet)."""
+        return key.get(self.client_state)
+
+    def held(self, key: StateKey[_S]) -> _S:
+        """What this client holds under ``key``, which must be there (kept earlier this round or in an earlier one)."""
+        value = key.get(self.client_state)
+        if value is None:
+            raise KeyError(f"client {self.cid} holds no {key.name!r} in its state ({key.what or 'no description'})")
+        return value
+
+    def keep(self, key: StateKey[_S], value: _S) -> None:
+        """Keep ``value`` under ``key`` in this client's state, for its next rounds."""
+        self.client_state[key.name] = value
+
+    def take(self, key: StateKey[_S]) -> _S | None:
+        """Remove and return what this client kept under ``key`` (``None``: nothing): an entry that lives within one
+        round's training only (FedBABU's body-trained model)."""
+        return self.client_state.pop(key.name, None)
+
     def prep(self, kind: type[_P]) -> _P:
         """``prepared`` as the type the client part's ``begin`` stored (checked: a mix-up is an error, not a tuple
         unpacked wrongly)."""
@@ -101,14 +147,15 @@ class Phase:
     ``start``: weights loaded before the phase (``None``: continue from the current ones; the first phase continues
     from the received model). ``trains``: which trainable parameters get updated (a predicate on the state-dict name;
     ``None``: all); the others are frozen for the phase. ``keep``: store a snapshot of the model after the phase in
-    ``client_state[keep]``. Each phase has its own optimizer (momentum restarts, as in FedRep's and Ditto's code).
+    the client's state under that key. Each phase has its own optimizer (momentum restarts, as in FedRep's and
+    Ditto's code).
     """
 
     epochs: int
     name: str = "main"
     start: Params | None = None
     trains: Callable[[str], bool] | None = None
-    keep: str | None = None
+    keep: StateKey[Params] | None = None
 
 
 class UploadExtras(Protocol):
@@ -121,6 +168,8 @@ class LocalAlgorithm:
     """Plain local SGD on cross-entropy (FedAvg's client). Subclasses override hooks."""
 
     reports: tuple[ClientReport, ...] = ()  # statistics every client sends once, before round 1 (FedGen's histogram)
+    # the entries this part keeps in a client's state across rounds (a subclass's add to its bases': declared_state)
+    state_keys: ClassVar[tuple[StateKey[Any], ...]] = ()
 
     # client-side hooks
     def begin(self, ctx: LocalContext) -> None:
@@ -270,6 +319,28 @@ for _hook in HOOKS:
     setattr(Wrapper, _hook, _forward(_hook))
 
 
+def declared_state(algo: LocalAlgorithm) -> frozenset[str]:
+    """The names of the client-state entries ``algo`` keeps: the ``state_keys`` of every class of the part and of
+    the parts its wrappers wrap."""
+    names: set[str] = set()
+    while True:
+        names |= {k.name for c in type(algo).__mro__ for k in vars(c).get("state_keys", ())}
+        if not isinstance(algo, Wrapper):
+            return frozenset(names)
+        algo = algo.inner
+
+
+def check_state(algo: LocalAlgorithm, state: dict[str, Any]) -> None:
+    """Refuse a client state holding an entry that no part declared: it would be saved and restored with no owner
+    (and two parts writing one undeclared name would overwrite each other unseen)."""
+    undeclared = set(state) - declared_state(algo) - ENGINE_STATE
+    if undeclared:
+        raise TypeError(
+            f"client part {type(unwrapped(algo)).__name__} keeps {sorted(undeclared)} in the client state without "
+            "declaring them: list each as a StateKey in its state_keys (fedskew.client.local.StateKey)"
+        )
+
+
 def overrides(algo: LocalAlgorithm, hook: str) -> bool:
     """Whether ``algo`` does anything in ``hook`` (a wrapper's forwarder counts as its inner part's hook)."""
     method = getattr(type(algo), hook)
@@ -390,8 +461,9 @@ def local_train(
             for p in frozen:
                 p.requires_grad_(True)
         if phase.keep is not None:
-            ctx.client_state[phase.keep] = snapshot(model)
+            ctx.keep(phase.keep, snapshot(model))
     extras = algo.end(ctx)
+    check_state(algo, ctx.client_state)
     trained = snapshot(model)
     trainable = frozenset(name for name, _ in named)
     for up in upload_extras:

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn, GeneratedTerm, HeadTermFn
-from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, snapshot
+from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import batchable, clip_rows, pull_rows
 from fedskew.engine.stacked import stackable, stacked_step_function
@@ -282,7 +282,7 @@ def _train_group(
         steps += sched.steps
         if phase.keep is not None:
             for ctx, state in zip(contexts, states, strict=True):
-                ctx.client_state[phase.keep] = {k: v.clone() for k, v in state.items()}
+                ctx.keep(phase.keep, {k: v.clone() for k, v in state.items()})
 
     updates = []
     override_end = type(algo).end is not LocalAlgorithm.end
@@ -298,6 +298,7 @@ def _train_group(
             trained = snapshot(model)
         for up in method.upload_extras:  # tensors computed from the received and the trained model (FedCAC's masks)
             extras = {**extras, **up(ctx.received, trained, trainable_set)}
+        check_state(algo, ctx.client_state)  # as the sequential loop checks it
         updates.append(
             Upload(
                 cid=cid,

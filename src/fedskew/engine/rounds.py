@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedskew.client.local import LocalContext, TrainSettings, local_train
+from fedskew.client.local import LOCAL_PARAMS, LocalContext, TrainSettings, local_train
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
 
-# a client's state-dict entries that never travel (method.local: FedPer's head, FedBN's norms), in its client_state
-LOCAL_PARAMS = "local_params"
+# LOCAL_PARAMS: a client's state-dict entries that never travel (method.local: FedPer's head, FedBN's norms), the
+# engine's own entry in every client's state (fedskew.client.local)
+__all__ = ["LOCAL_PARAMS"]
 
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
