@@ -1,5 +1,8 @@
-"""A client method in one file: FedDecorr, with its hyper-parameters, its objective, its batched form and its
-registration, composed with FedDisco's server weighting and trained on the batched path.
+"""A client method in one file: FedDecorr written as a client part of one's own, with its hyper-parameters, its
+objective, its batched form and its registration, composed with FedDisco's server weighting and trained on the
+batched path. (fedskew ships FedDecorr itself as the ``feddecorr`` plug-in, which adds the penalty to any client
+part: ``fedprox+feddecorr``; this file shows how a user writes a method, and reuses the built-in penalty,
+:func:`fedskew.catalog.feddecorr.decorrelation`.)
 
 FedDecorr (Shi, Liang, Zhang, Tan, Bai, "Towards Understanding and Mitigating Dimensional Collapse in Heterogeneous
 Federated Learning", ICLR 2023) adds to the cross-entropy ``beta`` times a decorrelation penalty on the body's
@@ -9,9 +12,9 @@ for a batch of one sample), as the official ``FedDecorrLoss``. Default ``beta = 
 (``fedskew tune`` reads the range declared below).
 
 Everything fedskew needs is here: the schema (``FedDecorrParams``), the client part (``FedDecorr``: its ``loss`` for
-the sequential loop, its ``batched_step`` for the batched one, both from one function, :func:`decorrelation`) and
-its registration (``PART``). The engine is not touched: ``feddecorr``, ``feddecorr+disco`` and
-``feddecorr+heal`` are method names as soon as this module is imported.
+the sequential loop, its ``batched_step`` for the batched one, both from one function, ``decorrelation``) and
+its registration (``PART``). The engine is not touched: ``my_feddecorr``, ``my_feddecorr+disco`` and
+``my_feddecorr+heal`` are method names as soon as this module is imported.
 
 It prints, per method, the final accuracy on the sequential loop and how far the batched path's accuracy curve is
 from it. For FedAvg that is 0; for FedDecorr at ``beta = 0.1`` it is not, and it is not the batched path's fault:
@@ -27,31 +30,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
 import fedskew
+from fedskew.catalog.feddecorr import decorrelation
 from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import CLIENTS
 from fedskew.schema import StrictSettings
 from fedskew.space import LogFloat
-
-EPS = 1e-8  # the official FedDecorrLoss's
-
-
-def decorrelation(features: Tensor) -> Tensor:
-    """FedDecorr's penalty of features ``[..., B, D]`` (one batch per leading index) → ``[...]``."""
-    b, d = features.shape[-2], features.shape[-1]
-    if b == 1:
-        return features.new_zeros(features.shape[:-2])
-    z = features - features.mean(dim=-2, keepdim=True)
-    z = z / torch.sqrt(EPS + z.var(dim=-2, keepdim=True))
-    corr = z.transpose(-1, -2) @ z  # [..., D, D]
-    off = ~torch.eye(d, dtype=torch.bool, device=features.device)
-    return corr[..., off].pow(2).mean(-1) / b
 
 
 class FedDecorrParams(StrictSettings):
@@ -80,7 +69,7 @@ class FedDecorr(LocalAlgorithm):
 
 
 PART = fedskew.ClientPart(
-    "feddecorr",
+    "my_feddecorr",
     "CE + beta * decorrelation of the batch's body features (beta=0.1)",
     "Shi et al., Towards Understanding and Mitigating Dimensional Collapse in Heterogeneous Federated Learning, "
     "ICLR 2023",
@@ -101,7 +90,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     settings = {"rounds": args.rounds, "clients": 6, "seed": 0, "threads": 1}
-    for method in ("fedavg", "feddecorr", "feddecorr+disco"):
+    for method in ("fedavg", "my_feddecorr", "my_feddecorr+disco"):
         seq = fedskew.run(method, **settings)
         bat = fedskew.run(method, **settings, batched_clients=True)
         gap = max(abs(a - b) for a, b in zip(accuracies(seq), accuracies(bat), strict=True))

@@ -91,6 +91,6 @@ def test_plugin_package_entry_point_works_from_the_cli(tmp_path):
 def test_one_file_method_example_runs_both_paths(tmp_path):
     out = _run([str(EXAMPLES / "one_file_method.py"), "--rounds", "2"], tmp_path)
     rows = re.findall(r"^([\w+]+): final global accuracy ([\d.]+); batched path within ([\d.]+)$", out, re.M)
-    assert [r[0] for r in rows] == ["fedavg", "feddecorr", "feddecorr+disco"]
+    assert [r[0] for r in rows] == ["fedavg", "my_feddecorr", "my_feddecorr+disco"]
     assert float(rows[0][2]) == 0.0  # FedAvg: the batched path gives the sequential numbers
     assert all(float(acc) > 0.1 for _, acc, _ in rows)

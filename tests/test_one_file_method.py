@@ -30,12 +30,12 @@ def decorr():
         yield module
     finally:
         sys.modules.pop(spec.name, None)
-        unregister("feddecorr")
+        unregister("my_feddecorr")
 
 
 def test_the_one_file_method_registers_and_composes(decorr):
-    assert CLIENTS["feddecorr"] is decorr.PART
-    method = resolve_method("feddecorr+disco", {"beta": 0.3})
+    assert CLIENTS["my_feddecorr"] is decorr.PART
+    method = resolve_method("my_feddecorr+disco", {"beta": 0.3})
     assert isinstance(method.client, decorr.FedDecorr) and method.client.beta == 0.3
     assert isinstance(method.server.weighting, DiscoWeights)
     assert batchable(method, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) is None
@@ -52,7 +52,7 @@ def test_it_trains_batched_as_sequentially(decorr):
     """Two rounds of FedDecorr + FedDisco on both paths agree within 1e-5 (uploads and client states). beta is small
     here: at beta 0.1 the penalty's 1/sqrt(var + 1e-8) on nearly dead ReLU features makes the sequential loop itself
     move by 0.19 when its received model moves by one ulp (measured), so no two float orders could agree."""
-    seq, bat, rounds = _side_by_side("feddecorr+disco", {"beta": 1e-4}, rounds=2)
+    seq, bat, rounds = _side_by_side("my_feddecorr+disco", {"beta": 1e-4}, rounds=2)
     for _, _, ups_seq, ups_bat in rounds:
         _same_updates(ups_seq, ups_bat)
     _same_states(seq.client_states, bat.client_states)
@@ -60,7 +60,7 @@ def test_it_trains_batched_as_sequentially(decorr):
 
 def test_the_comparison_sees_the_penalty(decorr):
     """The equivalence above is not vacuous: the penalty moves the uploads well beyond the tolerance."""
-    _, _, with_term = _side_by_side("feddecorr", {"beta": 1e-4}, rounds=1)
-    _, _, without = _side_by_side("feddecorr", {"beta": 0.0}, rounds=1)
+    _, _, with_term = _side_by_side("my_feddecorr", {"beta": 1e-4}, rounds=1)
+    _, _, without = _side_by_side("my_feddecorr", {"beta": 0.0}, rounds=1)
     a, b = with_term[0][2][0].params, without[0][2][0].params
     assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point()) > 1e-5

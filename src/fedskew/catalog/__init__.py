@@ -22,10 +22,11 @@ from fedskew.catalog import (
     fedavgm,
     fedbabu,
     fedcac,
+    feddecorr,
     fedgen,
     fednova,
-    fedopt,
     fedntd,
+    fedopt,
     fedprox,
     fedrep,
     fedsa,
@@ -59,4 +60,5 @@ CATALOGS = (
     fedala,
     prototypes,
     fairness,
+    feddecorr,
 )

@@ -309,6 +309,12 @@ class Wrapper(LocalAlgorithm):
     def reports(self) -> tuple[ClientReport, ...]:  # type: ignore[override]
         return self.inner.reports
 
+    def compose_batched(self, inner: BatchedStep) -> BatchedStep | None:
+        """The batched form of this wrapper around a part whose form is ``inner``, for a wrapper that adds work to
+        the per-step hooks (an added loss term: :class:`fedskew.client.terms.WithTerm`); ``None`` (the default): it
+        adds none, and only per-client hooks may be its own."""
+        return None
+
     def __getattr__(self, attr: str) -> Any:  # only called for attributes this wrapper does not have
         if attr == "inner":
             raise AttributeError(attr)
@@ -374,6 +380,9 @@ def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
     MRO declares (:meth:`LocalAlgorithm.batched_step`); a class below it that overrides a
     training hook, or a form of ``None``, means none."""
     while isinstance(algo, Wrapper):
+        if algo.compose_batched(BatchedStep()) is not None:  # the wrapper composes its own per-step work
+            inner = batched_form(algo.inner)
+            return inner if isinstance(inner, str) else algo.compose_batched(inner)  # type: ignore[return-value]
         wrappers = [c for c in type(algo).__mro__ if issubclass(c, Wrapper) and c is not Wrapper]
         own = {h for c in wrappers for h in _own_hooks(c, (*TRAINING_HOOKS, "batched_step"))}
         extra = sorted(own - set(PER_CLIENT_HOOKS))
