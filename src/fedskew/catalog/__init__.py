@@ -32,6 +32,7 @@ from fedskew.catalog import (
     fedsa,
     heal,
     keep_local,
+    label_calibration,
     moon,
     prototypes,
     scaffold,
@@ -61,4 +62,5 @@ CATALOGS = (
     prototypes,
     fairness,
     feddecorr,
+    label_calibration,
 )
