@@ -30,6 +30,7 @@ from fedskew.catalog import (
     fedprox,
     fedrep,
     fedsa,
+    fedsam,
     heal,
     keep_local,
     label_calibration,
@@ -63,4 +64,5 @@ CATALOGS = (
     fairness,
     feddecorr,
     label_calibration,
+    fedsam,
 )
