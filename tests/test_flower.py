@@ -61,7 +61,11 @@ def _without_timing(records: list[dict]) -> list[dict]:
 
 # ---- the equivalence harness -----------------------------------------------------------------------------------------
 @needs_flwr
-@pytest.mark.parametrize("method", ["fedavg", "fedsa", "fedprox+disco", "scaffold+heal", "fedcac"])
+@pytest.mark.parametrize(
+    "method",
+    # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term
+    ["fedavg", "fedsa", "fedprox+disco", "scaffold+heal", "fedcac", "fedprox+fedadam", "mofedsam", "fedlc+feddecorr"],
+)
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
     from fedskew.flower.inprocess import make_grid, run_in_process
 

@@ -36,6 +36,7 @@ from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import (
     NO_SERVER_HALF,
     Aggregation,
+    Calibration,
     Combine,
     Composition,
     Masking,
@@ -85,6 +86,8 @@ class Method:
     personalized: bool = False
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps for itself: "buffers", ...
     upload_extras: tuple[UploadExtras, ...] = ()  # extra tensors every client computes and uploads (FedCAC's masks)
+    # the post-hoc model the global views score instead of the global one (CCVR's calibrated classifier)
+    calibration: Calibration | None = None
     # keyword arguments the engine passes to models.build_model (MOON: {"projection": 256})
     model_options: Mapping[str, Any] = field(default_factory=dict)
     # what every client computes from its training labels and sends once, before round 1, because a part declared
@@ -176,6 +179,7 @@ class _Built:
     local: frozenset[str] = frozenset()  # state-dict groups each client keeps
     upload_extras: list[UploadExtras] = field(default_factory=list)
     wrappers: list[Callable[[LocalAlgorithm], LocalAlgorithm]] = field(default_factory=list)
+    calibration: Calibration | None = None
 
 
 # the base class a piece of each role derives from (personalize: a factory weighting -> ServerStrategy)
@@ -201,6 +205,12 @@ def _build_plugins(method: str, plugins: list[ServerPlugin], params: list[BaseMo
         built.local |= pieces.pop("local", frozenset())
         if "upload_extras" in pieces:
             built.upload_extras.append(pieces.pop("upload_extras"))
+        if "calibrate" in pieces:
+            if built.calibration is not None:
+                raise ConfigError(f"method {method!r}: two plug-ins both calibrate the evaluated model")
+            built.calibration = pieces.pop("calibrate")
+            if not isinstance(built.calibration, Calibration):
+                raise ConfigError(f"method {method!r}: plug-in {plugin.name!r}'s calibrate is not a Calibration")
         if "wrap_client" in pieces:  # e.g. AFL/q-FFL/FedFV: every client reports its loss before training
             built.wrappers.append(pieces.pop("wrap_client"))
         for role, piece in pieces.items():
@@ -286,15 +296,22 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     reports = unique_reports(r for piece in pieces for r in piece.reports)
     for wrap in built.wrappers:
         algo = wrap(algo)
+    personalized = client.personalized or "personalize" in built.roles or bool(built.local & PERSONAL_GROUPS)
+    if built.calibration is not None and (personalized or built.local):
+        raise ConfigError(
+            f"method {name!r}: a calibration of the global model (ccvr) needs one global model that every client "
+            "evaluates whole; this method keeps models or layers on the clients"
+        )
     return Method(
         "+".join([client_name, *plugin_names]) if tokens[0] in CLIENTS else "+".join(tokens),
         algo,
         server,
         _resolved_args(parts, parsed),
         server_half=half,
-        personalized=client.personalized or "personalize" in built.roles or bool(built.local & PERSONAL_GROUPS),
+        personalized=personalized,
         local=built.local,
         upload_extras=tuple(built.upload_extras),
+        calibration=built.calibration,
         model_options=client.model_options(client_params),
         reports=reports,
     )

@@ -34,8 +34,9 @@ from fedskew.space import Dist
 ROLES = ("weighting", "masking", "combine", "step", "personalize")
 # what else a plug-in's build may return: "local" (state-dict groups the clients keep), "upload_extras" (a client
 # UploadExtras: tensors every client adds to its upload),
-# "wrap_client" (LocalAlgorithm -> LocalAlgorithm: e.g. the loss before training AFL, q-FFL and FedFV read)
-EXTRA_PIECES = ("local", "upload_extras", "wrap_client")
+# "wrap_client" (LocalAlgorithm -> LocalAlgorithm: e.g. the loss before training AFL, q-FFL and FedFV read),
+# "calibrate" (a server.api.Calibration: the post-hoc model the global views score, CCVR's)
+EXTRA_PIECES = ("local", "upload_extras", "wrap_client", "calibrate")
 ENTRY_POINT_GROUP = "fedskew.methods"
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -12,6 +12,7 @@ in the order of :data:`CATALOGS`. A module imports the generic machinery only (`
 """
 
 from fedskew.catalog import (
+    ccvr,
     disco,
     ditto,
     drift,
@@ -67,4 +68,5 @@ CATALOGS = (
     feddecorr,
     label_calibration,
     fedsam,
+    ccvr,
 )

@@ -27,6 +27,7 @@ from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
 from fedskew.data.pools import FederatedData
 from fedskew.engine.backends import batched_trainer, worker_pool
+from fedskew.engine.calibration import calibrated_model
 from fedskew.engine.evaluate import (
     ClientScores,
     accumulate,
@@ -64,6 +65,7 @@ from fedskew.engine.rounds import (
 from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import Params, Upload
+from fedskew.server.api import CalibrationKey
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
 __all__ = [
@@ -344,7 +346,8 @@ class Simulation:
         score the clients of the round server's ``eval_sample`` (``rnd``; default all), and the record says how many."""
         data = self.data
         sample = None if rnd is None else self.server.eval_sample(rnd)
-        rec: dict[str, Any] = global_views(self, self.global_params)
+        glob = self.evaluated_model(rnd)
+        rec: dict[str, Any] = global_views(self, glob)
         if sample is not None and (self.local_names or self.method.personalized):
             rec["eval_clients"] = len(sample)
         if self.local_names:  # each client evaluates the global model with the entries it keeps locally
@@ -352,7 +355,7 @@ class Simulation:
                 "global_local": self._per_client_scores(lambda cid: self.params_for(cid, self.global_params), sample)
             }
         else:  # one pass over all clients' test sets
-            (batches,) = self.batch_scores_of([(self.global_params, "local")])
+            (batches,) = self.batch_scores_of([(glob, "local")])
             scores = {"global_local": accumulate(batches, data.local_owner, data.num_clients)}
             if self.global_is_local_union and not data.domains:
                 rec.update(pooled("global", scores["global_local"]))
@@ -363,6 +366,15 @@ class Simulation:
             rec.update(summarize("personal", scores["personal"]))
             rec.update(summarize("trained", scores["trained"]))
         return rec, scores
+
+    def evaluated_model(self, rnd: int | None) -> Params:
+        """The model the global views score: the global one, or the method's post-hoc calibration of it (CCVR),
+        which the clients never receive."""
+        calibration = self.method.calibration
+        if calibration is None:
+            return self.global_params
+        key = CalibrationKey(self.cfg.seed, rnd or self.cfg.rounds, self.settings.lr, self.settings.batch_size)
+        return calibrated_model(calibration, self.model, self.data, self.global_params, key, self.eval_batch)
 
     def run(self, on_round: Callable[[RoundResult], None] | None = None) -> list[dict[str, Any]]:
         records = []

@@ -243,6 +243,11 @@ class FlowerServer:
     ) -> None:
         """``view``: the server's view of the federation (no client data; at most a held-out test set); ``known``:
         what the clients reported of themselves (sample counts, declared reports)."""
+        if method.calibration is not None:
+            raise ConfigError(
+                f"method {method.name!r} calibrates the evaluated model from every client's feature statistics, which "
+                "fedskew's Flower apps do not exchange yet; run it in the simulator (fedskew run)"
+            )
         self.cfg, self.data, self.method = cfg, view, method
         self.model = init_model(cfg, view, method)  # scores the global model on the server's test set
         template = snapshot(self.model)

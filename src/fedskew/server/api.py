@@ -156,6 +156,32 @@ class ServerHalf(Piece):
 NO_SERVER_HALF = ServerHalf()
 
 
+class Calibration(Piece):
+    """A post-hoc change of the global model that the global views score and the clients never receive (CCVR's
+    classifier calibrated on virtual features): training is untouched. At each evaluation every client computes
+    :meth:`statistics` of its training features under the global model; the server sums them over the clients
+    (the statistics must be additive) and :meth:`calibrate` returns the model the global views score."""
+
+    def statistics(self, features: Tensor, labels: Tensor, num_classes: int) -> Params:
+        """One client's additive statistics of its training features ``[n, d]`` (the global model's body)."""
+        raise NotImplementedError
+
+    def calibrate(self, global_params: Params, head: torch.nn.Module, stats: Params, key: CalibrationKey) -> Params:
+        """The model to score, from the global one, the model's head module (a copy to train), the summed
+        statistics and ``key`` (the run's seed and round, learning rate and batch size)."""
+        raise NotImplementedError
+
+
+class CalibrationKey(NamedTuple):
+    """What a calibration may read of the run: its seed and the round (its random draws are keyed by them), and the
+    clients' learning rate and batch size (its defaults)."""
+
+    seed: int
+    round: int
+    lr: float
+    batch_size: int
+
+
 CombineFn = Callable[[RoundInput, Tensor, "Params | None"], "tuple[Params, Diagnostics]"]
 
 
