@@ -377,6 +377,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # --help and bad flags end here, before torch is imported
+    command = args.command or "run"
+    if args.command is None:  # `fedskew` alone = the main job
+        args = build_parser().parse_args(["run", *(argv or [])])
     from fedskew.config import ConfigError
     from fedskew.data.partition import PartitionError
     from fedskew.data.readers import DataError
@@ -385,10 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     from fedskew.results.rundir import RunDirError
     from fedskew.results.store import DatabaseError
 
-    args = build_parser().parse_args(argv)
-    command = args.command or "run"
-    if args.command is None:  # `fedskew` alone = the main job
-        args = build_parser().parse_args(["run", *(argv or [])])
     handlers = {
         "run": cmd_run,
         "methods": cmd_methods,

@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import optimize, stats
+
+# scipy is imported inside the functions that need it: building the CLI's parser reaches this module, and a
+# command that never computes an interval must not pay scipy's import (tests/test_cli_startup.py)
 
 LEVEL = 0.95
 ALPHA = 0.05
@@ -115,6 +117,8 @@ def _mean_sd(diffs: Sequence[float] | np.ndarray) -> tuple[np.ndarray, float, fl
 def paired_t_interval(diffs: Sequence[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float]:
     """The ``level`` confidence interval of the mean paired difference: mean ± t_{(1+level)/2, n-1} sd / sqrt(n)
     (sd with ddof=1). At least two differences; an sd of 0 collapses the interval to the mean."""
+    from scipy import stats
+
     d, mean, sd = _mean_sd(diffs)
     half = float(stats.t.ppf(0.5 + level / 2, len(d) - 1)) * sd / math.sqrt(len(d))
     return mean - half, mean + half
@@ -176,6 +180,8 @@ def t_test_power(effect: float, n: int, alpha: float = ALPHA) -> float:
     effect sqrt(n))."""
     if n < 2:
         raise ValueError(f"a paired t-test needs at least 2 seeds, got {n}")
+    from scipy import stats
+
     df, nc = n - 1, abs(effect) * math.sqrt(n)
     tc = float(stats.t.ppf(1 - alpha / 2, df))
     upper = float(stats.nct.sf(tc, df, nc))
@@ -191,6 +197,8 @@ def detectable_difference(sd: float | None, n: int, alpha: float = ALPHA, power:
         return None
     if sd == 0:
         return 0.0
+    from scipy import optimize
+
     hi = 1.0
     while t_test_power(hi, n, alpha) < power:
         hi *= 2.0
@@ -211,6 +219,8 @@ def seeds_needed(
         return None
     if sd == 0:
         return 2
+    from scipy import stats
+
     effect = d / sd
     z = float(stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power))
     n = max(2, math.floor((z / effect) ** 2))  # the normal approximation never asks for more seeds than the t-test
