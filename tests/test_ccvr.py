@@ -85,3 +85,16 @@ def test_flower_refuses_it_with_the_reason(tmp_path):
     cfg = make_config(None, {"method": "ccvr", "clients": 3, "rounds": 1, "out": str(tmp_path / "r"), "db": None})
     with pytest.raises(ConfigError, match="do not exchange yet; run it in the simulator"):
         run_in_process(cfg, grid=make_grid(cfg))
+
+
+def test_a_part_may_not_name_a_hyper_parameter_as_a_run_setting():
+    """The tuner and sweeps read ``lr``, ``batch_size``, ... as the run's own settings: a part's ``lr`` would be
+    tuned as the clients' learning rate (CCVR's calibration rate was, before it became ``head_lr``)."""
+    from fedskew.registry import ServerPlugin, register
+    from fedskew.schema import StrictSettings
+
+    class Clashing(StrictSettings):
+        lr: float = 0.1
+
+    with pytest.raises(ConfigError, match=r"\['lr'\] are named as the run's own settings"):
+        register(ServerPlugin("clash_probe", "probe", "none", Clashing, (), lambda p: {}))

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from fedskew.client.local import LocalAlgorithm
 from fedskew.schema import ConfigError, StrictSettings
 from fedskew.server.api import ServerHalf
-from fedskew.space import Dist
+from fedskew.space import RUN_LEVEL, Dist
 
 # the roles a server plug-in may fill (each at most once per method), see fedskew.server.api.Aggregation:
 #   weighting  [K] client weights                      (Disco, FAEL, AFL, ...)
@@ -112,6 +112,13 @@ def _check(part: ClientPart | ServerPlugin) -> None:
         )
     if not callable(part.build):
         raise ConfigError(f"{kind} {part.name!r}: build must be callable")
+    clash = [k for k in part.params.model_fields if k in RUN_LEVEL]
+    if clash:
+        raise ConfigError(
+            f"{kind} {part.name!r}: hyper-parameter(s) {clash} are named as the run's own settings "
+            f"({', '.join(RUN_LEVEL)}), which the tuner and the sweep read as the run's; give them the part's name "
+            "(e.g. head_lr)"
+        )
     stray = [k for k in part.tunable if k not in part.params.model_fields]
     if stray:
         raise ConfigError(f"{kind} {part.name!r}: tunable {stray} are not among its hyper-parameters")

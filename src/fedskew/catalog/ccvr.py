@@ -52,8 +52,8 @@ class CCVR(Calibration):
 
     samples_per_class: int = 200
     epochs: int = 1
-    lr: float | None = None  # None: the clients' learning rate
-    batch_size: int | None = None  # None: the clients' batch size
+    head_lr: float | None = None  # None: the clients' learning rate
+    head_batch_size: int | None = None  # None: the clients' batch size
 
     def statistics(self, features: Tensor, labels: Tensor, num_classes: int) -> Params:
         f = features.to(torch.float64)
@@ -85,8 +85,8 @@ class CCVR(Calibration):
         dtype = next(head.parameters()).dtype
         device = next(head.parameters()).device
         x, y = x.to(dtype=dtype, device=device), y.to(device)
-        opt = torch.optim.SGD(head.parameters(), lr=self.lr if self.lr is not None else key.lr)
-        bs = self.batch_size or key.batch_size
+        opt = torch.optim.SGD(head.parameters(), lr=self.head_lr if self.head_lr is not None else key.lr)
+        bs = self.head_batch_size or key.batch_size
         gen = torch_generator(key.seed, Purpose.CALIBRATION, key.round, 1)
         for _ in range(self.epochs):
             order = torch.randperm(x.shape[0], generator=gen).to(device)
@@ -103,8 +103,8 @@ class CCVR(Calibration):
 class CCVRParams(StrictSettings):
     samples_per_class: int = Field(200, ge=1)  # virtual features drawn per class (FL-bench's sample_per_class)
     epochs: int = Field(1, ge=1)  # passes of SGD over the virtual features
-    lr: float | None = Field(None, gt=0)  # the calibration's learning rate (None: the clients')
-    batch_size: int | None = Field(None, ge=1)  # its batch size (None: the clients')
+    head_lr: float | None = Field(None, gt=0)  # the calibration's learning rate (None: the clients')
+    head_batch_size: int | None = Field(None, ge=1)  # its batch size (None: the clients')
 
 
 CLIENTS: dict[str, ClientPart] = {}
@@ -118,6 +118,6 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         CCVRParams,
         (),
         lambda p: {"calibrate": CCVR(**p.model_dump())},
-        tunable={"samples_per_class": Int(50, 2000, log=True), "lr": LogFloat(1e-3, 1.0)},
+        tunable={"samples_per_class": Int(50, 2000, log=True), "head_lr": LogFloat(1e-3, 1.0)},
     ),
 }
