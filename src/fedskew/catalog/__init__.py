@@ -33,6 +33,7 @@ from fedskew.catalog import (
     fedrep,
     fedsa,
     fedsam,
+    fpl,
     heal,
     keep_local,
     label_calibration,
@@ -69,4 +70,5 @@ CATALOGS = (
     label_calibration,
     fedsam,
     ccvr,
+    fpl,
 )

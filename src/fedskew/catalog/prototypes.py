@@ -3,10 +3,8 @@
 A *prototype* is the mean body feature (``model.body(x)``, the input of the classifier head) of one class. Both
 methods work the same way around the one training loop:
 
-* the client collects its local prototypes from the features of its **last local epoch**, as both reference codes do
-  (no extra pass: the ``loss`` hook sees the features anyway), and uploads them with the model as extras:
-  :data:`PROTO_MEAN` (``[C, D]``, zeros for a class it has no sample of) and :data:`PROTO_COUNT` (``[C]``, samples
-  behind each mean, so that the server can tell a missing class from a zero feature);
+* the client collects its local prototypes from the features of its **last local epoch**, as both reference codes do,
+  and uploads them with the model (:mod:`fedskew.client.prototypes`, which FPL shares);
 * the client part's server half (:class:`PrototypeServer`) averages them per class over the
   clients that hold the class and broadcasts the result (:data:`GLOBAL_PROTOS`, :data:`GLOBAL_PRESENT`); the model
   itself is aggregated by whatever server step the method
@@ -31,88 +29,42 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn
-from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn
+from fedskew.client.local import LocalContext
+from fedskew.client.prototypes import (
+    PROTO_COUNT,
+    PROTO_MEAN,
+    PrototypeCollector,
+    PrototypeRound,
+    collected_sums,
+)
 from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerHalf
 from fedskew.space import Float, LogFloat
 
-# the tensors the two halves exchange
-PROTO_MEAN = "proto/mean"  # upload: [C, D] the client's mean feature per class (0 where none)
-PROTO_COUNT = "proto/count"  # upload: [C] the number of features behind each mean
+# what the server half broadcasts (the uploads, PROTO_MEAN and PROTO_COUNT, are fedskew.client.prototypes')
 GLOBAL_PROTOS = "proto/global"  # broadcast: [C, D] the global prototypes
 GLOBAL_PRESENT = "proto/present"  # broadcast: [C] bool, which classes have a global prototype
 
 EVAL_VIEW = "proto"  # the evaluation view's record prefix: proto_acc, proto_loss, proto_domain_acc_avg, ...
 
 
-def class_sums(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Per-class sums of ``features`` (``[B, D]``) in float64 and the per-class counts (``[C]`` float64)."""
-    sums = torch.zeros((num_classes, features.shape[1]), dtype=torch.float64, device=features.device)
-    sums.index_add_(0, labels, features.detach().to(torch.float64))
-    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
-    return sums, counts
-
-
 @dataclass
-class PrototypeRound:
-    """What :meth:`PrototypeLearning.begin` prepares: the first local step of the last epoch, from which the class
-    sums of the features are collected into ``sums`` ``[C, D]`` and ``counts`` ``[C]`` (float64; a
-    :class:`~fedskew.client.batched_form.ClassSums`), and the received global prototypes with their presence
-    (``None`` before the first)."""
+class PrototypeLearning(PrototypeCollector):
+    """What FedProto and FedProc share: last-epoch prototype collection (:class:`PrototypeCollector`), the received
+    global prototypes, and the nearest-prototype evaluation (the per-class average is the server half's).
+    Subclasses define the local objective (:meth:`loss`) and :meth:`_eval_scores`."""
 
-    collect_from: int
-    sums: Tensor | None = None
-    counts: Tensor | None = None
-    protos: tuple[Tensor, Tensor] | None = None
-
-
-@dataclass
-class PrototypeLearning(LocalAlgorithm):
-    """What FedProto and FedProc share: last-epoch prototype collection and the nearest-prototype evaluation (the
-    per-class average is the server half's). Subclasses define the local objective (:meth:`loss`) and
-    :meth:`_eval_scores`."""
-
-    def begin(self, ctx: LocalContext) -> None:
-        assert ctx.x is not None
-        s = ctx.settings
-        n = ctx.x.shape[0]
-        bs = min(s.batch_size, n)
-        per_epoch = n // bs if s.drop_last else math.ceil(n / bs)
-        epochs = sum(p.epochs for p in self.phases(ctx))
-        prep = PrototypeRound(collect_from=(epochs - 1) * per_epoch)  # the first step of the last epoch
+    def prepare(self, ctx: LocalContext, collect_from: int) -> PrototypeRound:
+        prep = PrototypeRound(collect_from=collect_from)
         protos = ctx.broadcast.get(GLOBAL_PROTOS)
         present = ctx.broadcast.get(GLOBAL_PRESENT)
+        assert ctx.x is not None
         if protos is not None and present is not None and bool(present.any()):
             prep.protos = (protos.to(ctx.x.device, torch.float32), present.to(ctx.x.device))
-        ctx.prepared = prep
-
-    def collect(self, ctx: LocalContext, features: Tensor, y: Tensor, num_classes: int) -> None:
-        """Add this batch's features to the local prototypes when it belongs to the last local epoch."""
-        prep = ctx.prep(PrototypeRound)
-        if ctx.steps < prep.collect_from:
-            return
-        sums, counts = class_sums(features, y, num_classes)
-        if prep.sums is None or prep.counts is None:
-            prep.sums, prep.counts = sums, counts
-        else:
-            prep.sums += sums
-            prep.counts += counts
-
-    def end(self, ctx: LocalContext) -> Params:
-        prep = ctx.prep(PrototypeRound)
-        sums, counts = prep.sums, prep.counts
-        if sums is None or counts is None:  # no step in the last epoch (not with epochs >= 1; keeps the upload's shape)
-            assert ctx.x is not None
-            with torch.no_grad():
-                out = ctx.model(ctx.x[:1])
-                dim = ctx.model.body(ctx.x[:1]).shape[1]
-            sums = torch.zeros((out.shape[1], dim), dtype=torch.float64, device=ctx.x.device)
-            counts = torch.zeros(out.shape[1], dtype=torch.float64, device=ctx.x.device)
-        means = sums / torch.where(counts > 0, counts, torch.ones_like(counts)).unsqueeze(1)
-        return {PROTO_MEAN: means.to(torch.float32), PROTO_COUNT: counts.to(torch.float32)}
+        return prep
 
     # ---- evaluation -------------------------------------------------------------------------------------------
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
@@ -141,10 +93,6 @@ class PrototypeLearning(LocalAlgorithm):
         finally:
             model.train(was_training)
         return {EVAL_VIEW: (correct, loss_sum)}
-
-
-def _class_sums(ctx: LocalContext) -> ClassSums:
-    return ctx.prep(PrototypeRound)
 
 
 def squared_distances(features: Tensor, protos: Tensor) -> Tensor:
@@ -195,7 +143,7 @@ class FedProto(PrototypeLearning):
 
             return distance
 
-        return BatchedStep(term=term, collect=_class_sums)
+        return BatchedStep(term=term, collect=collected_sums)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         dist = squared_distances(features.float(), protos.float())
@@ -288,7 +236,7 @@ class FedProc(PrototypeLearning):
 
             return contrast
 
-        return BatchedStep(term=term, collect=_class_sums)
+        return BatchedStep(term=term, collect=collected_sums)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         sims = F.cosine_similarity(features.float().unsqueeze(1), protos.float().unsqueeze(0), dim=2)
