@@ -317,12 +317,31 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     )
 
 
+# what a plug-in without a server role adds, by the extra its build returns
+EXTRA_KINDS = {
+    "local": "client-local state",
+    "upload_extras": "client uploads",
+    "wrap_client": "client term",
+    "calibrate": "post-hoc calibration",
+}
+
+
+def _plugin_kind(plugin: ServerPlugin) -> str:
+    """``fedskew methods``' kind column: the server roles a plug-in fills, else what its build adds (a build that
+    needs arguments its defaults lack is described by its roles alone)."""
+    if plugin.roles:
+        return f"server: {'/'.join(plugin.roles)}"
+    try:
+        extras = set(plugin.build(plugin.params()))
+    except Exception:  # a plug-in package's part with required arguments: nothing to say beyond its summary
+        return "plug-in"
+    return "plug-in: " + ("/".join(EXTRA_KINDS[e] for e in EXTRA_PIECES if e in extras) or "nothing")
+
+
 def describe_methods() -> list[tuple[str, str, str]]:
     """(name, kind, one-line summary) for ``fedskew methods`` (plug-in packages' parts included)."""
     load_entry_points()
     rows = [(c.name, "client", c.summary) for c in CLIENTS.values()]
-    rows += [
-        (p.name, f"server: {'/'.join(p.roles) or 'client-local state'}", p.summary) for p in SERVER_PLUGINS.values()
-    ]
+    rows += [(p.name, _plugin_kind(p), p.summary) for p in SERVER_PLUGINS.values()]
     rows += [(alias, "alias", f"= {target}") for alias, target in ALIASES.items()]
     return rows
