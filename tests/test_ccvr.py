@@ -98,3 +98,12 @@ def test_a_part_may_not_name_a_hyper_parameter_as_a_run_setting():
 
     with pytest.raises(ConfigError, match=r"\['lr'\] are named as the run's own settings"):
         register(ServerPlugin("clash_probe", "probe", "none", Clashing, (), lambda p: {}))
+
+
+def test_a_flower_native_strategy_refuses_it_rather_than_dropping_the_calibration():
+    pytest.importorskip("flwr")
+    from fedskew.flower.strategies import FedskewStrategy
+
+    with pytest.raises(ValueError, match="calibrates the evaluated model"):
+        FedskewStrategy("ccvr")
+    FedskewStrategy("fedavg+fedexp")  # a server step runs

@@ -295,6 +295,11 @@ def _resolve(name: str, args: Mapping[str, Any]) -> ServerStrategy:
         )
     if method.local - {"buffers"}:
         raise ValueError(f"{name!r} keeps {sorted(method.local)} on the clients; not a one-model server step")
+    if method.calibration is not None:
+        raise ValueError(
+            f"{name!r} calibrates the evaluated model from the clients' feature statistics, which a Flower strategy "
+            "does not collect; it would run as its host without the calibration"
+        )
     return method.server
 
 
