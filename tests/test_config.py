@@ -64,3 +64,25 @@ def test_group_key_ignores_seed_and_output():
     b = make_config(None, {"seed": 2, "out": "y"})
     c = make_config(None, {"seed": 1, "alpha": 0.5})
     assert a.group_key() == b.group_key() != c.group_key()
+
+
+# ---- issue 46: a YAML file is read strictly ---------------------------------------------------------------------
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    from fedskew.config import load_yaml
+
+    (tmp_path / "run.yaml").write_text("rounds: 3\nlr: 0.1\nrounds: 5\n")
+    with pytest.raises(ConfigError, match=r"line 3: key 'rounds' is given twice \(first at line 1\)"):
+        load_yaml(tmp_path / "run.yaml")
+    (tmp_path / "spec.yaml").write_text("methods:\n  - name: fedprox\n    args: {mu: 1, mu: 2}\n")
+    with pytest.raises(ConfigError, match="key 'mu' is given twice"):
+        load_yaml(tmp_path / "spec.yaml")  # nested mappings too (sweep specs, method arguments)
+    (tmp_path / "ok.yaml").write_text("rounds: 3\nmethod_args: {rounds: 1}\n")  # the same key in two mappings is fine
+    assert load_yaml(tmp_path / "ok.yaml") == {"rounds": 3, "method_args": {"rounds": 1}}
+
+
+def test_a_config_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    from fedskew.config import load_yaml
+
+    (tmp_path / "latin1.yaml").write_bytes("rounds: 3\nout: runs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 23: b'\\xe9'\); save it as UTF-8"):
+        load_yaml(tmp_path / "latin1.yaml")

@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_v
 
 from fedskew.data.settings import DataSettings
 from fedskew.engine.settings import RoundSettings
-from fedskew.schema import ConfigError, StrictSettings, describe_errors
+from fedskew.schema import ConfigError, StrictSettings, describe_errors, read_yaml
 
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
 
@@ -422,10 +422,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    data = read_yaml(p)  # UTF-8, every key once (a duplicate would silently take the last value)
     if data is None:
         return {}
     if not isinstance(data, dict):

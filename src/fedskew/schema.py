@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
@@ -64,3 +66,37 @@ def describe_errors(exc: ValidationError) -> list[str]:
         shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
         lines.append(f"{loc + ': ' if loc else ''}{msg}{shown}")
     return lines
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (YAML itself keeps the last silently)."""
+
+
+def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"line {line}: key {key!r} is given twice (first at line {seen[key]}); keep one")
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``, read as UTF-8, with every mapping's keys distinct; a
+    :class:`ConfigError` naming the file (and the line or byte) for anything else."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1]
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {bad!r}); save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from fedskew.config import SETTING_KEYS, TRAINING_KEYS
-from fedskew.schema import ConfigError
+from fedskew.schema import ConfigError, read_yaml
 from fedskew.space import RUN_LEVEL
 
 # what "the same setting" means for tuned arguments: the data, the federation, the local training and the model;
@@ -86,10 +86,7 @@ def load_tuned(path: str | Path) -> list[TunedEntry]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"tuned file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"tuned file {p} is not valid YAML: {exc}") from None
+    data = read_yaml(p) or {}
     items = data.get("tuned") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise ConfigError(f"tuned file {p}: expected a mapping with a list 'tuned:' of entries")
