@@ -86,3 +86,14 @@ def test_a_config_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
     (tmp_path / "latin1.yaml").write_bytes("rounds: 3\nout: runs/caf\xe9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 23: b'\\xe9'\); save it as UTF-8"):
         load_yaml(tmp_path / "latin1.yaml")
+
+
+def test_a_seed_beyond_two_to_the_53_is_refused_and_the_largest_one_runs(tmp_path):
+    """A larger seed overflowed a derived torch seed (the skew probe's) after training had started; now the
+    configuration refuses it, and the largest seed it admits runs with the probes on."""
+    from fedskew.api import run
+
+    with pytest.raises(ConfigError, match="seed: Input should be less than or equal to 9007199254740991"):
+        make_config(None, {"seed": 2**53})
+    result = run("fedavg", seed=2**53 - 1, rounds=1, clients=3, skew_probes=2, out=str(tmp_path / "r"), db=None)
+    assert result.records[-1]["round"] == 1

@@ -15,6 +15,9 @@ from fedskew.data.settings import DataSettings
 from fedskew.engine.settings import RoundSettings
 from fedskew.schema import ConfigError, StrictSettings, describe_errors, read_yaml
 
+# the largest seed: exact as a float (JSON, the database) and small enough for every derived torch seed
+MAX_SEED = 2**53 - 1
+
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
 
 
@@ -197,7 +200,12 @@ class RunConfig(StrictSettings):
         description="write a resumable checkpoint every K rounds (0: never; auto: as often as keeps the writing "
         "under 2% of the run time, and always on an interruption); see README, long runs",
     )
-    seed: int = Field(0, ge=0, description="the one seed of the run (partition, sampling, init, shuffling)")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="the one seed of the run (partition, sampling, init, shuffling); 0 to 2**53 - 1",
+    )
     device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     threads: int = Field(
         1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"
