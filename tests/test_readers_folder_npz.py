@@ -491,3 +491,18 @@ def test_given_partition_config_and_build_checks(tmp_path):
     assert a.group_key() != b.group_key()  # the folder is the dataset: two folders, two experiments
     m = [make_config(None, {"dataset": "mnist", "data_dir": d}) for d in ("/x", "/y")]
     assert m[0].group_key() == m[1].group_key()  # official files: where they lie does not matter
+
+
+def test_data_that_is_no_classification_task_is_refused_by_name(tmp_path):
+    """Issue 46: one-class data trained and reported as a classification task, and labels {0, 1000000} built a
+    million-way classifier that did not finish a round; both are refused when the dataset is read."""
+    r = np.random.default_rng(0)
+    x = r.integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    np.savez(tmp_path / "one.npz", x=x, y=np.full(20, 3))
+    with pytest.raises(DataError, match="holds only label 3; a classification task needs two classes or more"):
+        load_dataset("npz", tmp_path / "one.npz")
+    np.savez(tmp_path / "ids.npz", x=x, y=np.where(np.arange(20) % 2, 1_000_000, 0))
+    with pytest.raises(DataError, match=r"1000001 classes for 20 training samples .* not ids"):
+        load_dataset("npz", tmp_path / "ids.npz")
+    np.savez(tmp_path / "ok.npz", x=x, y=np.arange(20) % 2 + 1)  # labels 1, 2: class 0 unused, still a task
+    assert load_dataset("npz", tmp_path / "ok.npz").num_classes == 3

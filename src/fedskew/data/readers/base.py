@@ -72,6 +72,7 @@ class ImageDataset:
                 f"{self.name}: x_test must be shaped as x_train with one label per image, "
                 f"got {self.x_test.shape} and {self.y_test.shape}"
             )
+        check_task(self.name, self.num_classes, [self.y_train])
         if self.vocabulary:
             for x in (self.x_train, self.x_test):
                 if x is None:
@@ -83,6 +84,29 @@ class ImageDataset:
                         f"{self.name}: token ids must lie in 0..{len(self.vocabulary) - 1} (the vocabulary), "
                         f"found [{x.min()}, {x.max()}]"
                     )
+
+
+MAX_SPARSE_CLASSES = 1000  # more classes than this and than training samples: the labels are ids, not classes
+
+
+def check_task(name: str, num_classes: int, train_labels: list[np.ndarray]) -> None:
+    """Refuse data that is no classification task fedskew can train: fewer than two classes, training labels of one
+    class only, or more classes than both the training samples and :data:`MAX_SPARSE_CLASSES` (labels that are ids,
+    not classes: ``{0, 1000000}`` would build a million-way classifier; a small official file of a 10-class dataset
+    is fine)."""
+    labels = [np.asarray(y) for y in train_labels]
+    n = sum(int(y.size) for y in labels)
+    if num_classes < 2:
+        raise DataError(f"{name}: {num_classes} class(es); a classification task needs at least 2")
+    present = np.unique(np.concatenate(labels)) if n else np.array([], dtype=np.int64)
+    if present.size < 2:
+        only = f"only label {int(present[0])}" if present.size else "no training sample"
+        raise DataError(f"{name}: the training data holds {only}; a classification task needs two classes or more")
+    if num_classes > max(n, MAX_SPARSE_CLASSES):
+        raise DataError(
+            f"{name}: {num_classes} classes for {n} training samples (labels up to {int(present.max())}): labels must "
+            "be the classes 0 .. C-1, not ids; map them to 0 .. C-1 first"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +136,7 @@ class ClientDatasets:
             raise DataError(f"{self.name}: x_test and y_test must both be given or both be None")
         if self.x_test is not None and self.y_test is not None and not len(self.x_test) == len(self.y_test) == k:
             raise DataError(f"{self.name}: {k} clients' training data but {len(self.x_test)} test splits")
+        check_task(self.name, self.num_classes, self.y_train)
 
     @property
     def num_clients(self) -> int:
