@@ -498,9 +498,11 @@ def test_data_that_is_no_classification_task_is_refused_by_name(tmp_path):
     million-way classifier that did not finish a round; both are refused when the dataset is read."""
     r = np.random.default_rng(0)
     x = r.integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
-    np.savez(tmp_path / "one.npz", x=x, y=np.full(20, 3))
+    np.savez(tmp_path / "one.npz", x=x, y=np.full(20, 3), num_classes=10)
+    assert load_dataset("npz", tmp_path / "one.npz").num_classes == 10  # one node's own data may hold one class
+    cfg = make_config(None, {"dataset": "npz", "data_dir": str(tmp_path / "one.npz"), "clients": 2, "partition": "iid"})
     with pytest.raises(DataError, match="holds only label 3; a classification task needs two classes or more"):
-        load_dataset("npz", tmp_path / "one.npz")
+        build_federated(cfg)  # a whole dataset may not
     np.savez(tmp_path / "ids.npz", x=x, y=np.where(np.arange(20) % 2, 1_000_000, 0))
     with pytest.raises(DataError, match=r"1000001 classes for 20 training samples .* not ids"):
         load_dataset("npz", tmp_path / "ids.npz")

@@ -25,6 +25,7 @@ from fedskew.data.pools import (
 )
 from fedskew.data.protocols import PROTOCOLS
 from fedskew.data.readers import ClientDatasets, ImageDataset, load_source
+from fedskew.data.readers.base import check_task
 from fedskew.data.readers.domains import domain_suite
 from fedskew.data.settings import DataSettings, HasDataSettings, data_settings
 from fedskew.schema import ConfigError
@@ -221,6 +222,7 @@ def _build_split(cfg: DataSettings, dataset: ImageDataset | ClientDatasets | Non
         ds = load_source(cfg.dataset, cfg.data_dir, download=cfg.download, **reader_options(cfg))
     if isinstance(ds, ClientDatasets):
         return build_given_federated(cfg, ds)
+    check_task(ds.name, ds.num_classes, [ds.y_train])  # the whole dataset: one node's own data may hold one class
     if cfg.partition == "given":
         raise ConfigError(
             f"dataset {ds.name!r} is one pool of samples without a client assignment, so partition 'given' has no "

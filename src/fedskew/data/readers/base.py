@@ -72,7 +72,7 @@ class ImageDataset:
                 f"{self.name}: x_test must be shaped as x_train with one label per image, "
                 f"got {self.x_test.shape} and {self.y_test.shape}"
             )
-        check_task(self.name, self.num_classes, [self.y_train])
+        check_classes(self.name, self.num_classes, [self.y_train])
         if self.vocabulary:
             for x in (self.x_train, self.x_test):
                 if x is None:
@@ -89,24 +89,31 @@ class ImageDataset:
 MAX_SPARSE_CLASSES = 1000  # more classes than this and than training samples: the labels are ids, not classes
 
 
-def check_task(name: str, num_classes: int, train_labels: list[np.ndarray]) -> None:
-    """Refuse data that is no classification task fedskew can train: fewer than two classes, training labels of one
-    class only, or more classes than both the training samples and :data:`MAX_SPARSE_CLASSES` (labels that are ids,
-    not classes: ``{0, 1000000}`` would build a million-way classifier; a small official file of a 10-class dataset
-    is fine)."""
-    labels = [np.asarray(y) for y in train_labels]
-    n = sum(int(y.size) for y in labels)
+def check_classes(name: str, num_classes: int, train_labels: list[np.ndarray]) -> None:
+    """Refuse labels that make no classifier: fewer than two classes, or more classes than both the training
+    samples and :data:`MAX_SPARSE_CLASSES` (labels that are ids, not classes: ``{0, 1000000}`` would build a
+    million-way classifier; a small official file of a 10-class dataset is fine). One node's or client's own data
+    may hold one class; a whole dataset may not (:func:`check_task`)."""
+    n = sum(int(np.asarray(y).size) for y in train_labels)
     if num_classes < 2:
         raise DataError(f"{name}: {num_classes} class(es); a classification task needs at least 2")
-    present = np.unique(np.concatenate(labels)) if n else np.array([], dtype=np.int64)
+    if num_classes > max(n, MAX_SPARSE_CLASSES):
+        top = max((int(np.asarray(y).max()) for y in train_labels if np.asarray(y).size), default=-1)
+        raise DataError(
+            f"{name}: {num_classes} classes for {n} training samples (labels up to {top}): labels must be the "
+            "classes 0 .. C-1, not ids; map them to 0 .. C-1 first"
+        )
+
+
+def check_task(name: str, num_classes: int, train_labels: list[np.ndarray]) -> None:
+    """:func:`check_classes`, and a whole dataset's training labels hold two classes or more (one-class data would
+    train and report as if it were a classification task)."""
+    check_classes(name, num_classes, train_labels)
+    labels = [np.asarray(y) for y in train_labels if np.asarray(y).size]
+    present = np.unique(np.concatenate(labels)) if labels else np.array([], dtype=np.int64)
     if present.size < 2:
         only = f"only label {int(present[0])}" if present.size else "no training sample"
         raise DataError(f"{name}: the training data holds {only}; a classification task needs two classes or more")
-    if num_classes > max(n, MAX_SPARSE_CLASSES):
-        raise DataError(
-            f"{name}: {num_classes} classes for {n} training samples (labels up to {int(present.max())}): labels must "
-            "be the classes 0 .. C-1, not ids; map them to 0 .. C-1 first"
-        )
 
 
 @dataclass(frozen=True, eq=False)
