@@ -196,3 +196,14 @@ def test_sweep_cli_prints_the_table_of_its_runs(tmp_path, capsys):
     rows = [ln for ln in out.splitlines() if ln.startswith("| fedavg")]
     assert len(rows) == 2 and all("| 2 (0,1) |" in r for r in rows)  # one row per lr, two seeds each
     assert yaml.safe_load(spec.read_text())["seeds"] == 2
+
+
+def test_a_sweep_of_too_many_runs_is_refused_at_once_with_the_count(tmp_path):
+    """Issue 46: ``seeds: 100000000`` made even ``--dry-run`` expand for ever; the count is refused before any run
+    is built."""
+    from fedskew.sweep.core import MAX_RUNS, SweepSpec, expand
+
+    spec = SweepSpec(name="big", base={"dataset": "digits"}, methods=["fedavg", "fedprox"], seeds=100_000_000)
+    with pytest.raises(ConfigError, match=r"200,000,000 runs \(100,000,000 seeds × 2 methods × 1 points\)"):
+        expand(spec, out=tmp_path)  # from the count alone: no run is built
+    assert len(expand(SweepSpec(name="ok", base={"dataset": "digits"}, seeds=3), out=tmp_path)) == 3 < MAX_RUNS

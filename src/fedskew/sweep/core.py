@@ -18,6 +18,7 @@ import copy
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from fedskew.tuning.tuned import apply_tuned
 
 # keys every run gets from the sweep itself, never from an axis
 _SWEEP_OWNED = ("out", "db", "seed")
+MAX_RUNS = 100_000  # the most runs one sweep expands to (a typo such as seeds: 100000000 is refused at once)
 # identity keys already in the default run-folder name (store.default_run_dir), or shown elsewhere
 _NAMED = ("method", "method_args", "dataset", "partition")
 
@@ -96,6 +98,9 @@ class SweepSpec(StrictSettings):
         if isinstance(v, list) and (not v or any(s < 0 for s in v) or len(set(v)) != len(v)):
             raise ValueError(f"seeds must be distinct non-negative integers, got {v}")
         return v
+
+    def seed_count(self) -> int:
+        return 1 if self.seeds is None else self.seeds if isinstance(self.seeds, int) else len(self.seeds)
 
     def seed_list(self) -> list[int]:
         if self.seeds is None:
@@ -200,6 +205,13 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
             raise ConfigError(f"sweep base: {key!r} is set by the sweep (top-level {key}:), not in base")
     base.pop("seed", None)
     axes = _axes(spec)
+    planned = math.prod([spec.seed_count(), len(spec.method_entries()), *(len(a) for a in axes)])
+    if planned > MAX_RUNS:
+        raise ConfigError(
+            f"sweep {spec.name!r}: {planned:,} runs ({spec.seed_count():,} seeds × {len(spec.method_entries())} "
+            f"methods × {' × '.join(str(len(a)) for a in axes) or '1'} points); at most {MAX_RUNS:,} in one sweep: "
+            "split it into several specs"
+        )
     tuned_entries = None
     if spec.tuned:
         from fedskew.tuning.tuned import load_tuned
