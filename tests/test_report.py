@@ -446,3 +446,51 @@ def test_seeds_needed_per_row(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", "--db", str(db), "--seeds-needed", "0"]) == 2
     assert "--seeds-needed must be a positive" in capsys.readouterr().err
+
+
+# ---- issue 46: another application's database is never altered; a report only reads --------------------------------
+def test_a_foreign_database_is_refused_before_any_work_and_left_unchanged(tmp_path):
+    import hashlib
+    import sqlite3
+
+    from fedskew.results.store import DatabaseError, ResultsDB, check_db_path
+
+    other = tmp_path / "app.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, name TEXT)")  # another application's runs table
+    conn.execute("INSERT INTO runs (name) VALUES ('theirs')")
+    conn.commit()
+    conn.close()
+    before = hashlib.sha256(other.read_bytes()).hexdigest()
+    with pytest.raises(DatabaseError, match=r"not a fedskew results database: its runs table lacks fedskew's columns"):
+        check_db_path(other)
+    with pytest.raises(DatabaseError, match="not a fedskew results database"):
+        ResultsDB(other)
+    with pytest.raises(DatabaseError, match="not a fedskew results database"):
+        ResultsDB(other, read_only=True)
+    assert hashlib.sha256(other.read_bytes()).hexdigest() == before and not (tmp_path / "app.db-wal").exists()
+    conn = sqlite3.connect(tmp_path / "mixed.db")
+    conn.execute("CREATE TABLE accounts (id INTEGER)")
+    conn.close()
+    with pytest.raises(DatabaseError, match=r"holds tables fedskew does not write \(accounts\)"):
+        check_db_path(tmp_path / "mixed.db")
+
+
+def test_a_report_opens_the_database_read_only(tmp_path):
+    import os
+    import sqlite3
+
+    from fedskew.api import run
+    from fedskew.results.store import ResultsDB
+
+    db = tmp_path / "r.db"
+    run("fedavg", rounds=1, clients=3, out=str(tmp_path / "run"), db=str(db))
+    with ResultsDB(db) as store:  # a writer left WAL mode on; checkpoint so the file alone holds everything
+        store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        store.conn.execute("PRAGMA journal_mode = DELETE")
+    mtime = os.stat(db).st_mtime_ns
+    with ResultsDB(db, read_only=True) as store:
+        assert len(store.runs()) == 1
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            store.conn.execute("DELETE FROM runs")
+    assert os.stat(db).st_mtime_ns == mtime

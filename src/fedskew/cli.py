@@ -348,7 +348,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
         return 2
     metrics = [m.strip() for item in (args.metric or ["global_acc"]) for m in item.split(",") if m.strip()]
-    with ResultsDB(args.db) as db:
+    with ResultsDB(args.db, read_only=True) as db:  # a report only reads: no schema change, read-only storage fine
         try:
             rep = report_from_db(db, metrics, last_n=args.last_n, against=args.against, seeds_needed=args.seeds_needed)
             if args.plot:

@@ -168,20 +168,49 @@ class DatabaseError(RuntimeError):
     """The results database cannot be opened or written; the message says what to do."""
 
 
+FEDSKEW_TABLES = frozenset({"runs", "rounds", "client_metrics", "trials"})
+RUNS_COLUMNS = frozenset({"run_id", "group_key", "method", "config", "summary"})  # what a fedskew runs table holds
+
+
+def foreign_reason(conn: sqlite3.Connection) -> str | None:
+    """Why the database behind ``conn`` is not fedskew's (another application's SQLite file), or ``None``: an empty
+    database, or fedskew's tables only (its ``runs`` table with fedskew's columns)."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    other = sorted(t for t in tables - FEDSKEW_TABLES if not t.startswith("sqlite_"))
+    if other:
+        return f"it holds tables fedskew does not write ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''})"
+    if "runs" in tables:
+        missing = RUNS_COLUMNS - {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        if missing:
+            return f"its runs table lacks fedskew's columns ({', '.join(sorted(missing))})"
+    return None
+
+
 def check_db_path(path: str | Path) -> None:
-    """Before any compute: the database (or the folder it will be created in) must be usable. Creates nothing."""
+    """Before any compute: the database (or the folder it will be created in) must be usable and, when it exists,
+    fedskew's own and writable. Creates and changes nothing."""
     p = Path(path)
     if p.exists():
         if not p.is_file():
             raise DatabaseError(f"results database {p} is not a file (choose another --db, or --no-db)")
+        if not os.access(p, os.W_OK):
+            raise DatabaseError(f"results database {p} is read-only (choose another --db, or --no-db)")
         try:
-            conn = sqlite3.connect(f"file:{p}?mode=rw", uri=True, timeout=1.0)
-            conn.execute("PRAGMA schema_version").fetchone()
-            conn.close()
+            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=1.0)
+            try:
+                conn.execute("PRAGMA schema_version").fetchone()
+                reason = foreign_reason(conn)
+            finally:
+                conn.close()
         except sqlite3.Error as exc:
             raise DatabaseError(
                 f"results database {p} cannot be opened: {exc} (choose another --db, or --no-db)"
             ) from None
+        if reason is not None:
+            raise DatabaseError(
+                f"{p} is not a fedskew results database: {reason}; fedskew leaves it as it is (choose another --db, "
+                "or --no-db)"
+            )
         return
     parent = p.parent
     while not parent.exists():
@@ -200,12 +229,31 @@ RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # then fedskew retries after the
 class ResultsDB:
     """The SQLite store of runs, round metrics and per-client metrics."""
 
-    def __init__(self, path: str | Path, *, retry_delays: Sequence[float] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, *, retry_delays: Sequence[float] | None = None, read_only: bool = False
+    ) -> None:
+        """``read_only``: open an existing database to read it (``fedskew report``): no schema, no journal-mode
+        change, nothing written, read-only storage fine. A database that is not fedskew's is refused, unchanged."""
         self.path = Path(path)
         self.retry_delays = tuple(RETRY_DELAYS if retry_delays is None else retry_delays)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT)
+            if read_only:
+                self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT)
+            reason = foreign_reason(self.conn)
+        except (OSError, sqlite3.Error) as exc:
+            raise DatabaseError(f"results database {self.path} cannot be opened: {exc}") from None
+        if reason is not None:
+            self.conn.close()
+            raise DatabaseError(f"{self.path} is not a fedskew results database: {reason}; fedskew leaves it as it is")
+        if read_only:
+            if "runs" not in {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
+                self.conn.close()
+                raise DatabaseError(f"results database {self.path} holds no runs yet")
+            return
+        try:
             self._retry(lambda: self._setup())
         except (OSError, sqlite3.Error) as exc:
             raise DatabaseError(f"results database {self.path} cannot be opened: {exc}") from None
@@ -330,8 +378,14 @@ class ResultsDB:
         out = []
         for row in cur.fetchall():
             rec = dict(zip(cols, row, strict=True))
-            rec["config"] = json.loads(rec["config"])
-            rec["summary"] = json.loads(rec["summary"])
+            for key in ("config", "summary"):
+                try:
+                    rec[key] = json.loads(rec[key])
+                except (TypeError, json.JSONDecodeError) as exc:
+                    raise DatabaseError(
+                        f"results database {self.path}: run {rec['run_id']}'s {key} is not valid JSON ({exc}); "
+                        f"remove that run (fedskew db) or rerun it"
+                    ) from None
             out.append(rec)
         return out
 
