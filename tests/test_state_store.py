@@ -420,3 +420,23 @@ def test_sizes():
     with pytest.raises(ConfigError, match="state_memory"):
         make_config(None, {"state_memory": "lots"})
     assert "state_store" not in make_config(None, {"state_store": "disk"}).identity()
+
+
+def test_overwrite_that_cannot_replace_the_client_state_deletes_nothing(tmp_path):
+    """Issue 46: --overwrite of a run whose client_state/ held a file fedskew did not write deleted the old run
+    (checkpoint, metrics) and then refused to run, leaving neither run. Now it refuses first and deletes nothing."""
+    values = {"method": "ditto", "clients": 4, "rounds": 2, "checkpoint_every": 1, "skew_probes": 0, "db": None}
+    cfg = make_config(None, {**values, "state_store": "disk", "out": str(tmp_path / "run")})
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(cfg.model_dump(), 1))
+    child.start()
+    child.join(120)
+    run_dir = tmp_path / "run"
+    (run_dir / STATE_DIR / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file() and p.name != "run.lock")
+    assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "metrics.jsonl").is_file()
+    with pytest.raises(ConfigError, match=r"holds files fedskew did not write \(notes.txt\); nothing was deleted"):
+        run_experiment(cfg, overwrite=True)
+    after = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file() and p.name != "run.lock")
+    assert after == before
+    (run_dir / STATE_DIR / "notes.txt").unlink()
+    assert run_experiment(cfg, overwrite=True).summary["rounds"] == 2

@@ -183,6 +183,12 @@ def run_experiment(
     resume = resume or (not overwrite and out_dir.is_dir() and _same_experiment(out_dir, cfg))
     # refuses what it cannot run before anything is written; a disk-backed client-state store writes nothing yet
     sim = Simulation(cfg, data, method, model, state_dir=out_dir / STATE_DIR, owner=run_id)
+    if overwrite and not resume:  # everything that could refuse the replacement refuses before anything is deleted
+        try:
+            StoreFiles.check_replaceable(out_dir / STATE_DIR)
+        except StoreDirError as exc:
+            sim.close()
+            raise ConfigError(f"cannot replace {out_dir}: {exc}") from None
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite, resume=resume)
     for msg in rd.notes:
         note(msg)

@@ -196,6 +196,24 @@ class StoreFiles:
         return files
 
     @staticmethod
+    def check_replaceable(directory: Path) -> None:
+        """Refuse, before anything of the run being replaced is deleted, a client-state directory that
+        :meth:`remove_dir` would refuse or leave holding files fedskew did not write (which a new store refuses)."""
+        d = Path(directory)
+        if not d.exists():
+            return
+        marker = _read_marker(d) if d.is_dir() else None
+        if marker is None:
+            raise StoreDirError(f"{d} is not a client-state store; fedskew does not delete it (move it away)")
+        listed = {MARKER, *(a.get("file") for a in marker.get("arrays", []) if isinstance(a, dict))}
+        foreign = sorted(p.name for p in d.iterdir() if p.name not in listed and not _TMP.match(p.name))
+        if foreign:
+            raise StoreDirError(
+                f"{d} holds files fedskew did not write ({', '.join(foreign[:5])}); nothing was deleted: move them "
+                "away and run again"
+            )
+
+    @staticmethod
     def remove_dir(directory: Path) -> None:
         """Delete the store in ``directory`` (a run being replaced): the files its marker lists, the marker, and the
         directory if the store made it and nothing else is left. Refuses a directory without a store marker."""
