@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fedskew.engine.evaluate import batch_scores
+from fedskew.lifecycle import die_with_parent
 from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ def unpack(raw: bytes) -> Any:
 
 
 # ---- the worker side ----------------------------------------------------------------------------------------------
-def _init_worker() -> None:
+def _init_worker(parent: int | None = None) -> None:
+    die_with_parent(parent)  # a kill -9 of the run leaves no worker behind
     torch.set_num_threads(1)
     if _SIM is not None:  # the parent's client_states is the one source of truth (a disk store: its files only)
         _SIM.client_states = {}
@@ -130,7 +132,9 @@ class ClientWorkers:
         global _SIM
         _SIM = sim  # inherited by the forked workers
         try:
-            self._pool = ProcessPoolExecutor(n, mp_context=mp.get_context("fork"), initializer=_init_worker)
+            self._pool = ProcessPoolExecutor(
+                n, mp_context=mp.get_context("fork"), initializer=_init_worker, initargs=(os.getpid(),)
+            )
             # with fork, all n processes are started before the pool's own helper threads: start them now, while
             # the simulation is the one to inherit
             self._pool.submit(int).result()

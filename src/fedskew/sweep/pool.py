@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fedskew.lifecycle import die_with_parent
 from fedskew.sweep.task import Event, RunResult, Task, execute_run
 
 _QUEUE: Any = None
@@ -59,6 +60,7 @@ def terminate(pids: list[int]) -> None:
 
 def _init_worker(queue: Any, counter: Any = None, gpus: int = 0) -> None:
     global _QUEUE, _DEVICE
+    die_with_parent()  # its parent (the fork server, which ends with the sweep): a kill -9 leaves no run behind
     _QUEUE = queue
     if counter is not None:
         with counter.get_lock():

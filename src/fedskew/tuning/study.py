@@ -196,6 +196,9 @@ def _worker(spec_json: str, index: int, worker: int) -> None:
     """A ``--jobs`` process: tunes one method's study beside the others."""
     import signal
 
+    from fedskew.lifecycle import die_with_parent
+
+    die_with_parent()  # its parent is the pool's fork server, which ends with the search: a kill -9 leaves no trial
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; a killed trial is retried on the next run
     spec = TuneSpec.model_validate_json(spec_json)
     optimize(spec, spec.method_entries()[index], worker=worker)
