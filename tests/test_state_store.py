@@ -440,3 +440,26 @@ def test_overwrite_that_cannot_replace_the_client_state_deletes_nothing(tmp_path
     assert after == before
     (run_dir / STATE_DIR / "notes.txt").unlink()
     assert run_experiment(cfg, overwrite=True).summary["rounds"] == 2
+
+
+def test_a_resume_refuses_a_record_that_lacks_rounds_the_checkpoint_holds(tmp_path):
+    """Issue 46: a deleted metrics.jsonl (or a lost line of it) went unnoticed on resume and the run finished with a
+    summary of part of its rounds; now the resume is refused, naming what is missing, and nothing is changed."""
+    from fedskew.results.rundir import RunDirError
+
+    values = {"method": "fedavg", "clients": 3, "rounds": 4, "checkpoint_every": 1, "skew_probes": 0, "db": None}
+    cfg = make_config(None, {**values, "out": str(tmp_path / "run")})
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(cfg.model_dump(), 2))
+    child.start()
+    child.join(120)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert len(lines) == 2
+    metrics.write_text(lines[1])  # round 1 lost
+    with pytest.raises(RunDirError, match=r"metrics.jsonl lacks round\(s\) 1 of the 2 the checkpoint holds"):
+        run_experiment(cfg, resume=True)
+    metrics.unlink()
+    with pytest.raises(RunDirError, match="metrics.jsonl is gone but the checkpoint is after round 2"):
+        run_experiment(cfg, resume=True)
+    metrics.write_text("".join(lines))
+    assert run_experiment(cfg, resume=True).summary["rounds"] == 4  # restored: the lock was released each time

@@ -31,7 +31,7 @@ from fedskew.engine.state_store import STATE_DIR, StoreDirError, StoreFiles
 from fedskew.methods import resolve_method
 from fedskew.recorder import RunRecorder, domain_fields
 from fedskew.results.loggers import LogContext, Loggers, check_installed
-from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, is_run_dir
+from fedskew.results.rundir import CHECKPOINT, UNFINISHED, RunDirectory, RunDirError, is_run_dir
 from fedskew.results.store import (
     check_db_path,
     default_run_dir,
@@ -196,9 +196,13 @@ def run_experiment(
     created = now.isoformat(timespec="seconds")
     files = {VOCAB_FILE: vocabulary_text(data.vocabulary)} if data.vocabulary else {}  # text: the word of every id
     if resume:
-        ckpt = rd.load_checkpoint(cfg.device)
         try:
+            ckpt = rd.load_checkpoint(cfg.device)
+            rd.check_rounds(ckpt["round"])  # a record that lacks rounds the checkpoint holds is refused
             restore(sim, ckpt["sim"])
+        except RunDirError:
+            rd.unlock()
+            raise
         except ValueError as exc:
             rd.unlock()
             raise ConfigError(f"cannot resume {out_dir}: {exc}") from None

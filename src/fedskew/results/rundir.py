@@ -209,6 +209,25 @@ class RunDirectory:
                 out.append(json.loads(line))
         return out
 
+    def check_rounds(self, last_round: int) -> None:
+        """Before a resume: the run's record must hold every round up to the checkpoint's (a resume from a damaged
+        record would finish with a summary of part of the run), else :class:`RunDirError` naming what is missing."""
+        metrics = self.path / "metrics.jsonl"
+        if last_round > 0:
+            if not metrics.is_file():
+                raise RunDirError(
+                    f"cannot resume {self.path}: metrics.jsonl is gone but the checkpoint is after round {last_round}; "
+                    "start the run over (fedskew run --overwrite)"
+                )
+            have = {r.get("round") for r in self.read_lines("metrics.jsonl")}
+            missing = sorted(set(range(1, last_round + 1)) - have)
+            if missing:
+                shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+                raise RunDirError(
+                    f"cannot resume {self.path}: metrics.jsonl lacks round(s) {shown} of the {last_round} the "
+                    "checkpoint holds; start the run over (fedskew run --overwrite)"
+                )
+
     def cut_rounds(self, last_round: int) -> None:
         """Keep only the per-round lines of rounds ``<= last_round`` (a resume redoes the rest)."""
         for name in ROUND_FILES:
@@ -226,7 +245,10 @@ class RunDirectory:
         try:
             return torch.load(self.path / CHECKPOINT, map_location=device, weights_only=False)
         except Exception as exc:  # a checkpoint is only ever replaced by a rename, so this is outside damage
-            raise RunDirError(f"cannot read the checkpoint of {self.path}: {exc}") from None
+            raise RunDirError(
+                f"the checkpoint of {self.path} is damaged and cannot be read ({type(exc).__name__}: {exc}); start "
+                "the run over (fedskew run --overwrite)"
+            ) from None
 
     # ---- ending ----------------------------------------------------------------------------------------------
     def finish(self, status: str, summary: dict[str, Any]) -> None:
