@@ -463,3 +463,17 @@ def test_a_resume_refuses_a_record_that_lacks_rounds_the_checkpoint_holds(tmp_pa
         run_experiment(cfg, resume=True)
     metrics.write_text("".join(lines))
     assert run_experiment(cfg, resume=True).summary["rounds"] == 4  # restored: the lock was released each time
+
+
+def test_a_damaged_status_file_blocks_neither_resume_nor_overwrite(tmp_path):
+    values = {"method": "fedavg", "clients": 3, "rounds": 3, "checkpoint_every": 1, "skew_probes": 0, "db": None}
+    cfg = make_config(None, {**values, "out": str(tmp_path / "run")})
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(cfg.model_dump(), 1))
+    child.start()
+    child.join(120)
+    status = tmp_path / "run" / "status.json"
+    status.write_text('{"run_id": "x", "stat')  # truncated by a crash of the disk, say
+    out = run_experiment(cfg, resume=True)
+    assert out.summary["rounds"] == 3 and json.loads(status.read_text())["status"] == "finished"
+    status.write_text("[]")
+    assert run_experiment(cfg, overwrite=True).summary["rounds"] == 3

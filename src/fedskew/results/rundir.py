@@ -48,12 +48,16 @@ class RunDirError(OSError):
 
 def is_run_dir(path: Path) -> bool:
     """A directory fedskew wrote: it has ``status.json`` with a run id (or, from before status files, the three
-    files every finished run had)."""
+    files every finished run had). A damaged ``status.json`` beside fedskew's configuration and a checkpoint or a
+    round record still marks one (it blocked both resume and --overwrite of a run with a valid checkpoint)."""
     status = path / STATUS
     if status.is_file():
         with contextlib.suppress(OSError, ValueError):
-            return "run_id" in json.loads(status.read_text())
-        return False
+            data = json.loads(status.read_text())
+            if isinstance(data, dict) and "run_id" in data:
+                return True
+        has_config = (path / "config.yaml").is_file()
+        return has_config and ((path / CHECKPOINT).is_file() or (path / "metrics.jsonl").is_file())
     return all((path / n).is_file() for n in ("config.yaml", "metrics.jsonl", "summary.json"))
 
 
@@ -91,10 +95,12 @@ class RunDirectory:
 
     # ---- status --------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """The run's status record; ``{}`` when it is missing or damaged (the next write replaces it whole)."""
         try:
-            return json.loads((self.path / STATUS).read_text())
+            data = json.loads((self.path / STATUS).read_text())
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}
 
     def set_status(self, status: str, **fields: Any) -> None:
         data = {**self.status(), **fields, "status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
