@@ -318,3 +318,10 @@ def test_failure_before_any_round_leaves_nothing_but_later_failure_keeps_rounds(
     monkeypatch.setattr(Simulation, "round", real)
     out = run_experiment(_cfg(tmp_path, checkpoint_every=1), resume=True)
     assert [r["round"] for r in out.records] == [1, 2, 3, 4]
+
+
+def test_a_damaged_lock_is_named_as_such(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text("{garbage")
+    with pytest.raises(RunDirError, match=r"its lock file .*\.lock is damaged \(it names no run holding it\)"):
+        RunDirectory.prepare(tmp_path / "run")

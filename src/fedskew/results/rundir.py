@@ -177,6 +177,11 @@ class RunDirectory:
                     with contextlib.suppress(FileNotFoundError):
                         lock.unlink()
                     continue
+                if not (isinstance(pid, int) and isinstance(host, str)):
+                    raise RunDirError(
+                        f"{self.path} is locked, but its lock file {lock} is damaged (it names no run holding it); "
+                        f"if no fedskew run is writing {self.path}, delete {lock}"
+                    ) from None
                 raise RunDirError(
                     f"{self.path} is being written by another fedskew run (pid {pid} on {host}, since "
                     f"{holder.get('since', '?')}); concurrent runs need different --out directories. If that "
