@@ -430,3 +430,26 @@ def test_ray_tasks_tune_one_study(tmp_path):
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     reloaded = optuna.load_study(study_name="tune:fedprox", storage=f"sqlite:///{out / 'optuna.db'}")
     assert again.returncode == 0 and len(reloaded.trials) == len(study.trials)
+
+
+def test_an_unknown_metric_is_refused_before_any_trial(tmp_path, capsys):
+    """Issue 46: it was refused after the first trial had run, with a traceback."""
+    from fedskew.cli import main
+
+    rc = main(
+        [
+            "tune",
+            "--methods",
+            "fedavg",
+            "--metric",
+            "nope",
+            "--trials",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "t"),
+        ]
+    )
+    assert rc == 2 and "metric 'nope' is not one a run reports" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

@@ -107,6 +107,13 @@ def load_tune_spec(path: str | Path | None, updates: dict[str, Any] | None = Non
     return spec
 
 
+def metric_known(metric: str) -> bool:
+    """Whether ``metric`` is one a run's summary can hold (checked before the first trial, not after it)."""
+    from fedskew.results.store import SUMMARY_KEYS
+
+    return metric in ("auto", "headline", *SUMMARY_KEYS) or (metric.startswith("domain_acc/") and len(metric) > 11)
+
+
 def check_spec(spec: TuneSpec) -> None:
     """Every method with its fixed arguments, under the base, is a valid run; the space overrides name keys of some
     method (or run-level settings); the metric is known to the objective."""
@@ -114,6 +121,13 @@ def check_spec(spec: TuneSpec) -> None:
     for entry in spec.method_entries():
         trial_values(spec, entry, {})  # validates the base with this method
         method_space(entry.name, overrides)
+    if not metric_known(spec.metric):
+        from fedskew.results.store import SUMMARY_KEYS
+
+        raise ConfigError(
+            f"metric {spec.metric!r} is not one a run reports; choose auto or one of {', '.join(SUMMARY_KEYS)}, "
+            "headline, or domain_acc/<domain>"
+        )
     unknown = unknown_overrides([e.name for e in spec.method_entries()], overrides)
     if unknown:
         raise ConfigError(
