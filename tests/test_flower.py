@@ -388,3 +388,12 @@ def test_methods_lists_the_compositions_that_run_on_flower(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "on Flower (`fedskew flower`): every valid composition, with the simulator's metrics" in out
+
+
+def test_flower_new_names_the_flag_of_a_bad_timeout(tmp_path, capsys):
+    """Issue 46: --node-wait 0 and a negative --round-timeout were tracebacks; now one line naming the flag."""
+    assert main(["flower", "new", "--node-wait", "0", str(tmp_path / "a")]) == 2
+    assert "error: --node-wait: Input should be greater than 0" in capsys.readouterr().err
+    assert main(["flower", "new", "--round-timeout", "-5", str(tmp_path / "b")]) == 2
+    assert "--round-timeout: Input should be greater than 0" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

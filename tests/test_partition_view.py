@@ -37,3 +37,8 @@ def test_cli_partition_prints_the_federation_and_plots(tmp_path, capsys):
 def test_bubble_plot_writes_png(tmp_path):
     out = bubble_plot(np.array([[10, 0], [3, 7]]), tmp_path / "sub" / "b.png", "t")
     assert out.is_file() and out.stat().st_size > 5_000
+
+
+def test_a_plot_file_that_is_no_figure_is_refused_before_the_partition_is_built(tmp_path, capsys):
+    assert main(["partition", "--clients", "4", "--plot", str(tmp_path / "p.txt")]) == 2
+    assert "a figure file ends in one of .png" in capsys.readouterr().err and not (tmp_path / "p.txt").exists()

@@ -147,8 +147,20 @@ def _config(args: argparse.Namespace):
     return config_from_args(args)
 
 
+# the flags of FlowerSettings' fields, for an error that names what the user typed
+SETTING_FLAGS = {
+    "round_timeout": "--round-timeout",
+    "straggler_timeout": "--straggler-timeout",
+    "node_wait": "--node-wait",
+}
+
+
 def _settings(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from fedskew.config import ConfigError
     from fedskew.flower.settings import FlowerSettings
+    from fedskew.schema import describe_errors
 
     given = {
         "round_timeout": args.round_timeout,
@@ -158,10 +170,14 @@ def _settings(args: argparse.Namespace):
         "test_data": getattr(args, "test_data", None),
     }
     if given["test_data"] and given["data"] is None:
-        from fedskew.config import ConfigError
-
         raise ConfigError("--test-data is the server's held-out set of a real federation: it needs --node-data")
-    return FlowerSettings(**{k: v for k, v in given.items() if v is not None})
+    try:
+        return FlowerSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:  # e.g. --node-wait 0, a negative --round-timeout: the flag and its bound
+        lines = describe_errors(exc)
+        for key, flag in SETTING_FLAGS.items():
+            lines = [f"{flag}:{line[len(key) + 1 :]}" if line.startswith(f"{key}:") else line for line in lines]
+        raise ConfigError("; ".join(lines)) from None
 
 
 def cmd_new(args: argparse.Namespace) -> int:

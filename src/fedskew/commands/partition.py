@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from fedskew.commands.flags import RUN_FLAGS, add_download_flag, add_partition_arg, parse_kv
+
+# the figure files matplotlib writes (checked before the partition is built; a .txt was a traceback after it)
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
 
 RESERVED_SUMMARIES = {
     "domain": "domain skew: clients of a multi-domain suite, each from one domain",
@@ -57,6 +62,11 @@ def cmd_partition(args: argparse.Namespace) -> int:
             kind = "built-in" if name in BUILTIN or name in RESERVED else "registered"
             print(f"{name:<10} {kind:<10} {SUMMARIES.get(name, RESERVED_SUMMARIES.get(name, ''))}")
         return 0
+    if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in FIGURE_FORMATS:
+        print(
+            f"error: --plot {args.plot}: a figure file ends in one of .{', .'.join(FIGURE_FORMATS)}", file=sys.stderr
+        )
+        return 2
     file_values = load_yaml(args.config) if args.config else {}
     overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}
     overrides["download"] = args.download
