@@ -309,3 +309,27 @@ def test_a_broken_entry_point_is_reported_by_name(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "_loaded_entry_points", False)
     with pytest.raises(ConfigError, match="broken"):
         resolve_method("fedavg", {})
+
+
+def test_class_names_and_a_too_narrow_model_are_named_errors(tmp_path):
+    """Issue 46: string labels and a user model with fewer outputs than classes were tracebacks."""
+    from fedskew.api import from_arrays, from_clients
+
+    x = np.random.default_rng(0).random((60, 1, 8, 8)).astype("float32")
+    with pytest.raises(ConfigError, match=r"labels must be integers 0 \.\. C-1, got dtype <U3 \(class names\?"):
+        from_arrays(x, np.array(["cat", "dog", "owl"] * 20))
+    with pytest.raises(ConfigError, match="got dtype object"):
+        from_clients([(x[:30], np.array(["a"] * 30, dtype=object)), (x[30:], np.array(["b"] * 30, dtype=object))])
+
+    class Narrow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 8))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, v):
+            return self.head(self.body(v))
+
+    data = from_arrays(x, np.arange(60) % 5)
+    with pytest.raises(ConfigError, match="the model outputs 3 logits per sample but 'arrays' has 5 classes"):
+        fedskew.run("fedavg", data, model=Narrow(), rounds=1, clients=2, db=None, out=str(tmp_path / "r"))

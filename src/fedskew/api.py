@@ -127,6 +127,15 @@ def _check_xy(x: np.ndarray, y: np.ndarray, what: str, num_classes: int | None) 
     return x, y
 
 
+def _label_kind(y: np.ndarray, what: str) -> None:
+    """Labels are numbers: class names (strings, objects) are refused with the way to map them."""
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating) or y.dtype == np.bool_):
+        raise ConfigError(
+            f"{what}: labels must be integers 0 .. C-1, got dtype {y.dtype} (class names? map them first: "
+            "names, y = np.unique(y, return_inverse=True))"
+        )
+
+
 def _num_classes(num_classes: int | None, labels: Sequence[np.ndarray]) -> int:
     k = int(max(int(y.max()) for y in labels if len(y))) + 1 if num_classes is None else num_classes
     if k < 2:
@@ -149,6 +158,7 @@ def from_arrays(
     images ``[N, C, H, W]`` (scaled to [-1, 1] as the built-in datasets) or floating-point features of any shape
     (used as they are). Either argument may also be a torch ``Dataset``: ``from_arrays(*dataset_arrays(ds))``."""
     xs, ys = _as_numpy(x, "x"), _as_numpy(y, "y")
+    _label_kind(ys, name)
     k = _num_classes(num_classes, [ys.astype(np.int64, copy=False)] if ys.size else [np.zeros(1, np.int64)])
     xs, ys = _check_xy(xs, ys, name, k)
     xt = yt = None
@@ -178,6 +188,8 @@ def from_clients(
     if tests is not None and len(tests) != len(pairs):
         raise ConfigError(f"test has {len(tests)} clients, train has {len(pairs)}")
     labels = [p[1] for p in pairs] + [t[1] for t in tests or []]
+    for i, y in enumerate(labels):
+        _label_kind(np.asarray(y), f"{name} part {i}")
     k = _num_classes(num_classes, [np.asarray(y).astype(np.int64) for y in labels])
     pairs = [_check_xy(x, y, f"{name} client {i}", k) for i, (x, y) in enumerate(pairs)]
     if tests is not None:

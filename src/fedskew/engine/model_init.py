@@ -58,6 +58,14 @@ def init_model(
             torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
             example = data.clients[0].x_train[:2].cpu()
             model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
+            with torch.no_grad():
+                width = model.eval()(example).shape[-1]
+            model.train()
+        if width != data.num_classes:
+            raise ConfigError(
+                f"the model outputs {width} logits per sample but {data.name!r} has {data.num_classes} classes; "
+                f"give its classifier {data.num_classes} outputs"
+            )
         return _placed(model, cfg)
     if cfg.model.startswith("custom:"):
         raise ConfigError(
