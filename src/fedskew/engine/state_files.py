@@ -202,9 +202,7 @@ class StoreFiles:
         d = Path(directory)
         if not d.exists():
             return
-        marker = _read_marker(d) if d.is_dir() else None
-        if marker is None:
-            raise StoreDirError(f"{d} is not a client-state store; fedskew does not delete it (move it away)")
+        marker = _store_marker(d)
         listed = {MARKER, *(a.get("file") for a in marker.get("arrays", []) if isinstance(a, dict))}
         foreign = sorted(p.name for p in d.iterdir() if p.name not in listed and not _TMP.match(p.name))
         if foreign:
@@ -218,12 +216,8 @@ class StoreFiles:
         """Delete the store in ``directory`` (a run being replaced): the files its marker lists, the marker, and the
         directory if the store made it and nothing else is left. Refuses a directory without a store marker."""
         d = Path(directory)
-        if not d.exists():
-            return
-        marker = _read_marker(d) if d.is_dir() else None
-        if marker is None:
-            raise StoreDirError(f"{d} is not a client-state store; fedskew does not delete it (move it away)")
-        _remove_listed(d, marker)
+        if d.exists():
+            _remove_listed(d, _store_marker(d))
 
     def remove(self) -> None:
         """Delete this store's files (see :meth:`remove_dir`); a store that wrote nothing leaves nothing to do."""
@@ -357,6 +351,14 @@ def _skip(chunks: list[Any], n: int) -> list[Any]:
         out.append(view[max(n - skipped, 0) :])
         skipped = n
     return out
+
+
+def _store_marker(d: Path) -> dict[str, Any]:
+    """The marker of the store in ``d``, which must have one (fedskew deletes nothing in a directory without)."""
+    marker = _read_marker(d) if d.is_dir() else None
+    if marker is None:
+        raise StoreDirError(f"{d} is not a client-state store; fedskew does not delete it (move it away)")
+    return marker
 
 
 def _remove_listed(directory: Path, marker: dict[str, Any]) -> None:
