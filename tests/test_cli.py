@@ -40,3 +40,16 @@ def test_run_flags_come_from_the_configuration_schema():
     assert flag_type(fields["state_memory"].annotation) is str  # "2GB" or a number of bytes: the config parses it
     assert RUN_FLAGS["--pat-scheme"][2].startswith("random | pfllib: ")  # a fixed set of choices is listed
     assert "%%" in flag_help(fields["domain_fraction"])  # argparse's % escaped
+
+
+def test_methods_fits_a_screen_and_lists_the_compositions_on_request(capsys):
+    """Issue 45: ``fedskew methods`` printed 27 KB with 7,000- and 13,000-character lines."""
+    from fedskew.cli import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 10_000 and max(len(line) for line in out.splitlines()) < 250
+    assert "valid compositions of a client part and a plug-in" in out and "fedprox+disco" not in out
+    assert main(["methods", "--compositions"]) == 0
+    full = capsys.readouterr().out
+    assert "fedprox+disco" in full and "refused:" in full and max(len(line) for line in full.splitlines()) < 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    sub.add_parser("methods", help="list the available methods and building blocks")
+    me = sub.add_parser("methods", help="list the available methods and building blocks")
+    me.add_argument(
+        "--compositions",
+        action="store_true",
+        help="also list every valid two-part composition and every refused one with its reason (long)",
+    )
 
     sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
     sk.add_argument("run_dir", help="a run directory (with skew.jsonl)")
@@ -288,9 +294,17 @@ def cmd_methods(args: argparse.Namespace) -> int:
             continue
         if canonical not in valid:
             valid.append(canonical)
-    print(f"\nvalid compositions: {', '.join(valid)}")
-    if refused:
-        print(f"refused: {'; '.join(refused)}")
+    if args.compositions:
+        print("\nvalid compositions:")
+        print(textwrap.fill(", ".join(valid), width=110, initial_indent="  ", subsequent_indent="  "))
+        print("refused:")
+        for line in refused:
+            print(textwrap.fill(line, width=110, initial_indent="  ", subsequent_indent="    "))
+    else:
+        print(
+            f"\n{len(valid)} valid compositions of a client part and a plug-in (or two plug-ins), {len(refused)} "
+            "refused with a reason: `fedskew methods --compositions` lists them"
+        )
     # the Flower apps run any composition with the simulator's own objects (docs/flower.md)
     import importlib.util
 
