@@ -198,7 +198,7 @@ class RunConfig(StrictSettings):
     checkpoint_every: Literal["auto"] | int = Field(
         "auto",
         description="write a resumable checkpoint every K rounds (0: never; auto: as often as keeps the writing "
-        "under 2% of the run time, and always on an interruption); see README, long runs",
+        "under 2% of the run time, and always on an interruption); see docs/guide.md, long runs",
     )
     seed: int = Field(
         0,

@@ -259,9 +259,9 @@ class Simulation:
 
     def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
         """Hand one client's upload to the round server; the client keeps what it trained (unless the server
-        rejected a mis-shaped upload: see README) and its state goes back to the store."""
+        rejected a mis-shaped upload: docs/guide.md) and its state goes back to the store."""
         rejected = self.server.take_upload(plan, upload)
-        if rejected is None or rejected.nonfinite:  # the client holds the model it trained (see README)
+        if rejected is None or rejected.nonfinite:  # the client holds the model it trained (docs/guide.md)
             self._keep_trained(upload.cid, upload)
         self.state_store.release(upload.cid)  # this round is done with the client's state: to disk (a disk store)
 
