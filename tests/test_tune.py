@@ -453,3 +453,17 @@ def test_an_unknown_metric_is_refused_before_any_trial(tmp_path, capsys):
     )
     assert rc == 2 and "metric 'nope' is not one a run reports" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
+
+
+def test_tune_prints_accuracies_in_percent_as_run_and_report_do(tmp_path, capsys):
+    """Issue 45: the tune table printed fractions (0.9729) where run and report print percentages."""
+    from fedskew.cli import main
+    from fedskew.commands.tune import shown_value
+
+    assert shown_value(0.97293, "global_acc") == "97.29%" and shown_value(0.5, "domain_acc_std") == "50.00%"
+    assert shown_value(0.25, "train_loss") == "0.2500"
+    args = ["tune", "--methods", "fedprox", "--trials", "2", "--rounds", "2", "--clients", "3"]
+    assert main([*args, "--out", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("best on the validation splits") :]
+    assert any("%" in line and "fedprox" in line for line in table.splitlines())  # the best value, in percent

@@ -117,6 +117,12 @@ def _updates(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def shown_value(value: float, metric: str) -> str:
+    """A trial's value as ``run`` and ``report`` show the metric: accuracies (``*_acc*``, the domain AVG and STD) in
+    percent, anything else (a loss) as it is."""
+    return f"{100 * value:.2f}%" if "acc" in metric or metric in ("auto", "headline") else f"{value:.4f}"
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
@@ -150,9 +156,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             return
         row = trial_row(spec, entry, study, trial)
         params = format_args(row["params"])
-        value = f"{row['value']:.4f}" if row["value"] is not None else row["state"]
+        value = shown_value(row["value"], spec.metric) if row["value"] is not None else row["state"]
         if row["state"] == "pruned" and row["last_value"] is not None:
-            value = f"pruned at step {row['last_step']} ({row['last_value']:.4f})"
+            value = f"pruned at step {row['last_step']} ({shown_value(row['last_value'], spec.metric)})"
         line = f"  {study.study_name} #{row['number']} {params or '(defaults)'}: {value}"
         console.print(escape(line), highlight=False)
 
@@ -187,7 +193,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         table.add_row(
             escape(r.entry.display()),
             r.metric,
-            f"{best.extra['value']:.4f}" if best else "-",
+            shown_value(best.extra["value"], r.metric) if best else "-",
             escape(args_text or ("(defaults)" if best else "no complete trial")),
             f"{r.counts['complete']}/{r.counts['pruned']}/{r.counts['fail']}",
         )
