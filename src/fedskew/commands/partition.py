@@ -77,7 +77,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")
     print(label_table(data.train_hists, data.test_hists))
     if args.plot:
-        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, seed {cfg.seed}"
+        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, seed {cfg.seed} (train + test samples)"
         print(f"bubble plot: {bubble_plot(data.train_hists + data.test_hists, args.plot, title)}")
     return 0
 
