@@ -208,7 +208,8 @@ def paired_notes(
         f"the row {against!r} of the same setting (data and federation)"
         if against
         else "FedAvg with its default arguments in the same setting (data and federation); a host+plug-in row "
-        "against its host (fedprox+heal against fedprox)"
+        "against its host (fedprox+heal against fedprox), or against FedAvg when the host is not in the table "
+        "(fedavg+heal, or a plug-in alone such as fedadam)"
     )
     no_ref = [labels[i] for i, j in enumerate(refs) if j is None]
     if not paired:
