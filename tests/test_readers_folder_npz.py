@@ -508,3 +508,16 @@ def test_data_that_is_no_classification_task_is_refused_by_name(tmp_path):
         load_dataset("npz", tmp_path / "ids.npz")
     np.savez(tmp_path / "ok.npz", x=x, y=np.arange(20) % 2 + 1)  # labels 1, 2: class 0 unused, still a task
     assert load_dataset("npz", tmp_path / "ok.npz").num_classes == 3
+
+
+def test_an_empty_test_split_is_refused_rather_than_dropping_the_headline(tmp_path):
+    """Whatever the reader (a user's, an image folder with an empty test/): the dataset itself refuses it."""
+    from fedskew.data.readers import ImageDataset
+
+    r = np.random.default_rng(0)
+    x = r.integers(0, 256, (20, 1, 8, 8), dtype=np.uint8)
+    with pytest.raises(DataError, match="its test split holds no samples"):
+        ImageDataset("mine", x, np.arange(20) % 2, x[:0], np.arange(0), 2)
+    np.savez(tmp_path / "e.npz", x=x, y=np.arange(20) % 2, x_test=x[:0], y_test=np.arange(0))
+    with pytest.raises(DataError, match="x_test: no samples"):  # the npz reader says so first
+        load_dataset("npz", tmp_path / "e.npz")

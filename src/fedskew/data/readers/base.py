@@ -72,6 +72,11 @@ class ImageDataset:
                 f"{self.name}: x_test must be shaped as x_train with one label per image, "
                 f"got {self.x_test.shape} and {self.y_test.shape}"
             )
+        if self.y_test is not None and len(self.y_test) == 0:  # the headline metric would vanish without a word
+            raise DataError(
+                f"{self.name}: its test split holds no samples; give test samples, or none at all (then a seeded "
+                "holdout of the training pool is the test set)"
+            )
         check_classes(self.name, self.num_classes, [self.y_train])
         if self.vocabulary:
             for x in (self.x_train, self.x_test):
