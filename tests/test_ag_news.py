@@ -266,3 +266,12 @@ def test_reproduce_feddisco_lists_the_ag_news_columns(tmp_path):
     write_csv(empty / "train.csv", [[1, "t", "d"]])
     why = make_plan(paper, "small", data_dir=str(empty)).setting_reason("ag_full")
     assert why and "missing test.csv" in why and "train.csv" not in why.split("(searched")[0]
+
+
+def test_the_vocabulary_is_one_of_the_run_directorys_own_files():
+    """Issue 46: a text run that failed in round 1 left vocab.txt behind, and then its --out was refused even with
+    --overwrite (the file was not one fedskew removes); an overwritten run kept a stale vocabulary."""
+    from fedskew.data.readers.base import VOCAB_FILE
+    from fedskew.results.rundir import OWN_FILES
+
+    assert VOCAB_FILE in OWN_FILES

@@ -38,7 +38,8 @@ STATUS = "status.json"
 LOCK = ".lock"
 CHECKPOINT = "checkpoint.pt"
 ROUND_FILES = ("metrics.jsonl", "client_metrics.jsonl", "skew.jsonl")  # one JSON line per round, with "round"
-OWN_FILES = (STATUS, "config.yaml", "clients.json", *ROUND_FILES, CHECKPOINT, "summary.json", "skew.png", LOCK)
+VOCAB = "vocab.txt"  # a text run's vocabulary (fedskew.data.readers.base.VOCAB_FILE; a test keeps the two equal)
+OWN_FILES = (STATUS, "config.yaml", "clients.json", *ROUND_FILES, CHECKPOINT, "summary.json", "skew.png", VOCAB, LOCK)
 UNFINISHED = ("running", "interrupted", "failed", "stopped")
 
 
