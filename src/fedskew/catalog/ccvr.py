@@ -57,12 +57,14 @@ class CCVR(Calibration):
 
     def statistics(self, features: Tensor, labels: Tensor, num_classes: int) -> Params:
         f = features.to(torch.float64)
-        onehot = F.one_hot(labels, num_classes).to(torch.float64)  # [n, C]
-        return {
-            "count": onehot.sum(0),
-            "sum": onehot.T @ f,
-            "outer": torch.einsum("nc,ni,nj->cij", onehot, f, f),
-        }
+        d = f.shape[1]
+        count = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+        total = torch.zeros((num_classes, d), dtype=torch.float64, device=f.device).index_add_(0, labels, f)
+        outer = torch.zeros((num_classes, d, d), dtype=torch.float64, device=f.device)
+        for c in torch.unique(labels).tolist():  # one D x D product per class the client holds: n·D² in all
+            fc = f[labels == c]
+            outer[c] = fc.T @ fc
+        return {"count": count, "sum": total, "outer": outer}
 
     def virtual(self, stats: Params, key: CalibrationKey) -> tuple[Tensor, Tensor]:
         """The virtual features ``[M, d]`` and their labels, ``samples_per_class`` per class some client holds."""

@@ -54,13 +54,22 @@ class SamBatch:
 
     x: Tensor | None = None
     y: Tensor | None = None
+    # what every step of the round reads, listed once in ``begin``: the trained parameters and the BatchNorm layers
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    norms: list[torch.nn.modules.batchnorm._BatchNorm] = field(default_factory=list)
+
+
+def _round_of(kind: type[SamBatch], ctx: LocalContext, **more: object) -> SamBatch:
+    norms = [m for m in ctx.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    return kind(params=[p for _, p in _trained(ctx)], norms=norms, **more)  # type: ignore[arg-type]
 
 
 @dataclass
 class MoSamRound(SamBatch):
-    """MoFedSAM's: the batch, and the server's direction ``Δ`` per trained entry (empty before the first round)."""
+    """MoFedSAM's: the batch, and the server's direction ``Δ`` per trained parameter, in ``params``' order (empty
+    before the first round)."""
 
-    direction: Params = field(default_factory=dict)
+    direction: list[Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +79,7 @@ class FedSAM(LocalAlgorithm):
     rho: float = 0.05
 
     def begin(self, ctx: LocalContext) -> None:
-        ctx.prepared = SamBatch()
+        ctx.prepared = _round_of(SamBatch, ctx)
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         batch = ctx.prep(SamBatch)
@@ -92,7 +101,7 @@ def sam_gradient(ctx: LocalContext, rho: float) -> None:
         return
     batch = ctx.prep(SamBatch)
     assert batch.x is not None and batch.y is not None
-    params = [p for _, p in _trained(ctx) if p.grad is not None]
+    params = [p for p in batch.params if p.grad is not None]
     grads = [p.grad for p in params]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # type: ignore[arg-type]
     scale = rho / (norm + 1e-12)
@@ -102,17 +111,16 @@ def sam_gradient(ctx: LocalContext, rho: float) -> None:
     for p in params:
         p.grad = None
     model = ctx.model
-    with _frozen_statistics(model):  # the second pass must not move BatchNorm's running statistics again
+    with _frozen_statistics(batch.norms):  # the second pass must not move BatchNorm's running statistics again
         F.cross_entropy(model.head(model.body(batch.x)), batch.y).backward()
     with torch.no_grad():
         torch._foreach_sub_(params, eps)
 
 
 @contextmanager
-def _frozen_statistics(model: torch.nn.Module) -> Iterator[None]:
-    """BatchNorm layers normalize by the batch as usual but leave their running statistics (and counters) as they
-    were (SAM's reference implementation's ``disable_running_stats``)."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+def _frozen_statistics(norms: list[torch.nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+    """The BatchNorm layers ``norms`` normalize by the batch as usual but leave their running statistics (and
+    counters) as they were (SAM's reference implementation's ``disable_running_stats``)."""
     saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
     for m in norms:
         m.momentum = 0.0
@@ -134,19 +142,19 @@ class MoFedSAM(FedSAM):
     def begin(self, ctx: LocalContext) -> None:
         steps = float(ctx.broadcast[MOFEDSAM_STEPS]) if MOFEDSAM_STEPS in ctx.broadcast else 0.0
         scale = 1.0 / (steps * ctx.settings.lr) if steps > 0 else 0.0
-        direction = {n: ctx.broadcast[f"{MOFEDSAM_DELTA}{n}"] * scale for n, _ in _trained(ctx)} if scale else {}
-        ctx.prepared = MoSamRound(direction=direction)
+        direction = [ctx.broadcast[f"{MOFEDSAM_DELTA}{n}"] * scale for n, _ in _trained(ctx)] if scale else []
+        ctx.prepared = _round_of(MoSamRound, ctx, direction=direction)
 
     def after_backward(self, ctx: LocalContext) -> None:
         sam_gradient(ctx, self.rho)
-        direction = ctx.prep(MoSamRound).direction
+        prep = ctx.prep(MoSamRound)
         with torch.no_grad():
-            for n, p in _trained(ctx):
+            for k, p in enumerate(prep.params):
                 if p.grad is None:
                     continue
                 p.grad.mul_(self.alpha)
-                if n in direction:
-                    p.grad.add_(direction[n], alpha=1.0 - self.alpha)
+                if prep.direction:
+                    p.grad.add_(prep.direction[k], alpha=1.0 - self.alpha)
 
     def batched_step(self) -> BatchedStep | None:
         return None  # as FedSAM's
@@ -165,7 +173,8 @@ class MoFedSAMServer(ServerHalf):
     0 steps: no direction) before the first round."""
 
     def init(self, ctx: ServerContext) -> MomentumDirection:
-        return MomentumDirection({n: torch.zeros_like(ctx.template[n]) for n in ctx.trainable}, 0.0)
+        trained = [n for n in ctx.template if n in ctx.trainable]  # the model's order, whatever the hash seed
+        return MomentumDirection({n: torch.zeros_like(ctx.template[n]) for n in trained}, 0.0)
 
     def broadcast(self, state: MomentumDirection) -> Params:
         out = {f"{MOFEDSAM_DELTA}{n}": t for n, t in state.delta.items()}

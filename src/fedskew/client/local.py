@@ -380,7 +380,7 @@ def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
     MRO declares (:meth:`LocalAlgorithm.batched_step`); a class below it that overrides a
     training hook, or a form of ``None``, means none."""
     while isinstance(algo, Wrapper):
-        if algo.compose_batched(BatchedStep()) is not None:  # the wrapper composes its own per-step work
+        if type(algo).compose_batched is not Wrapper.compose_batched:  # it composes its own per-step work
             inner = batched_form(algo.inner)
             return inner if isinstance(inner, str) else algo.compose_batched(inner)  # type: ignore[return-value]
         wrappers = [c for c in type(algo).__mro__ if issubclass(c, Wrapper) and c is not Wrapper]
