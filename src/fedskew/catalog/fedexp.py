@@ -63,7 +63,9 @@ class FedExPStep(ServerStep):
 
     def eta(self, rin: RoundInput, params: Params, weights: Tensor, rounds: int) -> float:
         """The round's extrapolated step size ``η_g``."""
-        names = [n for n in rin.trainable if params[n].is_floating_point()]
+        # in the model's order, not the frozenset's (whose order changes with the process's hash seed): the float64
+        # sums below must add in the same order in every run
+        names = [n for n, t in params.items() if n in rin.trainable and t.is_floating_point()]
         k = rin.num_participants
         w = weights.to(torch.float64)
         w = w / w.sum()
@@ -82,8 +84,8 @@ class FedExPStep(ServerStep):
     ) -> tuple[Params, Diagnostics, FedExPState]:
         eta = self.eta(rin, params, weights, state.rounds)
         out = dict(params)
-        for n in rin.trainable:
-            if n in params and params[n].is_floating_point():
+        for n in params:
+            if n in rin.trainable and params[n].is_floating_point():
                 w0 = rin.global_params[n].to(torch.float64)
                 out[n] = (w0 + eta * (params[n].to(torch.float64) - w0)).to(params[n].dtype)
         return out, {"fedexp_eta_g": eta}, FedExPState(state.rounds + 1)
