@@ -63,8 +63,20 @@ def _without_timing(records: list[dict]) -> list[dict]:
 @needs_flwr
 @pytest.mark.parametrize(
     "method",
-    # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term
-    ["fedavg", "fedsa", "fedprox+disco", "scaffold+heal", "fedcac", "fedprox+fedadam", "mofedsam", "fedlc+feddecorr"],
+    # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term;
+    # issue 42's personalizations: a server half and a folded bias, an adaptation step drawn on the client
+    [
+        "fedavg",
+        "fedsa",
+        "fedprox+disco",
+        "scaffold+heal",
+        "fedcac",
+        "fedprox+fedadam",
+        "mofedsam",
+        "fedlc+feddecorr",
+        "feddbe",
+        "perfedavg",
+    ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
     from fedskew.flower.inprocess import make_grid, run_in_process

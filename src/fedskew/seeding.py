@@ -24,6 +24,7 @@ class Purpose(IntEnum):
     FEDGEN = 8  # FedGen's server-side generator: its initial weights and each round's training draws
     EVAL_SAMPLE = 9  # the clients whose per-client models an evaluated round scores (eval_clients)
     CALIBRATION = 10  # a post-hoc calibration's draws at an evaluated round (CCVR's virtual features, their order)
+    PERSONALIZE = 11  # a client part's personalization at evaluation (Per-FedAvg's adaptation batch)
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

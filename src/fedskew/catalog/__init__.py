@@ -12,6 +12,7 @@ in the order of :data:`CATALOGS`. A module imports the generic machinery only (`
 """
 
 from fedskew.catalog import (
+    apfl,
     ccvr,
     disco,
     ditto,
@@ -23,6 +24,7 @@ from fedskew.catalog import (
     fedavgm,
     fedbabu,
     fedcac,
+    feddbe,
     feddecorr,
     fedexp,
     fedgen,
@@ -31,6 +33,7 @@ from fedskew.catalog import (
     fedopt,
     fedprox,
     fedrep,
+    fedrod,
     fedsa,
     fedsam,
     fpl,
@@ -38,6 +41,8 @@ from fedskew.catalog import (
     keep_local,
     label_calibration,
     moon,
+    perfedavg,
+    pfedme,
     prototypes,
     scaffold,
 )
@@ -71,4 +76,9 @@ CATALOGS = (
     fedsam,
     ccvr,
     fpl,
+    fedrod,
+    feddbe,
+    apfl,
+    perfedavg,
+    pfedme,
 )

@@ -90,8 +90,10 @@ class FedSAM(LocalAlgorithm):
         """Replace the gradient at ``w`` by the gradient at ``w + ε`` (the parameters end where they were)."""
         sam_gradient(ctx, self.rho)
 
+    unbatched = "two gradient evaluations per step"
+
     def batched_step(self) -> BatchedStep | None:
-        return None  # two gradient evaluations per step: not a piece of the batched form yet (module docstring)
+        return None  # unbatched says why
 
 
 def sam_gradient(ctx: LocalContext, rho: float) -> None:
@@ -156,8 +158,10 @@ class MoFedSAM(FedSAM):
                 if prep.direction:
                     p.grad.add_(prep.direction[k], alpha=1.0 - self.alpha)
 
+    unbatched = "two gradient evaluations per step (as FedSAM)"
+
     def batched_step(self) -> BatchedStep | None:
-        return None  # as FedSAM's
+        return None  # unbatched says why
 
 
 class MomentumDirection(NamedTuple):

@@ -1,9 +1,11 @@
-"""FedPer, FedBN and Separate ("local"): server plug-ins that keep state-dict groups on the clients.
+"""FedPer, LG-FedAvg, FedBN and Separate ("local"): server plug-ins that keep state-dict groups on the clients.
 
 Those entries never travel: every client trains and evaluates with its own, and the server averages the rest.
-``fedper`` keeps the classifier head (``head``), ``fedbn`` the BatchNorm layers (``norm``: affine and running
-statistics), ``local`` everything (``all``: no collaboration; the FedCAC paper's "Separate"). The groups are the
-engine's (``fedskew.engine.model_init.LOCAL_GROUPS``); a plug-in returns them from its build as ``local``.
+``fedper`` keeps the classifier head (``head``), ``lgfedavg`` everything but the head (``body``: LG-FedAvg's local
+representations; as PFLlib's ``serverlg.py``, only the head travels and is averaged), ``fedbn`` the BatchNorm layers
+(``norm``: affine and running statistics), ``local`` everything (``all``: no collaboration; the FedCAC paper's
+"Separate"). The groups are the engine's (``fedskew.engine.model_init.LOCAL_GROUPS``); a plug-in returns them from
+its build as ``local``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ SERVER_PLUGINS: dict[str, ServerPlugin] = {
         NoParams,
         (),
         keep_local("head"),
+    ),
+    "lgfedavg": ServerPlugin(
+        "lgfedavg",
+        "local representations: every entry but the classifier head stays on each client; the head is averaged",
+        "Liang et al., Think Locally, Act Globally: Federated Learning with Local and Global Representations, "
+        "arXiv 2001.01523, 2020",
+        NoParams,
+        (),
+        keep_local("body"),
     ),
     "fedbn": ServerPlugin(
         "fedbn",

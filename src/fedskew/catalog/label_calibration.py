@@ -74,8 +74,10 @@ class FedLC(_Calibrated):
         counts = ctx.prep(LabelCounts).of(ctx, logits)
         return F.cross_entropy(calibrated_logits(logits, counts, self.tau, self.min_count), y)
 
+    unbatched = "a per-client map of the logits"
+
     def batched_step(self) -> BatchedStep | None:
-        return None  # a per-client map of the logits: not a piece of the batched form yet (module docstring)
+        return None  # unbatched says why
 
 
 @dataclass
@@ -88,8 +90,10 @@ class FedRS(_Calibrated):
         counts = ctx.prep(LabelCounts).of(ctx, logits)
         return F.cross_entropy(restricted_logits(logits, counts, self.alpha), y)
 
+    unbatched = "a per-client map of the logits (as FedLC)"
+
     def batched_step(self) -> BatchedStep | None:
-        return None  # as FedLC's
+        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

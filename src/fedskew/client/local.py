@@ -12,6 +12,9 @@ A local algorithm never copies the loop. It overrides hooks:
                        epochs, and whether the result is kept on the client (FedRep: head, then body; Ditto: the
                        personal model, then the global one),
 * ``personal_model``   the model the client keeps for itself, if it keeps one apart from what it uploads (Ditto),
+* ``personalize``      the client's personalized model made from the model it holds and its state, when that model
+                       is not one it keeps (FedRoD: its personal head added to the generic one; Per-FedAvg: one step
+                       from the global model on a local batch),
 
 * ``check_model``      refuse a model the algorithm cannot train (MOON: no projection head of its width),
 * ``eval_views``       views it adds to the evaluation of the global model (FedProto: nearest-prototype accuracy),
@@ -82,8 +85,26 @@ class TrainSettings:
     rounds: int | None = None
 
 
+class _KeptState:
+    """Reading a client's persistent state through its typed keys (``client_state`` is the context's)."""
+
+    cid: int
+    client_state: dict[str, Any]
+
+    def kept(self, key: StateKey[_S]) -> _S | None:
+        """What this client kept under ``key`` (``None``: nothing yet)."""
+        return key.get(self.client_state)
+
+    def held(self, key: StateKey[_S]) -> _S:
+        """What this client holds under ``key``, which must be there (kept earlier this round or in an earlier one)."""
+        value = key.get(self.client_state)
+        if value is None:
+            raise KeyError(f"client {self.cid} holds no {key.name!r} in its state ({key.what or 'no description'})")
+        return value
+
+
 @dataclass
-class LocalContext:
+class LocalContext(_KeptState):
     """Everything one client's local training can see; ``begin`` leaves what its other hooks read in ``prepared``."""
 
     cid: int
@@ -109,17 +130,6 @@ class LocalContext:
     # the part's own (SCAFFOLD's correction, MOON's frozen models), read back with :meth:`prep`
     prepared: Any = None
 
-    def kept(self, key: StateKey[_S]) -> _S | None:
-        """What this client kept under ``key`` (``None``: nothing yet)."""
-        return key.get(self.client_state)
-
-    def held(self, key: StateKey[_S]) -> _S:
-        """What this client holds under ``key``, which must be there (kept earlier this round or in an earlier one)."""
-        value = key.get(self.client_state)
-        if value is None:
-            raise KeyError(f"client {self.cid} holds no {key.name!r} in its state ({key.what or 'no description'})")
-        return value
-
     def keep(self, key: StateKey[_S], value: _S) -> None:
         """Keep ``value`` under ``key`` in this client's state, for its next rounds."""
         self.client_state[key.name] = value
@@ -138,6 +148,24 @@ class LocalContext:
                 f"{type(self.prepared).__name__}"
             )
         return self.prepared
+
+
+@dataclass
+class PersonalContext(_KeptState):
+    """What :meth:`LocalAlgorithm.personalize` sees: the model client ``cid`` holds (``base``: the one it would start
+    its next round from, i.e. the global model with the entries it keeps; for the ``trained`` view, the one it has just
+    trained), its state (read only), the run's local settings, its training tensors and a generator seeded by (run
+    seed, client, round) for any draw. ``model`` is a scratch module of the run's architecture, the hook's to load."""
+
+    cid: int
+    round: int
+    model: nn.Module
+    base: Params
+    client_state: dict[str, Any]
+    settings: TrainSettings
+    x: Tensor
+    y: Tensor
+    generator: torch.Generator
 
 
 @dataclass(frozen=True)
@@ -170,6 +198,8 @@ class LocalAlgorithm:
     reports: tuple[ClientReport, ...] = ()  # statistics every client sends once, before round 1 (FedGen's histogram)
     # the entries this part keeps in a client's state across rounds (a subclass's add to its bases': declared_state)
     state_keys: ClassVar[tuple[StateKey[Any], ...]] = ()
+    # why this part has no batched form, when its batched_step() returns None (what --batched-clients reports)
+    unbatched: ClassVar[str] = ""
 
     # client-side hooks
     def begin(self, ctx: LocalContext) -> None:
@@ -193,6 +223,11 @@ class LocalAlgorithm:
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         """The model this client keeps for itself apart from its upload (``None``: it keeps none)."""
+        return None
+
+    def personalize(self, ctx: PersonalContext) -> Params | None:
+        """The client's personalized model made from ``ctx.base`` and its state, for a part whose personalized model
+        is not a state dict it keeps (:meth:`personal_model` gives those); ``None``: ``ctx.base`` is its model."""
         return None
 
     def batched_step(self) -> BatchedStep | None:
@@ -358,7 +393,7 @@ def overrides(algo: LocalAlgorithm, hook: str) -> bool:
 # the hooks that change what a client trains; a subclass overriding one of them needs a batched form of its own
 TRAINING_HOOKS = ("begin", "loss", "after_backward", "after_step", "end", "phases", "personal_model")
 # the hooks a wrapper may add work to and still be batched: they run per client on a real context
-PER_CLIENT_HOOKS = ("begin", "end", "check_model", "eval_views")
+PER_CLIENT_HOOKS = ("begin", "end", "check_model", "eval_views", "personalize")
 
 
 def _own_hooks(cls: type, hooks: tuple[str, ...]) -> list[str]:
@@ -400,7 +435,8 @@ def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
         )
     form = algo.batched_step()
     if form is None:
-        return f"its client part {cls.__name__} declares no batched form (batched_step() returns None)"
+        why = algo.unbatched or "batched_step() returns None"
+        return f"its client part {cls.__name__} declares no batched form ({why})"
     return form
 
 

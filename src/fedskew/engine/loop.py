@@ -57,6 +57,7 @@ from fedskew.engine.rounds import (
     dropped_out,
     keep_trained,
     payload_bytes,
+    personalized,
     sample_clients,
     train_client,
     train_settings,
@@ -185,6 +186,7 @@ class Simulation:
             personal=self.state_store.maps["personal"],
         )
         self.bind_states(self.state_store.maps)
+        self.current_round = 0  # the round opened last (a personalization's draws are keyed by it)
         self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
         self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
@@ -255,6 +257,7 @@ class Simulation:
 
     def open_round(self, rnd: int) -> RoundPlan:
         """Start round ``rnd`` on the round server (:meth:`~fedskew.engine.round_server.RoundServer.open_round`)."""
+        self.current_round = rnd
         return self.server.open_round(rnd)
 
     def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
@@ -281,7 +284,9 @@ class Simulation:
     def _keep_trained(self, cid: int, upload: Upload) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the
         model the ``trained`` view evaluates (:func:`keep_trained`)."""
-        trained = keep_trained(self.method, self.local_names, self.client_states[cid], upload)
+        state = self.client_states[cid]
+        rnd = self.current_round
+        trained = keep_trained(self.method, self.local_names, state, upload, lambda p: self._personalized(cid, rnd, p))
         if trained is not None:
             self.trained[cid] = trained
 
@@ -292,12 +297,22 @@ class Simulation:
         own = peek_entry(self.client_states, cid, LOCAL_PARAMS)
         return {**params, **own} if own else params
 
-    def personal_params(self, cid: int) -> Params:
-        """Client ``cid``'s personalized model now, i.e. after aggregation: the model it keeps for itself (Ditto,
-        FedAMP) or else what it would start its next round from (FedCAC's customized model, or the global model
-        with its local entries for FedPer/FedRep/FedBN/Local)."""
-        own = self.method.client.personal_model(peek(self.client_states, cid))
-        return own if own is not None else self.params_for(cid)
+    def personal_params(self, cid: int, rnd: int | None = None) -> Params:
+        """Client ``cid``'s personalized model now, i.e. after aggregation (of round ``rnd``, default the round
+        server's latest): the model it keeps for itself (Ditto, FedAMP) or else what it would start its next round
+        from (FedCAC's customized model, or the global model with its local entries for FedPer/FedRep/FedBN/Local),
+        through its client part's personalization (FedRoD's personal head, Per-FedAvg's adaptation step)."""
+        state = peek(self.client_states, cid)
+        own = self.method.client.personal_model(state)
+        if own is not None:
+            return own
+        return self._personalized(cid, self.current_round if rnd is None else rnd, self.params_for(cid), state)
+
+    def _personalized(self, cid: int, rnd: int, base: Params, state: dict[str, Any] | None = None) -> Params:
+        client = self.data.clients[cid]
+        state = peek(self.client_states, cid) if state is None else state
+        args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, base, state)
+        return personalized(*args, client.x_train, client.y_train)
 
     def trained_params(self, cid: int) -> Params:
         """Client ``cid``'s model right after its latest local training (before aggregation); a client that has not
@@ -361,7 +376,7 @@ class Simulation:
                 rec.update(pooled("global", scores["global_local"]))
         rec.update(summarize("global_local", scores["global_local"]))
         if self.method.personalized:
-            scores["personal"] = self._per_client_scores(self.personal_params, sample)
+            scores["personal"] = self._per_client_scores(lambda cid: self.personal_params(cid, rnd), sample)
             scores["trained"] = self._per_client_scores(self.trained_params, sample)
             rec.update(summarize("personal", scores["personal"]))
             rec.update(summarize("trained", scores["trained"]))

@@ -102,6 +102,7 @@ def _placed(model: nn.Module, cfg: RunConfig) -> nn.Module:
 LOCAL_GROUPS = {
     "buffers": "non-trainable entries (BatchNorm running statistics)",
     "head": "the classifier head (FedPer, FedRep)",
+    "body": "every entry but the classifier head: the representation (LG-FedAvg)",
     "norm": "normalization layers: affine parameters and running statistics (FedBN)",
     "all": "every entry: no collaboration (Local / Separate)",
 }
@@ -116,6 +117,8 @@ def local_state_names(groups: frozenset[str], model: nn.Module, trainable: froze
             names |= {n for n in template if n not in trainable}
         elif group == "head":
             names |= head_keys(model)
+        elif group == "body":
+            names |= set(template) - head_keys(model)
         elif group == "norm":
             found = norm_keys(model)
             if not found:

@@ -6,13 +6,14 @@ and its result (:class:`RoundPlan`, :class:`RoundResult`), and :class:`Diverged`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fedskew.client.local import LOCAL_PARAMS, LocalContext, TrainSettings, local_train
+from fedskew.client.local import LOCAL_PARAMS, LocalContext, PersonalContext, TrainSettings, local_train, overrides
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
@@ -140,17 +141,48 @@ def train_client(
 
 
 def keep_trained(
-    method: Method, local_names: frozenset[str], client_state: dict[str, Any], upload: Upload
+    method: Method,
+    local_names: frozenset[str],
+    client_state: dict[str, Any],
+    upload: Upload,
+    personalize: Callable[[Params], Params] | None = None,
 ) -> Params | None:
     """What a client keeps of the model it trained: its local entries (``method.local``) go into
     ``client_state[LOCAL_PARAMS]``; for a personalized method the model the ``trained`` view evaluates is returned
-    (the model it keeps for itself, else the one it trained), otherwise ``None``."""
+    (the model it keeps for itself, else the one it trained, through ``personalize`` when given: the client part's
+    :func:`personalized`), otherwise ``None``."""
     if local_names:
         client_state[LOCAL_PARAMS] = {k: upload.params[k] for k in local_names}
     if method.personalized:
         own = method.client.personal_model(client_state)
-        return own if own is not None else upload.params
+        if own is not None:
+            return own
+        return upload.params if personalize is None else personalize(upload.params)
     return None
+
+
+def personalized(
+    method: Method,
+    model: nn.Module,
+    settings: TrainSettings,
+    seed: int,
+    cid: int,
+    rnd: int,
+    base: Params,
+    client_state: dict[str, Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> Params:
+    """Client ``cid``'s personalized model when it holds ``base`` in round ``rnd``, wherever it runs: its client
+    part's :meth:`~fedskew.client.local.LocalAlgorithm.personalize` of ``base`` (draws from the (seed, client, round)
+    stream of :attr:`Purpose.PERSONALIZE`), or ``base`` for a part without one."""
+    algo = method.client
+    if not overrides(algo, "personalize"):
+        return base
+    gen = torch_generator(seed, Purpose.PERSONALIZE, cid, rnd)
+    ctx = PersonalContext(cid, rnd, model, base, client_state, settings, x, y, gen)
+    out = algo.personalize(ctx)
+    return base if out is None else out
 
 
 def with_local(received: Params, local: Params | None, order: Params) -> Params:

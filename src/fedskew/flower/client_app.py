@@ -39,7 +39,14 @@ from fedskew.config import ConfigError, RunConfig
 from fedskew.data.pools import ClientData
 from fedskew.engine.evaluate import predict_scores
 from fedskew.engine.model_init import init_model
-from fedskew.engine.rounds import LOCAL_PARAMS, keep_trained, train_client, train_settings, with_local
+from fedskew.engine.rounds import (
+    LOCAL_PARAMS,
+    keep_trained,
+    personalized,
+    train_client,
+    train_settings,
+    with_local,
+)
 from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
 from fedskew.flower.hello import NodeReport
 from fedskew.flower.node_data import NodePart, cached_part, own_part
@@ -153,7 +160,9 @@ def train(msg: Message, context: Context) -> Message:
     args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)
     data = client.data
     update = train_client(*args, data.x_train, data.y_train, data.x_val, data.y_val)
-    kept = keep_trained(sh.method, frozenset(names), state, update)
+    own_args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd)
+    tune = lambda p: personalized(*own_args, p, state, data.x_train, data.y_train)  # noqa: E731
+    kept = keep_trained(sh.method, frozenset(names), state, update, tune)
     save_state(context.state, state, kept if kept is not None else trained)
     content = RecordDict(
         {
@@ -177,7 +186,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     glob = from_record(msg.content["global"], dev)  # type: ignore[arg-type]
     server_personal = from_record(msg.content["personal"], dev) if "personal" in msg.content else glob  # type: ignore[arg-type]
     own = sh.method.client.personal_model(state)
-    personal = own if own is not None else with_local(server_personal, local, sh.initial)
+    if own is None:
+        args = (sh.method, sh.model, sh.settings, client.cfg.seed, client.cid, int(conf["round"]))  # type: ignore[arg-type]
+        data = client.data
+        own = personalized(*args, with_local(server_personal, local, sh.initial), state, data.x_train, data.y_train)
+    personal = own
     models = {"global_local": with_local(glob, local, sh.initial), "personal": personal, "trained": trained or personal}
     x, y = client.data.x_test, client.data.y_test
     owner = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)

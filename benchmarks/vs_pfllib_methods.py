@@ -1,0 +1,132 @@
+"""Accuracy side by side: each personalized method as PFLlib implements it and as fedskew does, on PFLlib's own clients.
+
+Workload: MNIST, PFLlib's 20-client Dir(0.1) split (its ``generate_MNIST.py noniid - dir``), its CNN, batch 10,
+lr 0.005, 1 local epoch, full participation, ``--rounds`` rounds (a few: PFLlib's code is run unmodified, one thread
+each). Both tools read the same dataset folder (fedskew: ``--dataset npz --partition given --protocol pfllib``).
+PFLlib seeds torch with 0 at import, so its run is one number; fedskew runs ``--seeds`` seeds (initialization and
+shuffling; the split is PFLlib's), and the table prints PFLlib's accuracy after the last round beside fedskew's mean ±
+std and whether PFLlib's lies within fedskew's range widened by one std. PFLlib's figure is its "Averaged Test
+Accuracy" (correct over samples, all clients' test splits pooled, at the start of the next round: the models after
+aggregation), i.e. fedskew's ``personal_acc`` (``global_local_acc`` for FedAvg and for pFedMe, whose PFLlib evaluation
+reads the global model: docs/methods.md).
+
+Pairs (fedskew arguments ↔ PFLlib arguments) follow each method's defaults in fedskew's docs/methods.md; where PFLlib's
+defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50``, the official script's; APFL
+``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's), and Per-FedAvg's fedskew side takes PFLlib's
+layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice a round: ``--local-epochs 2``).
+
+    python benchmarks/vs_pfllib_methods.py --pfllib PFLlib --mnist-idx ../shared/data/mnist --rounds 3
+
+needs PFLlib's run-time imports beside fedskew's (``ujson``, ``h5py``, ``calmsize``; torchvision and cvxpy are stood
+in for by ``pfllib_shim.py``, which raises if a run needed them). ``--out FILE`` writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "pfllib_shim.py"
+sys.path.insert(0, str(HERE))
+
+from vs_pfllib import generate_pfllib_mnist  # noqa: E402
+
+# fedskew method (and arguments) -> (fedskew's view that PFLlib's figure reads, PFLlib's arguments)
+PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
+    "fedavg": (["--method", "fedavg"], "global_local_acc", ["-algo", "FedAvg"]),
+    "fedrod": (["--method", "fedrod"], "personal_acc", ["-algo", "FedROD"]),
+    "feddbe": (["--method", "feddbe"], "personal_acc", ["-algo", "FedDBE", "-mo", "1", "-klw", "50"]),
+    "apfl": (["--method", "apfl", "-m", "alpha=0.5"], "personal_acc", ["-algo", "APFL", "-al", "0.5"]),
+    "perfedavg": (
+        ["--method", "perfedavg", "--batch-size", "20", "--local-epochs", "2"],
+        "personal_acc",
+        ["-algo", "PerAvg"],
+    ),
+    "pfedme": (
+        ["--method", "pfedme"],
+        "global_local_acc",
+        ["-algo", "pFedMe", "-lam", "15", "-K", "5", "-lrp", "0.01", "-bt", "1"],
+    ),
+    "lgfedavg": (["--method", "lgfedavg"], "personal_acc", ["-algo", "LG-FedAvg"]),
+}
+COMMON_PFLLIB = ["-data", "MNIST", "-m", "CNN", "-nc", "20", "-lbs", "10", "-lr", "0.005", "-ls", "1", "-jr", "1"]
+
+
+def one_thread() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int) -> list[float]:
+    """PFLlib's "Averaged Test Accuracy" at each evaluation (round 0 = the initial model, then after each round)."""
+    cmd = [sys.executable, str(SHIM), "main.py", *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
+    run = subprocess.run(cmd, cwd=pfllib / "system", env=one_thread(), capture_output=True, text=True)
+    accs = [float(a) for a in re.findall(r"Averaged Test Accuracy: ([0-9.]+)", run.stdout)]
+    if run.returncode != 0 or len(accs) < rounds + 1:
+        raise RuntimeError(f"PFLlib {' '.join(args)} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
+    return accs
+
+
+def fedskew_accuracy(data: Path, args: list[str], view: str, rounds: int, seed: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable, "-m", "fedskew.cli", "run", "--dataset", "npz", "--data-dir", str(data),
+            "--partition", "given", "--protocol", "pfllib", "--model", "cnn", "--clients", "20",
+            "--rounds", str(rounds), "--batch-size", "10", "--lr", "0.005", "--local-epochs", "1",
+            "--threads", "1", "--seed", str(seed), "--out", f"{tmp}/run", "--no-db", "--quiet", *args,
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env=one_thread())
+        last = [json.loads(s) for s in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()][-1]
+    return {k: float(last[k]) for k in ("global_local_acc", "personal_acc") if k in last} | {"view": last[view]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pfllib", type=Path, required=True, help="a PFLlib checkout")
+    p.add_argument("--mnist-idx", type=Path, help="official MNIST IDX files: write PFLlib's dataset folder with them")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
+    p.add_argument("--methods", nargs="*", default=list(PAIRS), choices=list(PAIRS))
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    data = a.pfllib / "dataset" / "MNIST"
+    if not (data / "config.json").is_file():
+        if a.mnist_idx is None:
+            sys.exit(f"{data} has no PFLlib dataset: run PFLlib's generate_MNIST.py noniid - dir, or pass --mnist-idx")
+        generate_pfllib_mnist(a.pfllib, a.mnist_idx)
+    jobs = {}
+    with ThreadPoolExecutor(a.jobs) as pool:
+        for m in a.methods:
+            fed_args, view, pfl_args = PAIRS[m]
+            jobs[(m, "pfllib")] = pool.submit(pfllib_accuracy, a.pfllib, pfl_args, a.rounds)
+            for s in range(a.seeds):
+                jobs[(m, s)] = pool.submit(fedskew_accuracy, data, fed_args, view, a.rounds, s)
+        results: dict[str, dict[str, object]] = {}
+        for m in a.methods:
+            pfl = jobs[(m, "pfllib")].result()
+            ours = [jobs[(m, s)].result() for s in range(a.seeds)]
+            views = [r["view"] for r in ours]
+            mean, std = statistics.fmean(views), statistics.stdev(views) if len(views) > 1 else 0.0
+            inside = min(views) - std <= pfl[a.rounds] <= max(views) + std
+            results[m] = {"pfllib": pfl, "fedskew": ours, "mean": mean, "std": std, "within_spread": inside}
+    print(f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.seeds} fedskew seeds")
+    print(f"{'method':<10} {'PFLlib':>8} {'fedskew mean ± std':>22} {'within':>7}  fedskew view")
+    for m, r in results.items():
+        pfl = r["pfllib"][a.rounds]  # type: ignore[index]
+        within = "yes" if r["within_spread"] else "NO"
+        print(f"{m:<10} {100 * pfl:>7.2f}% {100 * r['mean']:>13.2f} ± {100 * r['std']:.2f}% {within:>7}  {PAIRS[m][1]}")  # type: ignore[operator]
+    if a.out:
+        a.out.write_text(json.dumps({"rounds": a.rounds, "seeds": a.seeds, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
