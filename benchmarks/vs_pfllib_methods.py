@@ -17,8 +17,9 @@ layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice a 
 
     python benchmarks/vs_pfllib_methods.py --pfllib PFLlib --mnist-idx ../shared/data/mnist --rounds 3
 
-needs PFLlib's run-time imports beside fedskew's (``ujson``, ``h5py``, ``calmsize``; torchvision and cvxpy are stood
-in for by ``pfllib_shim.py``, which raises if a run needed them). ``--out FILE`` writes the figures as JSON.
+needs PFLlib's run-time imports beside fedskew's (``ujson``, ``h5py``, ``calmsize``, and ``cvxpy`` for PFLlib's FedPAC;
+torchvision is stood in for by ``pfllib_shim.py``, which raises if a run needed it). ``--out FILE`` writes the figures
+as JSON.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
         ["-algo", "pFedMe", "-lam", "15", "-K", "5", "-lrp", "0.01", "-bt", "1"],
     ),
     "lgfedavg": (["--method", "lgfedavg"], "personal_acc", ["-algo", "LG-FedAvg"]),
+    "fedpac": (["--method", "fedpac"], "personal_acc", ["-algo", "FedPAC", "-lam", "1"]),
 }
 COMMON_PFLLIB = ["-data", "MNIST", "-m", "CNN", "-nc", "20", "-lbs", "10", "-lr", "0.005", "-ls", "1", "-jr", "1"]
 

@@ -273,6 +273,12 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
         if plugin_name in plugin_names:
             raise ConfigError(f"method {name!r}: {client_name} does not compose with {plugin_name}: {reason}")
     plugins = [SERVER_PLUGINS[t] for t in plugin_names]
+    for plugin in plugins:
+        if plugin.clients and client_name not in plugin.clients:
+            raise ConfigError(
+                f"method {name!r}: {plugin.name} reads what the {' or '.join(plugin.clients)} client part uploads, "
+                f"not {client_name}'s"
+            )
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
     parsed = _split_args(parts, args, name)
     built = _build_plugins(name, plugins, parsed[2:])

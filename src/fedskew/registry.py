@@ -86,6 +86,8 @@ class ServerPlugin:
     build: Callable[[Any], dict[str, Any]]
     # hyper-parameter -> the range `fedskew tune` searches (fedskew.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)
+    # the client parts whose uploads this plug-in reads (FedPAC's statistics); empty: any client part
+    clients: tuple[str, ...] = ()
 
 
 def keep_local(*groups: str) -> Callable[[Any], dict[str, Any]]:

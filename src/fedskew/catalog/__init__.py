@@ -31,6 +31,7 @@ from fedskew.catalog import (
     fednova,
     fedntd,
     fedopt,
+    fedpac,
     fedprox,
     fedrep,
     fedrod,
@@ -81,4 +82,5 @@ CATALOGS = (
     apfl,
     perfedavg,
     pfedme,
+    fedpac,
 )

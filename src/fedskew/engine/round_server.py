@@ -116,8 +116,14 @@ class RoundServer:
         return self.ctx.trainable
 
     def received(self, cid: int) -> Params:
-        """The model the server sends client ``cid``: its personalized model, else the global one."""
-        return self.personal.get(cid, self.global_params)
+        """The model the server sends client ``cid``: its personalized model, else the global one; a personalized
+        step that sends a client some entries only (FedPAC's head) has the global model's other entries filled in."""
+        own = self.personal.get(cid)
+        if own is None:
+            return self.global_params
+        if len(own) == len(self.global_params):
+            return own
+        return {k: own.get(k, g) for k, g in self.global_params.items()}
 
     def broadcast(self) -> Params:
         """What the server half sends every sampled client beside its model (SCAFFOLD's c; ``{}`` for most)."""
@@ -246,9 +252,9 @@ class RoundServer:
 
     def _check_models(self, rnd: int, global_params: Params, personal: dict[int, Params] | None) -> None:
         """The server's models must match the template (names, shapes, dtypes) and be finite."""
-        models = {"the aggregated global model": global_params}
-        models.update({f"client {cid}'s personalized model": p for cid, p in (personal or {}).items()})
-        for what, params in models.items():
-            bad = check_model(params, self.ctx.template, f"round {rnd}, {what}")
+        models = {"the aggregated global model": (global_params, False)}
+        models.update({f"client {cid}'s personalized model": (p, True) for cid, p in (personal or {}).items()})
+        for what, (params, partial) in models.items():
+            bad = check_model(params, self.ctx.template, f"round {rnd}, {what}", partial=partial)
             if bad:
                 raise Diverged(rnd, f"{what} holds NaN or Inf in {', '.join(bad[:3])}")

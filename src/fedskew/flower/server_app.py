@@ -340,7 +340,7 @@ class FlowerServer:
         for cid in (c for c in asked if c not in self.unreachable):
             content = RecordDict({"global": glob, "config": self._config(cid, views=views, eval_batch=bs)})
             if cid in self.server.personal:
-                content["personal"] = to_record(self._wire(self.server.personal[cid]))
+                content["personal"] = to_record(self._wire(self.server.received(cid)))
             contents[cid] = content
         replies, failed = self.link.exchange(MessageType.EVALUATE, contents, self._round)
         failed.update(self.unreachable)

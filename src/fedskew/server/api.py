@@ -508,16 +508,17 @@ def stack_uploads(
     return replace(rin, rejected=tuple(stack.rejected)) if stack.rejected else rin
 
 
-def check_model(params: Params, template: Params, what: str) -> list[str]:
-    """Check a model the server produced against the template: same names, shapes and dtypes, else ``TypeError``
-    naming the tensor (a server-side bug, never to be run with). Returns the names of tensors holding NaN or Inf,
-    which the engine reports as divergence."""
-    if set(params) != set(template):
-        missing, extra = sorted(set(template) - set(params)), sorted(set(params) - set(template))
+def check_model(params: Params, template: Params, what: str, partial: bool = False) -> list[str]:
+    """Check a model the server produced against the template: same names (``partial``: some of them, a personalized
+    step that sends a client part of a model), shapes and dtypes, else ``TypeError`` naming the tensor (a server-side
+    bug, never to be run with). Returns the names of tensors holding NaN or Inf, which the engine reports as
+    divergence."""
+    missing, extra = sorted(set(template) - set(params)), sorted(set(params) - set(template))
+    if extra or (missing and not partial) or not params:
         raise TypeError(f"{what}: missing tensors {missing} / unknown tensors {extra}")
-    for n, ref in template.items():
-        t = params[n]
+    names = [n for n in template if n in params]
+    for n in names:
+        t, ref = params[n], template[n]
         if t.shape != ref.shape or t.dtype != ref.dtype:
             raise TypeError(f"{what}: tensor '{n}' is {t.dtype}{list(t.shape)}, expected {ref.dtype}{list(ref.shape)}")
-    names = list(template)
     return [names[i] for i in nonfinite([params[n] for n in names])]
