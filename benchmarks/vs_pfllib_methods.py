@@ -59,6 +59,7 @@ PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
     ),
     "lgfedavg": (["--method", "lgfedavg"], "personal_acc", ["-algo", "LG-FedAvg"]),
     "fedpac": (["--method", "fedpac"], "personal_acc", ["-algo", "FedPAC", "-lam", "1"]),
+    "fedas": (["--method", "fedas"], "personal_acc", ["-algo", "FedAS"]),
 }
 COMMON_PFLLIB = ["-data", "MNIST", "-m", "CNN", "-nc", "20", "-lbs", "10", "-lr", "0.005", "-ls", "1", "-jr", "1"]
 

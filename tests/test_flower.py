@@ -64,7 +64,8 @@ def _without_timing(records: list[dict]) -> list[dict]:
 @pytest.mark.parametrize(
     "method",
     # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term;
-    # issue 42's personalizations: a server half and a folded bias, an adaptation step drawn on the client, heads only
+    # issue 42's personalizations: a server half and a folded bias, an adaptation step drawn on the client, heads
+    # only, a weighting by a client metric
     [
         "fedavg",
         "fedsa",
@@ -77,6 +78,7 @@ def _without_timing(records: list[dict]) -> list[dict]:
         "feddbe",
         "perfedavg",
         "fedpac",
+        "fedas",
     ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):

@@ -341,7 +341,7 @@ def test_perfedavg_personal_views_are_reproducible_draws():
     assert not torch.equal(other["head.weight"], a.personal_params(0, 1)["head.weight"])
 
 
-STATEFUL = ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "lgfedavg", "fedpac"]
+STATEFUL = ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "lgfedavg", "fedpac", "fedas"]
 
 
 def _metrics(out):

@@ -20,6 +20,7 @@ from fedskew.catalog import (
     fairness,
     fedala,
     fedamp,
+    fedas,
     fedavg,
     fedavgm,
     fedbabu,
@@ -83,4 +84,5 @@ CATALOGS = (
     perfedavg,
     pfedme,
     fedpac,
+    fedas,
 )
