@@ -148,6 +148,28 @@ def test_locked_database_is_retried_then_the_run_is_kept_for_db_import(tmp_path,
     assert n == 1 * 5 + 2 * 4
 
 
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (b'{"broken": ', "summary.json is damaged"),
+        (b"\xff\xfe", "summary.json is damaged"),
+        (b"[1, 2]", "is not a fedskew run summary"),
+        ("config", "configuration cannot be read"),
+    ],
+)
+def test_db_import_names_a_damaged_run_file_and_writes_nothing(tmp_path, capsys, damage, said):
+    run = tmp_path / "run"
+    assert main(["run", "--rounds", "1", "--clients", "4", "--out", str(run), "--no-db", "--quiet"]) == 0
+    if damage == "config":
+        (run / "config.yaml").write_text("seed: [\n")
+    else:
+        (run / "summary.json").write_bytes(damage)
+    db = tmp_path / "r.db"
+    assert main(["db", "import", str(run), "--db", str(db)]) == 2
+    assert said in capsys.readouterr().err
+    assert not db.exists()  # refused before the database was opened
+
+
 def test_lock_released_during_the_retries_lets_the_insert_through(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "BUSY_TIMEOUT", 0.05)
     monkeypatch.setattr(store, "RETRY_DELAYS", (0.2, 0.4, 0.8, 1.6))

@@ -174,6 +174,14 @@ def test_fmnist_folder_names_and_plain_idx(tmp_path):
         load_dataset("fmnist", tmp_path / "c" / "mnist")
 
 
+def test_idx_images_of_zero_size_are_refused_by_name(tmp_path):
+    d = tmp_path / "mnist"
+    write_mnist(d)
+    (d / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(np.zeros((12, 0, 0), np.uint8))))
+    with pytest.raises(DataError, match=r"mnist: its samples hold no values \(each is \[1, 0, 0\]\)"):
+        load_dataset("mnist", tmp_path)
+
+
 def test_not_found_names_dirs_and_files(tmp_path):
     with pytest.raises(DatasetNotFoundError) as err:
         load_dataset("mnist", tmp_path)

@@ -467,3 +467,41 @@ def test_tune_prints_accuracies_in_percent_as_run_and_report_do(tmp_path, capsys
     out = capsys.readouterr().out
     table = out[out.index("best on the validation splits") :]
     assert any("%" in line and "fedprox" in line for line in table.splitlines())  # the best value, in percent
+
+
+@pytest.mark.parametrize(
+    "url, said",
+    [
+        ("bogus://x", "'bogus' is not a database SQLAlchemy knows"),
+        ("postgresql://user@localhost/db", "its database driver is not installed"),
+    ],
+)
+def test_an_unusable_storage_url_is_one_error_line(tmp_path, capsys, url, said):
+    from fedskew.cli import main
+
+    if url.startswith("postgresql") and importlib.util.find_spec("psycopg2") is not None:
+        pytest.skip("psycopg2 is installed here: the URL would reach for a server instead")
+    args = ["tune", "--methods", "fedprox", "--trials", "1", "--rounds", "1", "--clients", "4"]
+    assert main([*args, "--storage", url, "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert not (tmp_path / "t" / "tuned.yaml").exists()
+
+
+def test_an_interrupted_trial_is_reported_without_optunas_traceback():
+    import logging
+
+    from fedskew.runner import RunInterrupted
+    from fedskew.tuning.study import _InterruptedTrials
+
+    def record(msg, exc=None):
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord("optuna.study._optimize", logging.WARNING, __file__, 1, msg, None, info)
+
+    quiet = _InterruptedTrials()
+    assert quiet.filter(record("Trial 3 failed with parameters: {}", ValueError("a real bug")))  # kept
+    assert quiet.filter(record("Trial 3 failed with value None."))  # kept: nothing was interrupted
+    interrupted = RunInterrupted(signal.SIGINT, Path("run"), 2)
+    assert not quiet.filter(record("Trial 4 failed with parameters: {}", interrupted))
+    assert not quiet.filter(record("Trial 4 failed with value None."))
+    assert quiet.filter(record("Trial 5 finished with value: 0.5"))

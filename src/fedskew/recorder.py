@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedskew import __version__
-from fedskew.config import RunConfig, dump_yaml, load_yaml, make_config
+from fedskew.config import ConfigError, RunConfig, dump_yaml, load_yaml, make_config
 from fedskew.protocol import ClientScores
 from fedskew.results.loggers import Loggers
 from fedskew.results.rundir import RunDirectory
@@ -167,8 +167,16 @@ def record_in_db(db_path: str | Path, run_dir: str | Path) -> bool:
     if not summary_file.is_file():
         st = rd.status().get("status", "not a run directory")
         raise DatabaseError(f"{path} holds no ended run (status: {st}); only finished or diverged runs are recorded")
-    summary = json.loads(summary_file.read_text())
-    cfg = make_config(load_yaml(path / "config.yaml"))
+    try:
+        summary = json.loads(summary_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatabaseError(f"{summary_file} is damaged ({exc}); the run cannot be recorded from it") from None
+    if not isinstance(summary, dict) or not {"run_id", "created"} <= set(summary):
+        raise DatabaseError(f"{summary_file} is not a fedskew run summary (it has no run_id and created)")
+    try:
+        cfg = make_config(load_yaml(path / "config.yaml"))
+    except ConfigError as exc:
+        raise DatabaseError(f"{path}'s configuration cannot be read: {exc}") from None
     records = rd.read_lines("metrics.jsonl")
     rows = [(line["round"], *row) for line in rd.read_lines("client_metrics.jsonl") for row in line["rows"]]
     try:

@@ -21,6 +21,8 @@ from typing import Any
 
 import optuna
 
+from fedskew.schema import ConfigError
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; the claims there are Optuna's own
@@ -71,12 +73,28 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     if on_disk:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     kind = SQLiteStudyStorage if on_disk and fcntl else optuna.storages.RDBStorage
-    with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna; they are what resumption needs
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return kind(
-            url,
-            engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=GRACE_S,
-            heartbeat_stale_trial_callback=retry_callback(),
-        )
+    import sqlalchemy.exc
+
+    try:
+        with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna; they are what resumption needs
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return kind(
+                url,
+                engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
+                heartbeat_interval=HEARTBEAT_S,
+                grace_period=GRACE_S,
+                heartbeat_stale_trial_callback=retry_callback(),
+            )
+    except ImportError as exc:  # the URL's database driver is not installed (postgresql:// without psycopg2)
+        raise ConfigError(
+            f"storage {url!r}: its database driver is not installed ({exc}); e.g. a postgresql:// URL needs "
+            "psycopg2 (pip install psycopg2-binary), a mysql:// one PyMySQL"
+        ) from None
+    except sqlalchemy.exc.NoSuchModuleError:
+        kind_name = url.split(":", 1)[0]
+        raise ConfigError(
+            f"storage {url!r}: {kind_name!r} is not a database SQLAlchemy knows (sqlite:///FILE, postgresql://..., "
+            "mysql://...)"
+        ) from None
+    except sqlalchemy.exc.SQLAlchemyError as exc:  # a bad URL, or a server that cannot be reached
+        raise ConfigError(f"storage {url!r} cannot be opened: {type(exc).__name__}: {exc}") from None

@@ -22,12 +22,14 @@ Output, in ``OUT`` (default ``runs/tune-<name>``): ``tuned.yaml`` (the best argu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,14 +184,47 @@ def optimize(
         if counted(study) >= budget:
             study.stop()
 
-    study.optimize(
-        make_objective(spec, entry, space, metric, group=study.study_name),
-        n_trials=left,
-        timeout=spec.timeout,
-        callbacks=[callback],
-        catch=(),
-        gc_after_trial=False,
-    )
+    with quiet_interruptions():
+        study.optimize(
+            make_objective(spec, entry, space, metric, group=study.study_name),
+            n_trials=left,
+            timeout=spec.timeout,
+            callbacks=[callback],
+            catch=(),
+            gc_after_trial=False,
+        )
+
+
+class _InterruptedTrials(logging.Filter):
+    """Drops Optuna's report of a trial stopped by Ctrl-C or a signal (its traceback, then "failed with value
+    None"): the interrupted trial is retried by the next run of the search, and fedskew says so in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from fedskew.runner import RunInterrupted
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
+            self.interrupted = True
+            return False
+        return not (self.interrupted and "failed with value None" in record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_interruptions() -> Iterator[None]:
+    """While searching, Optuna's handlers leave out an interrupted trial's traceback (:class:`_InterruptedTrials`)."""
+    handlers = logging.getLogger("optuna").handlers
+    quiet = _InterruptedTrials()
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def _worker(spec_json: str, index: int, worker: int) -> None:
