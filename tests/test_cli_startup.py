@@ -40,3 +40,27 @@ def test_the_parser_and_every_help_import_no_heavy_library():
 def test_the_probe_sees_a_heavy_import():
     """The check is not vacuous: a heavy module imported before the commands is reported."""
     assert _loaded([["--help"]], setup="import fedskew.protocol") == ["torch"]
+
+
+def test_fedskew_methods_imports_no_heavy_library():
+    """`fedskew methods` prints from catalog/index.json (fedskew/method_index.py), importing no method."""
+    assert _loaded([["methods"]]) == []
+
+
+def test_the_method_index_is_the_registrys():
+    """catalog/index.json is what the registry gives now; after adding or changing a part: python tools/method_index.py"""
+    import json
+
+    from fedskew.method_index import INDEX, compute_index
+
+    stored = json.loads(INDEX.read_text(encoding="utf-8"))
+    assert stored == compute_index(), "catalog/index.json is stale: run python tools/method_index.py"
+
+
+def test_one_line_errors_still_reach_the_user_from_lazily_imported_modules(tmp_path, capsys):
+    from fedskew.cli import main
+
+    assert main(["run", "--rounds", "0", "--out", str(tmp_path / "r")]) == 2  # a ConfigError
+    assert main(["report", "--db", str(tmp_path / "none.db")]) == 2  # a DatabaseError (no such database)
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 2 and "Traceback" not in err

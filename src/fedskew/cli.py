@@ -274,26 +274,15 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from fedskew.methods import CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
+    from fedskew.method_index import method_index
 
-    rows = describe_methods()
+    index = method_index()  # without importing the methods (fedskew/method_index.py)
+    rows, valid, refused = index["rows"], index["valid"], index["refused"]
     width = max(len(r[0]) for r in rows)
     print("Methods compose as CLIENT[+PLUGIN...]; a name without a client part uses fedavg's local SGD.")
     print("Hyper-parameters: -m KEY=VALUE (see docs/methods.md).\n")
     for name, kind, summary in rows:
         print(f"  {name:<{width}}  [{kind}]  {summary}")
-    valid: list[str] = []
-    refused: list[str] = []
-    candidates = [c for c in CLIENTS] + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
-    candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
-    for name in candidates:
-        try:
-            canonical = resolve_method(name, {}).name
-        except ValueError as exc:
-            refused.append(f"{name} ({str(exc).split(': ', 1)[-1]})")
-            continue
-        if canonical not in valid:
-            valid.append(canonical)
     if args.compositions:
         print("\nvalid compositions:")
         print(textwrap.fill(", ".join(valid), width=110, initial_indent="  ", subsequent_indent="  "))
@@ -390,19 +379,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# the errors a command reports in one line (exit 2; a database write after the compute: exit 4), by module: a module
+# that was never imported raised none of them, so they are looked up only in the modules loaded (a command that
+# needs no torch, e.g. `fedskew methods`, does not import fedskew.protocol to name its UploadError)
+_ERRORS = (
+    ("fedskew.schema", "ConfigError"),
+    ("fedskew.data.readers.base", "DataError"),
+    ("fedskew.data.partition.base", "PartitionError"),
+    ("fedskew.protocol", "UploadError"),
+    ("fedskew.results.rundir", "RunDirError"),
+    ("fedskew.results.store", "DatabaseError"),
+)
+
+
+def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    recorder = sys.modules.get("fedskew.recorder")
+    after = (recorder.DatabaseWriteError,) if recorder is not None else ()
+    found: list[type[BaseException]] = [FileExistsError, FileNotFoundError]
+    for module, name in _ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            found.append(getattr(loaded, name))
+    return after, tuple(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and bad flags end here, before torch is imported
     command = args.command or "run"
     if args.command is None:  # `fedskew` alone = the main job
         args = build_parser().parse_args(["run", *(argv or [])])
-    from fedskew.config import ConfigError
-    from fedskew.data.partition import PartitionError
-    from fedskew.data.readers import DataError
-    from fedskew.protocol import UploadError
-    from fedskew.recorder import DatabaseWriteError
-    from fedskew.results.rundir import RunDirError
-    from fedskew.results.store import DatabaseError
-
     handlers = {
         "run": cmd_run,
         "methods": cmd_methods,
@@ -414,21 +419,15 @@ def main(argv: list[str] | None = None) -> int:
         handlers.update(module.HANDLERS)
     try:
         return handlers[command](args)
-    except DatabaseWriteError as exc:  # after the compute: the run directory is complete
-        print(f"error: {exc}", file=sys.stderr)
-        return 4
-    except (
-        ConfigError,
-        DataError,
-        PartitionError,
-        UploadError,
-        RunDirError,
-        DatabaseError,
-        FileExistsError,
-        FileNotFoundError,
-    ) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:
+        after_compute, expected = _expected_errors()
+        if isinstance(exc, after_compute):  # after the compute: the run directory is complete
+            print(f"error: {exc}", file=sys.stderr)
+            return 4
+        if isinstance(exc, expected):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         print("interrupted before the first round finished; nothing was kept for this run", file=sys.stderr)
         return 130

@@ -90,7 +90,7 @@ class APFL(LocalAlgorithm):
         r = ctx.prep(ApflRound)
         ctx.keep(APFL_V, {n: t.detach().clone() for n, t in r.v.items()})
         ctx.keep(APFL_ALPHA, {ALPHA: r.alpha.detach().to(torch.float64).clone()})
-        ctx.metrics["apfl_alpha"] = float(r.alpha)
+        ctx.metrics["apfl_alpha"] = float(r.alpha.detach())
         return {}
 
     def personalize(self, ctx: PersonalContext) -> Params | None:

@@ -1,0 +1,51 @@
+"""What ``fedskew methods`` prints, without importing the methods (issue 45: it answers at once).
+
+Listing the registered parts needs their modules, which import torch (seconds on a small machine); counting the
+valid compositions resolves every pair. Both are fixed for a given fedskew source, so they are computed once into
+``catalog/index.json`` (:func:`compute_index`, written by ``python tools/method_index.py``) and read back by
+:func:`method_index`. The file cannot drift from the code: ``tests/test_cli_startup.py`` recomputes it and fails,
+naming the command to run, when a part's name, kind or summary changed. Parts that installed packages register
+through the ``fedskew.methods`` entry points are not in the file, so when any is installed the index is computed
+from the registry instead (slower, always complete).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+INDEX = Path(__file__).resolve().parent / "catalog" / "index.json"
+ENTRY_POINT_GROUP = "fedskew.methods"  # as fedskew.registry's (kept here so that reading the index imports nothing)
+
+
+def compute_index() -> dict[str, Any]:
+    """The rows (name, kind, summary) of every registered part and alias, the valid compositions of a client part
+    and a plug-in (or two plug-ins) under their canonical names, and the refused ones with their reasons."""
+    from fedskew.methods import CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
+
+    valid: list[str] = []
+    refused: list[str] = []
+    candidates = [c for c in CLIENTS] + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
+    candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
+    for name in candidates:
+        try:
+            canonical = resolve_method(name, {}).name
+        except ValueError as exc:
+            refused.append(f"{name} ({str(exc).split(': ', 1)[-1]})")
+            continue
+        if canonical not in valid:
+            valid.append(canonical)
+    return {"rows": [list(r) for r in describe_methods()], "valid": valid, "refused": refused}
+
+
+def method_index() -> dict[str, Any]:
+    """The index: read from ``catalog/index.json`` when no installed package adds parts, else computed."""
+    if not list(metadata.entry_points(group=ENTRY_POINT_GROUP)) and INDEX.is_file():
+        return json.loads(INDEX.read_text(encoding="utf-8"))
+    return compute_index()
+
+
+def write_index(path: Path = INDEX) -> None:
+    path.write_text(json.dumps(compute_index(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
