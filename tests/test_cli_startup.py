@@ -48,7 +48,7 @@ def test_fedskew_methods_imports_no_heavy_library():
 
 
 def test_the_method_index_is_the_registrys():
-    """catalog/index.json is what the registry gives now; after adding or changing a part: python tools/method_index.py"""
+    """catalog/index.json is what the registry gives now (after changing a part: python tools/method_index.py)."""
     import json
 
     from fedskew.method_index import INDEX, compute_index
@@ -64,3 +64,17 @@ def test_one_line_errors_still_reach_the_user_from_lazily_imported_modules(tmp_p
     assert main(["report", "--db", str(tmp_path / "none.db")]) == 2  # a DatabaseError (no such database)
     err = capsys.readouterr().err
     assert err.count("error: ") == 2 and "Traceback" not in err
+
+
+def test_a_part_registered_in_this_process_is_listed(capsys, monkeypatch):
+    from fedskew import registry
+    from fedskew.cli import main
+    from fedskew.methods import resolve_method
+
+    resolve_method("fedavg", {})  # the built-in catalog is registered
+    part = registry.ServerPlugin(
+        "listed_here", "registered at run time", "test", registry.NoParams, ("weighting",), lambda p: {}
+    )
+    monkeypatch.setitem(registry.SERVER_PLUGINS, "listed_here", part)
+    assert main(["methods"]) == 0
+    assert "listed_here" in capsys.readouterr().out

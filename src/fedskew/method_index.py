@@ -5,13 +5,14 @@ valid compositions resolves every pair. Both are fixed for a given fedskew sourc
 ``catalog/index.json`` (:func:`compute_index`, written by ``python tools/method_index.py``) and read back by
 :func:`method_index`. The file cannot drift from the code: ``tests/test_cli_startup.py`` recomputes it and fails,
 naming the command to run, when a part's name, kind or summary changed. Parts that installed packages register
-through the ``fedskew.methods`` entry points are not in the file, so when any is installed the index is computed
-from the registry instead (slower, always complete).
+through the ``fedskew.methods`` entry points, or that this process registered (``fedskew.register``), are not in the
+file, so when there are any the index is computed from the registry instead (slower, always complete).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,17 @@ def compute_index() -> dict[str, Any]:
 
 
 def method_index() -> dict[str, Any]:
-    """The index: read from ``catalog/index.json`` when no installed package adds parts, else computed."""
-    if not list(metadata.entry_points(group=ENTRY_POINT_GROUP)) and INDEX.is_file():
-        return json.loads(INDEX.read_text(encoding="utf-8"))
-    return compute_index()
+    """The index: read from ``catalog/index.json`` when no installed package adds parts and this process registered
+    none beyond the built-in ones (``fedskew.register``), else computed from the registry."""
+    if list(metadata.entry_points(group=ENTRY_POINT_GROUP)) or not INDEX.is_file():
+        return compute_index()
+    stored = json.loads(INDEX.read_text(encoding="utf-8"))
+    registry = sys.modules.get("fedskew.registry")
+    if registry is not None:  # the registry is loaded: parts registered in this process count too
+        names = set(registry.CLIENTS) | set(registry.SERVER_PLUGINS) | set(registry.ALIASES)
+        if names != {row[0] for row in stored["rows"]}:
+            return compute_index()
+    return stored
 
 
 def write_index(path: Path = INDEX) -> None:
