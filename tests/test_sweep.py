@@ -207,3 +207,33 @@ def test_a_sweep_of_too_many_runs_is_refused_at_once_with_the_count(tmp_path):
     with pytest.raises(ConfigError, match=r"200,000,000 runs \(100,000,000 seeds × 2 methods × 1 points\)"):
         expand(spec, out=tmp_path)  # from the count alone: no run is built
     assert len(expand(SweepSpec(name="ok", base={"dataset": "digits"}, seeds=3), out=tmp_path)) == 3 < MAX_RUNS
+
+
+def test_the_same_sweep_twice_at_once_finishes_every_run_once_and_both_succeed(tmp_path):
+    """Issue 46: two identical sweeps at once both exited 1 though every run finished (each took the other's locked
+    or just finished folders for failures). Now a run waits for the process holding its folder, then takes the
+    folder's state as it is: each run is trained once, and both sweeps report every run."""
+    import subprocess
+    import sys
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("base: {rounds: 2, clients: 4, skew_probes: 0}\ngrid: {method: [fedavg, fedprox]}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fedskew.cli", "sweep", str(spec), "--out", str(out), "--quiet"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--db", str(tmp_path / f"{i}.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for text in outputs:
+        assert "4 runs:" in text and "failed" not in text.split("4 runs:")[-1]
+    finished = sum(text.split("4 runs:")[-1].count("finished") for text in outputs)
+    assert finished >= 1
+    runs = sorted(d for d in out.iterdir() if d.is_dir())
+    assert len(runs) == 4
+    for d in runs:
+        assert json.loads((d / "status.json").read_text())["status"] == "finished"
+        assert len((d / "metrics.jsonl").read_text().splitlines()) == 2  # trained once: no round written twice

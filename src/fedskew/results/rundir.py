@@ -47,6 +47,18 @@ class RunDirError(OSError):
     """A run directory fedskew cannot use as asked; the message says why and what to do instead."""
 
 
+class RunLocked(RunDirError):
+    """The run directory is locked by another fedskew process (``pid`` on ``host``)."""
+
+    def __init__(self, message: str, pid: int, host: str) -> None:
+        super().__init__(message)
+        self.pid, self.host = pid, host
+
+    def holder_alive_here(self) -> bool:
+        """Whether the holder is a live process on this machine (a lock of another machine cannot be checked)."""
+        return self.host == socket.gethostname() and pid_alive(self.pid)
+
+
 def is_run_dir(path: Path) -> bool:
     """A directory fedskew wrote: it has ``status.json`` with a run id (or, from before status files, the three
     files every finished run had). A damaged ``status.json`` beside fedskew's configuration and a checkpoint or a
@@ -183,10 +195,12 @@ class RunDirectory:
                         f"{self.path} is locked, but its lock file {lock} is damaged (it names no run holding it); "
                         f"if no fedskew run is writing {self.path}, delete {lock}"
                     ) from None
-                raise RunDirError(
+                raise RunLocked(
                     f"{self.path} is being written by another fedskew run (pid {pid} on {host}, since "
                     f"{holder.get('since', '?')}); concurrent runs need different --out directories. If that "
-                    f"process is gone, delete {lock}"
+                    f"process is gone, delete {lock}",
+                    pid,
+                    host,
                 ) from None
             except OSError as exc:
                 raise RunDirError(f"cannot write in run directory {self.path}: {exc.strerror or exc}") from None

@@ -52,20 +52,17 @@ def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
 
     t0 = time.perf_counter()
     out = str(task.values.get("out"))
-    detail = {"resume": "resumed", "restart": "started over"}.get(task.state, "")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             cfg = make_config(task.values)
-            outcome = run_experiment(
-                cfg,
-                overwrite=task.state == "restart",
-                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
-                on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
-                on_note=lambda msg: emit(("note", task.name, msg)),
-            )
-            status = "diverged" if outcome.summary.get("diverged") else "finished"
-            result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
+            outcome, state = _run_when_free(task, cfg, emit, run_experiment)
+            if outcome is None:  # another process ran it meanwhile (the same sweep twice at once)
+                result = state
+            else:
+                status = "diverged" if outcome.summary.get("diverged") else "finished"
+                detail = {"resume": "resumed", "restart": "started over"}.get(state, "")
+                result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
         except RunInterrupted as exc:
             result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
         except KeyboardInterrupt:
@@ -78,3 +75,45 @@ def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
         emit(("note", task.name, str(w.message)))
     result.wall_time = time.perf_counter() - t0
     return result
+
+
+LOCK_POLL_S = 1.0  # how often a run waits for another process of this machine to release its folder
+
+
+def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_experiment: Callable[..., Any]) -> Any:
+    """Run ``task`` from its folder's state *now* (another process may have started or finished it since the sweep
+    was planned: the same spec swept twice at once); while a live process of this machine holds the folder, wait for
+    it. Returns ``(outcome, state)``, or ``(None, result)`` when the run needs no running any more (finished
+    elsewhere: skipped)."""
+    from fedskew.results.rundir import RunDirError, RunLocked
+    from fedskew.sweep.core import PlannedRun, _settled, run_state
+
+    said, races = False, 0
+    while True:
+        planned = PlannedRun(task.name, cfg, task.name)
+        state, detail = run_state(planned)
+        settled = _settled(planned, state, detail)
+        if settled is not None:
+            return None, settled
+        try:
+            outcome = run_experiment(
+                cfg,
+                overwrite=state == "restart",
+                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
+                on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
+                on_note=lambda msg: emit(("note", task.name, msg)),
+            )
+            return outcome, state
+        except RunLocked as exc:
+            if not exc.holder_alive_here():
+                raise
+            if not said:
+                emit(("note", task.name, f"another process (pid {exc.pid}) is running it; waiting for it to end"))
+                said = True
+            time.sleep(LOCK_POLL_S)
+        except RunDirError:
+            # the folder changed between the look and the start (another process finished or started it there):
+            # look again, a few times, before reporting the error
+            races += 1
+            if races > 3 or run_state(PlannedRun(task.name, cfg, task.name))[0] == state:
+                raise
