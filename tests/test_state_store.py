@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
@@ -311,6 +312,41 @@ def test_killed_run_resumes_from_its_store(tmp_path):
     assert out.summary["rounds"] == 5
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "whole")
     assert not store.exists()  # like the checkpoint, removed once the run has ended
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero"])
+def test_a_resume_refuses_client_state_changed_on_disk_by_its_checksum(tmp_path, capsys, damage):
+    """Issue 46: client-state rows zeroed or altered on disk were loaded on resume and the run finished with other
+    numbers (or "diverged"). Each row carries a CRC-32 of its data, checked when a resumed run first reads it."""
+    from fedskew.cli import main
+
+    values = {
+        "method": "ditto", "clients": 6, "join_ratio": 1.0, "rounds": 4, "checkpoint_every": 2, "skew_probes": 0,
+        "db": None, "seed": 4, "state_store": "disk", "out": str(tmp_path / "run"),
+    }  # fmt: skip
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(values, 2))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 137
+    store = tmp_path / "run" / STATE_DIR
+    marker = json.loads((store / "store.json").read_text())
+    assert all(a["checksum"] for a in marker["arrays"])
+    arrays = sorted(store.glob("*.bin"))
+    for path in arrays:  # every row written: whichever the resume reads first is damaged
+        data = bytearray(path.read_bytes())
+        row = len(data) // (6 * 2)  # [clients, 2 slots, row_bytes]
+        for start in range(0, len(data), row):
+            if any(data[start : start + row]):
+                if damage == "flip":
+                    data[start + row // 3] ^= 0xFF
+                else:
+                    data[start : start + row] = bytes(row)
+        path.write_bytes(bytes(data))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({k: v for k, v in values.items() if k != "db"}))
+    assert main(["run", "--config", str(tmp_path / "run.yaml"), "--no-db", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    said = "fails its checksum" if damage == "flip" else "is all zeros"
+    assert said in err and any(a.name in err for a in arrays) and "--overwrite" in err and "Traceback" not in err
 
 
 def test_resume_refuses_a_store_that_is_not_the_checkpoints(tmp_path):

@@ -389,6 +389,7 @@ _ERRORS = (
     ("fedskew.protocol", "UploadError"),
     ("fedskew.results.rundir", "RunDirError"),
     ("fedskew.results.store", "DatabaseError"),
+    ("fedskew.engine.state_files", "StoreDirError"),
 )
 
 

@@ -27,7 +27,9 @@ import contextlib
 import json
 import os
 import re
+import struct
 import uuid
+import zlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +42,10 @@ KIND = "fedskew client-state store"
 VERSION = 1
 ALIGN = 64  # every tensor of a row starts at a multiple of this (as a fresh allocation does)
 SLOTS = 2
+# a row's trailer (arrays with checksums): the CRC-32 of the row's data, then a mark telling a written row from the
+# zeros of one never written (a sparse file's hole)
+TRAILER = struct.Struct("<II")
+ROW_MARK = 0x46534B31  # "FSK1"
 _TMP = re.compile(r"^\.store\.json\.tmp-\d+$")
 
 
@@ -69,15 +75,23 @@ class ArraySpec:
     signature: Signature
     offsets: tuple[int, ...]
     row_bytes: int
+    data_bytes: int = 0  # where the last tensor of a row ends (its checksum covers the row up to there)
+    checksum: bool = False  # each row ends with its CRC-32 (rows of a store written before checksums have none)
 
     @classmethod
-    def build(cls, id: int, namespace: str, group: tuple[Any, ...], signature: Signature) -> ArraySpec:
-        offsets, pos = [], 0
+    def build(
+        cls, id: int, namespace: str, group: tuple[Any, ...], signature: Signature, checksum: bool = True
+    ) -> ArraySpec:
+        offsets, pos, end = [], 0, 0
         for _, dtype, shape in signature:
             offsets.append(pos)
             n = _numel(shape) * _itemsize(dtype)
+            end = pos + n
             pos += -(-n // ALIGN) * ALIGN
-        return cls(id, f"{namespace}-{id:04d}.bin", namespace, group, signature, tuple(offsets), max(pos, ALIGN))
+        if checksum:  # the trailer: CRC-32 and a mark, in the row's last bytes
+            pos = -(-(end + TRAILER.size) // ALIGN) * ALIGN
+        file = f"{namespace}-{id:04d}.bin"
+        return cls(id, file, namespace, group, signature, tuple(offsets), max(pos, ALIGN), end, checksum)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -85,12 +99,13 @@ class ArraySpec:
             "namespace": self.namespace,
             "group": list(self.group),
             "tensors": [[list(p), str(d), list(s)] for p, d, s in self.signature],
+            "checksum": self.checksum,
         }
 
     @classmethod
     def from_json(cls, id: int, d: dict[str, Any]) -> ArraySpec:
         sig = tuple((tuple(p), dtype_of(t), tuple(int(x) for x in s)) for p, t, s in d["tensors"])
-        spec = cls.build(id, d["namespace"], tuple(d["group"]), sig)
+        spec = cls.build(id, d["namespace"], tuple(d["group"]), sig, checksum=bool(d.get("checksum", False)))
         if spec.file != d["file"]:
             raise StoreDirError(f"client-state store marker: array {id} is file {d['file']!r}, expected {spec.file!r}")
         return spec
@@ -128,6 +143,7 @@ class StoreFiles:
         self._by_key: dict[tuple[Any, ...], int] = {}
         self._fds: dict[int, int] = {}
         self._dirty: set[int] = set()
+        self._trusted: dict[int, bytearray] = {}  # per array, a byte per (client, slot): written or checked here
         self.exists = False  # the directory holds this store's marker
         self.made_dir = False
 
@@ -297,6 +313,13 @@ class StoreFiles:
             raw = t.reshape(-1).view(torch.uint8).numpy()
             chunks.append(raw)
             pos = off + raw.nbytes
+        if spec.checksum:
+            crc = 0
+            for c in chunks:
+                crc = zlib.crc32(c, crc)
+            trailer_at = spec.row_bytes - TRAILER.size
+            chunks += [bytes(trailer_at - pos), TRAILER.pack(crc, ROW_MARK)]
+            pos = spec.row_bytes
         fd, at, total = self._fd(spec), self._offset(spec, cid, slot), pos
         done = 0
         while done < total:  # a positional write may be short; go on where it stopped
@@ -305,6 +328,7 @@ class StoreFiles:
                 raise OSError(f"could not write client {cid}'s state into {self.directory / spec.file}")
             done += n
         self._dirty.add(spec.id)
+        self._trust(spec, cid, slot)
 
     def read(self, spec: ArraySpec, cid: int, slot: int) -> torch.Tensor:
         """One client's row of ``slot`` as a ``uint8`` tensor (64-byte aligned, as every fresh allocation)."""
@@ -316,7 +340,31 @@ class StoreFiles:
             if n <= 0:
                 raise StoreDirError(f"{self.directory / spec.file} is shorter than its rows: the store is damaged")
             done += n
+        if spec.checksum and not self._trusted_row(spec, cid, slot):  # a row of an earlier process (a resume)
+            self._verify(spec, cid, slot, buf)
         return buf
+
+    def _trust(self, spec: ArraySpec, cid: int, slot: int) -> None:
+        marks = self._trusted.get(spec.id)
+        if marks is None:
+            marks = self._trusted[spec.id] = bytearray(self.num_clients * SLOTS)
+        marks[cid * SLOTS + slot] = 1
+
+    def _trusted_row(self, spec: ArraySpec, cid: int, slot: int) -> bool:
+        marks = self._trusted.get(spec.id)
+        return marks is not None and bool(marks[cid * SLOTS + slot])
+
+    def _verify(self, spec: ArraySpec, cid: int, slot: int, buf: torch.Tensor) -> None:
+        """Refuse a row whose data do not match the CRC-32 written with them (the file changed since)."""
+        raw = memoryview(buf.numpy())
+        crc, mark = TRAILER.unpack_from(raw, spec.row_bytes - TRAILER.size)
+        if mark != ROW_MARK or zlib.crc32(raw[: spec.data_bytes]) != crc:
+            what = "is all zeros (zeroed since it was written)" if not any(raw) else "fails its checksum"
+            raise StoreDirError(
+                f"{self.directory / spec.file}: client {cid}'s saved state {what}: the file was changed or damaged "
+                "after the run wrote it, so the run cannot continue from it; start it over (fedskew run --overwrite)"
+            )
+        self._trust(spec, cid, slot)  # verified once
 
     def disk_usage(self) -> int:
         """Bytes the array files take on disk (they are sparse: the rows written)."""
