@@ -231,5 +231,48 @@ def test_loopback_command_passes_secure(tmp_path, monkeypatch, capsys):
     app = _app(tmp_path, SECURE)
     assert main(["flower", "loopback", str(app), "--secure"]) == 0
     assert main(["flower", "loopback", str(app)]) == 0
-    assert made == [{"clients": 2, "secure": True}, {"clients": 2, "secure": False}]
+    here = Path.cwd()
+    assert made == [{"clients": 2, "secure": True, "workdir": here}, {"clients": 2, "secure": False, "workdir": here}]
     assert "SuperNode authentication" in capsys.readouterr().out
+
+
+def test_a_loopback_run_keeps_its_run_directory_and_database_where_the_user_ran_it(tmp_path, monkeypatch):
+    """Issue 45: the ServerApp of a loopback deployment runs in a temporary Flower home, so its default
+    runs/... directory and database vanished with it. The loopback tells it where the user is."""
+    from fedskew.flower.loopback import Loopback
+    from fedskew.flower.server_app import RUNS_ROOT_ENV, rooted
+
+    fed = Loopback(tmp_path / "home", 1, workdir=tmp_path / "work")
+    assert fed.env[RUNS_ROOT_ENV] == str((tmp_path / "work").resolve())
+    monkeypatch.setenv(RUNS_ROOT_ENV, str(tmp_path / "work"))
+    assert rooted("runs/fedskew.db") == str(tmp_path / "work" / "runs" / "fedskew.db")
+    assert rooted(str(tmp_path / "abs")) == str(tmp_path / "abs")  # an absolute path is the user's choice
+    monkeypatch.delenv(RUNS_ROOT_ENV)
+    assert rooted("runs/x") == "runs/x"
+
+
+def test_loopback_output_through_a_pipe_has_no_colour_codes(tmp_path, monkeypatch, capsys):
+    import fedskew.flower.loopback as loopback
+
+    class Fake:
+        port = 1
+
+        def __init__(self, home, clients, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def run_app(self, *args, **kwargs) -> str:
+            return "\x1b[92mINFO \x1b[0m:      round 1/1 \x1b[1;31mdone\x1b[0m"
+
+        def leftovers(self) -> list[int]:
+            return []
+
+    monkeypatch.setattr(loopback, "Loopback", Fake)
+    assert main(["flower", "loopback", str(_app(tmp_path, SECURE))]) == 0
+    out = capsys.readouterr().out
+    assert "INFO :      round 1/1 done" in out and "\x1b" not in out

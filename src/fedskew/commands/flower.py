@@ -251,6 +251,13 @@ def _app_config(app_dir: Path, run_config: str | None) -> dict[str, Any] | None:
     return config | (dict(kv.split("=", 1) for kv in run_config.split()) if run_config else {})
 
 
+def plain(text: str) -> str:
+    """``text`` without terminal colour codes (Flower's log lines carry them; a pipe or a file should not)."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+
+
 def cmd_loopback(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -266,14 +273,14 @@ def cmd_loopback(args: argparse.Namespace) -> int:
     clients = int(found["clients"])
     with tempfile.TemporaryDirectory(prefix="fedskew-flower-") as home:
         t0 = time.perf_counter()
-        with Loopback(Path(home), clients, secure=args.secure) as fed:
+        with Loopback(Path(home), clients, secure=args.secure, workdir=Path.cwd()) as fed:
             mode = "TLS, SuperNode authentication" if args.secure else "insecure"
             up = f"SuperLink and {clients} SuperNodes up on 127.0.0.1:{fed.port} ({mode})"
             print(f"{up} in {time.perf_counter() - t0:.1f} s")
             t1 = time.perf_counter()
             argv = ["--run-config", args.run_config] if args.run_config else []
             out = fed.run_app(app_dir, None, timeout=args.timeout, extra_args=argv)
-            print(out)
+            print(out if sys.stdout.isatty() else plain(out))
             print(f"flwr run took {time.perf_counter() - t1:.1f} s")
         left = fed.leftovers()
     if left:
@@ -321,20 +328,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def valid_compositions() -> list[str]:
     """Every valid composition, canonical names, as ``fedskew methods`` lists them (each client part alone and with
-    each plug-in, and each pair of plug-ins)."""
-    from fedskew.methods import CLIENTS, SERVER_PLUGINS, resolve_method
+    each plug-in, and each pair of plug-ins: fedskew/method_index.py)."""
+    from fedskew.method_index import method_index
 
-    candidates = list(CLIENTS) + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
-    candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
-    valid: list[str] = []
-    for name in candidates:
-        try:
-            canonical = resolve_method(name, {}).name
-        except ValueError:
-            continue
-        if canonical not in valid:
-            valid.append(canonical)
-    return valid
+    return list(method_index()["valid"])
 
 
 CHECK_DEFAULTS = {"clients": 4, "rounds": 3, "join_ratio": 0.75, "client_dropout": 0.2, "skew_probes": 0}

@@ -253,6 +253,7 @@ class Loopback:
         node_configs: list[dict[str, Any]] | None = None,
         start_timeout: float = 90.0,
         secure: bool = False,
+        workdir: Path | None = None,
     ) -> None:
         self.home = Path(home).resolve()
         self.num_nodes = num_nodes
@@ -268,6 +269,8 @@ class Loopback:
         self.keys = self.home / "keys"
         self.env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
         self.env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", TASK_POLL)
+        if workdir is not None:  # the ServerApp's relative run directory and database go there, not in the home
+            self.env["FEDSKEW_RUNS_ROOT"] = str(Path(workdir).resolve())
 
     # ---- processes -----------------------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str]) -> None:

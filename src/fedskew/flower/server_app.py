@@ -27,6 +27,7 @@ nodes, for one run), so no checkpoint is written.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -367,6 +368,17 @@ class FlowerServer:
         return rec, scores
 
 
+RUNS_ROOT_ENV = "FEDSKEW_RUNS_ROOT"  # set by `fedskew flower loopback`: where relative out / db paths live
+
+
+def rooted(path: str) -> str:
+    """``path``, made absolute against ``$FEDSKEW_RUNS_ROOT`` when it is relative and that is set: a loopback
+    deployment runs the ServerApp in a temporary Flower home, so its run directory and database go where the user
+    ran ``fedskew flower loopback``."""
+    root = os.environ.get(RUNS_ROOT_ENV)
+    return str(Path(root) / path) if root and not Path(path).is_absolute() else path
+
+
 def run_on_grid(
     grid: Grid,
     cfg: RunConfig,
@@ -381,6 +393,7 @@ def run_on_grid(
     settings = settings or FlowerSettings()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    cfg = cfg.model_copy(update={k: rooted(v) for k, v in (("out", cfg.out), ("db", cfg.db)) if v})
     if cfg.db:
         check_db_path(cfg.db)
     started = time.perf_counter()
@@ -405,7 +418,7 @@ def run_on_grid(
             else "the global model on the server's test_data here, every view on the clients' test splits there"
         )
     cfg = cfg.model_copy(update={"model": resolve_model_name(cfg, view, method)})
-    out_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg, run_id)
+    out_dir = Path(cfg.out) if cfg.out else Path(rooted(str(default_run_dir(cfg, run_id))))
     server = FlowerServer(cfg, view, method, link, union, known=known_of(reports, request))
     rd = RunDirectory.prepare(out_dir, overwrite=overwrite)
     recorder = RunRecorder(rd, cfg, run_id, now.isoformat(timespec="seconds"))
