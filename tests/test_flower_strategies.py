@@ -28,7 +28,7 @@ from fedskew.catalog.fedsa import FedSACombine  # noqa: E402
 from fedskew.catalog.heal import FaelWeights, HealMasks  # noqa: E402
 from fedskew.flower.inprocess import InProcessGrid, task_identity  # noqa: E402
 from fedskew.flower.strategies import FedDisco, FedHEAL, FedPake, FedSA, FedskewStrategy  # noqa: E402
-from fedskew.protocol import NonFiniteUploadError, ServerContext, Upload  # noqa: E402
+from fedskew.protocol import NonFiniteUploadError, ServerContext, Upload, UploadError  # noqa: E402
 from fedskew.server.api import stack_uploads  # noqa: E402
 from fedskew.server.combine import WeightedMean  # noqa: E402
 from fedskew.server.weights import SampleWeights  # noqa: E402
@@ -268,7 +268,11 @@ def test_generic_adapter_with_fedavg_equals_flowers_fedavg(one_thread):
     got, got_metrics = ours.aggregate_train(1, replies)
     want, want_metrics = FedAvg().aggregate_train(1, replies)
     assert_close(got.to_torch_state_dict(), want.to_torch_state_dict(), atol=1e-6)
-    assert got_metrics.keys() == want_metrics.keys() and got_metrics["train_loss"] == want_metrics["train_loss"]
+    # Flower averages every key into its training metrics, the label counts too (a meaningless number); fedskew
+    # keeps what a strategy reads of the clients out of them (issue 45)
+    assert "label-counts" in want_metrics and "label-counts" not in got_metrics
+    assert got_metrics.keys() == want_metrics.keys() - {"label-counts"}
+    assert got_metrics["train_loss"] == want_metrics["train_loss"]
     n = np.array([next(r["n"] for r in log if r["node"] == nd) for nd in ours.history[0].nodes], dtype=np.float64)
     assert np.allclose(ours.history[0].weights, n / n.sum(), atol=1e-12, rtol=0)
     # a composition by name runs the same pieces as the dedicated class
@@ -285,3 +289,26 @@ def test_generic_adapter_with_fedavg_equals_flowers_fedavg(one_thread):
     for bad, match in cases:
         with pytest.raises(ValueError, match=match):
             FedskewStrategy(bad, on_bad_update="x" if match == "on_bad_update" else "fail")
+
+
+
+def test_a_non_integer_weight_is_taken_as_flowers_fedavg_takes_it(one_thread):
+    """Issue 45: a non-integer ``num-examples`` was refused where Flower's FedAvg weighs by it."""
+    log: list[dict] = []
+    grid = make_grid(make_client_app(None, log))
+    torch.manual_seed(0)
+    arrays = ArrayRecord(Net().state_dict())
+    ours = FedskewStrategy("fedavg")
+    with task_identity(run_id=1, node_id=SUPERLINK_NODE_ID):
+        replies = list(grid.send_and_receive(ours.configure_train(1, arrays, ConfigRecord({"lr": 0.1}), grid)))
+    for i, reply in enumerate(replies):
+        reply.content["metrics"]["num-examples"] = 10.5 + i
+    got, _ = ours.aggregate_train(1, replies)
+    want, _ = FedAvg().aggregate_train(1, replies)
+    assert_close(got.to_torch_state_dict(), want.to_torch_state_dict(), atol=1e-6)
+    w = np.array([10.5 + i for i in range(len(replies))])
+    assert np.allclose(sorted(ours.history[0].weights), sorted(w / w.sum()), atol=1e-12)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        replies[0].content["metrics"]["num-examples"] = bad
+        with pytest.raises(UploadError, match="expected a positive finite number"):
+            ours.aggregate_train(1, replies)

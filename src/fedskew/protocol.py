@@ -87,7 +87,7 @@ class Upload:
 
     cid: int
     params: Params
-    num_samples: int
+    num_samples: int | float  # a count (a Flower strategy also takes a non-integer weight, as Flower's FedAvg)
     extras: Params = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
 

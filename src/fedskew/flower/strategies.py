@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from pydantic import ValidationError
@@ -236,7 +236,24 @@ class FedskewStrategy(FedAvg):
         weights = tuple(float(w) for w in out.diagnostics.get("weights", [math.nan] * len(nodes)))
         self.history.append(RoundRecord(server_round, nodes, weights, tuple(dropped), dict(out.diagnostics)))
         arrays = to_record({n: out.global_params[n] for n in self._global})
-        return arrays, self.train_metrics_aggr_fn([m.content for m, _, _ in kept], self.weighted_by_key)
+        contents = [self._without_reports(m.content) for m, _, _ in kept]
+        return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+
+    def reported_keys(self) -> frozenset[str]:
+        """The MetricRecord keys that carry what this strategy reads of a client (``label-counts``; FedDisco's
+        ``discrepancy``): kept out of Flower's training-metric aggregation, where their mean means nothing."""
+        return frozenset(k for k in (self.label_counts_key,) if k)
+
+    def _without_reports(self, content: RecordDict) -> RecordDict:
+        keys = self.reported_keys()
+        if not keys:
+            return content
+        out = RecordDict()
+        for name, record in content.items():
+            if isinstance(record, MetricRecord):
+                record = MetricRecord({k: v for k, v in record.items() if k not in keys})
+            out[name] = record
+        return out
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _update(self, node: int, msg: Message, metrics: MetricRecord, where: str) -> tuple[Upload, np.ndarray | None]:
@@ -244,8 +261,12 @@ class FedskewStrategy(FedAvg):
         record = content[self.arrayrecord_key] if self.arrayrecord_key in content.array_records else None
         record = record if record is not None else next(iter(content.array_records.values()))
         n = metrics[self.weighted_by_key]
-        if not isinstance(n, numbers.Real) or not float(n).is_integer() or float(n) <= 0:
-            raise UploadError(f"{where}: node {node} sent '{self.weighted_by_key}' = {n!r}; expected a positive count")
+        if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n <= 0:
+            raise UploadError(
+                f"{where}: node {node} sent '{self.weighted_by_key}' = {n!r}; expected a positive finite number "
+                "(its sample count, or any positive weight, as Flower's FedAvg takes it)"
+            )
+        n = int(n) if float(n).is_integer() else float(n)  # a count, or a non-integer weight as Flower allows
         hist = None
         if self.label_counts_key is not None and self.label_counts_key in metrics:
             hist = np.asarray(metrics[self.label_counts_key], dtype=np.float64).reshape(-1)
@@ -257,7 +278,7 @@ class FedskewStrategy(FedAvg):
         if node not in self._nodes:
             self._nodes[node] = len(self._nodes)
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        return Upload(self._nodes[node], from_record(record), int(n), {}, scalars), hist  # type: ignore[arg-type]
+        return Upload(self._nodes[node], from_record(record), n, {}, scalars), hist  # type: ignore[arg-type]
 
     def _trainable(self) -> frozenset[str]:
         assert self._global is not None
@@ -390,6 +411,9 @@ class FedDisco(FedskewStrategy):
         server = Aggregation(weighting=ReportedDiscoWeights(disco, discrepancy_key), combine=WeightedMean())
         super().__init__(server, label_counts_key=label_counts_key, **kwargs)
         self.name = f"disco(a={disco.a}, b={disco.b}, metric={disco.metric})"
+
+    def reported_keys(self) -> frozenset[str]:
+        return super().reported_keys() | {self.discrepancy_key}
 
     def check_reply(self, node: int, metrics: MetricRecord) -> None:
         if self.label_counts_key in metrics:

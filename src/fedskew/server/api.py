@@ -387,7 +387,7 @@ class UploadStack:
         }
         self.extras: Params | None = None  # allocated from the first accepted upload
         self.cids: list[int] = []
-        self.num_samples: list[int] = []
+        self.num_samples: list[float] = []
         self.metrics: list[dict[str, float]] = []
         self.rejected: list[Rejection] = []
 
@@ -414,7 +414,7 @@ class UploadStack:
         for n, buf in self.extras.items():
             buf[row].copy_(upload.extras[n])
         self.cids.append(upload.cid)
-        self.num_samples.append(int(upload.num_samples))
+        self.num_samples.append(float(upload.num_samples))
         self.metrics.append({k: float(v) for k, v in upload.metrics.items()})
         return None
 
