@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import forward_with, leaf_copy, sgd_leaves, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params
@@ -101,9 +100,6 @@ class APFL(LocalAlgorithm):
         return {**ctx.base, **{n: t.to(ctx.base[n].dtype) for n, t in mixed(v, ctx.base, alpha).items()}}
 
     unbatched = "a second model and a mixing weight trained beside the model"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

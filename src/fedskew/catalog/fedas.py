@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import PERSONAL, is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, snapshot
 from fedskew.client.prototypes import class_sums
@@ -153,9 +152,6 @@ class FedAS(LocalAlgorithm):
         return PERSONAL.get(client_state)
 
     unbatched = "a prototype alignment of the received body and a Fisher pass per client"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 @dataclass(frozen=True)

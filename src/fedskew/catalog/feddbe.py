@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import HEAD_BIAS, HEAD_WEIGHT, check_linear_head, leaf_copy, sgd_leaves
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
@@ -98,9 +97,6 @@ class FedDBE(LocalAlgorithm):
         check_linear_head(template, "FedDBE")
 
     unbatched = "a bias vector trained beside the model and a running mean across steps"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- server half -----------------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.client.prototypes import PROTO_COUNT, PROTO_MEAN, class_sums
@@ -137,9 +136,6 @@ class FedPAC(LocalAlgorithm):
         }
 
     unbatched = "statistics and prototypes from passes over the local data under two models"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- server ----------------------------------------------------------------------------------------------------------

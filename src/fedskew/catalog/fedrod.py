@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import HEAD_BIAS, HEAD_WEIGHT, check_linear_head, leaf_copy, sgd_leaves
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params
@@ -69,8 +68,8 @@ class FedRoD(LocalAlgorithm):
 
     def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
         r = ctx.prep(RodRound)
-        generic = balanced_softmax_loss(logits, y, r.log_counts) if self.generic_loss == "bsm" else F.cross_entropy(
-            logits, y
+        generic = (
+            balanced_softmax_loss(logits, y, r.log_counts) if self.generic_loss == "bsm" else F.cross_entropy(logits, y)
         )
         summed = logits.detach() + F.linear(features.detach(), r.head[HEAD_WEIGHT], r.head[HEAD_BIAS])
         return generic + F.cross_entropy(summed, y)
@@ -92,9 +91,6 @@ class FedRoD(LocalAlgorithm):
         check_linear_head(template, "FedRoD")
 
     unbatched = "a second head trained beside the model"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

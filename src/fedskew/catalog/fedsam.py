@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.protocol import STEPS, Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
@@ -91,9 +90,6 @@ class FedSAM(LocalAlgorithm):
         sam_gradient(ctx, self.rho)
 
     unbatched = "two gradient evaluations per step"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 def sam_gradient(ctx: LocalContext, rho: float) -> None:
@@ -159,9 +155,6 @@ class MoFedSAM(FedSAM):
                     p.grad.add_(prep.direction[k], alpha=1.0 - self.alpha)
 
     unbatched = "two gradient evaluations per step (as FedSAM)"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 class MomentumDirection(NamedTuple):

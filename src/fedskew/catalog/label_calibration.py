@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
@@ -76,9 +75,6 @@ class FedLC(_Calibrated):
 
     unbatched = "a per-client map of the logits"
 
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
-
 
 @dataclass
 class FedRS(_Calibrated):
@@ -91,9 +87,6 @@ class FedRS(_Calibrated):
         return F.cross_entropy(restricted_logits(logits, counts, self.alpha), y)
 
     unbatched = "a per-client map of the logits (as FedLC)"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import forward_with, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, snapshot
 from fedskew.protocol import Params
@@ -122,9 +121,6 @@ class PerFedAvg(LocalAlgorithm):
         return snapshot(model)
 
     unbatched = "a gradient through an inner step at every step"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

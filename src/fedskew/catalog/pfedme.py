@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import PERSONAL, forward_with, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, snapshot
 from fedskew.protocol import Params
@@ -91,9 +90,6 @@ class PFedMe(LocalAlgorithm):
         return PERSONAL.get(client_state)
 
     unbatched = "K inner steps of a second model at every step"
-
-    def batched_step(self) -> BatchedStep | None:
-        return None  # unbatched says why
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ class LocalAlgorithm:
     reports: tuple[ClientReport, ...] = ()  # statistics every client sends once, before round 1 (FedGen's histogram)
     # the entries this part keeps in a client's state across rounds (a subclass's add to its bases': declared_state)
     state_keys: ClassVar[tuple[StateKey[Any], ...]] = ()
-    # why this part has no batched form, when its batched_step() returns None (what --batched-clients reports)
+    # why this part has no batched form (what --batched-clients reports); set, the part trains one client at a time
     unbatched: ClassVar[str] = ""
 
     # client-side hooks
@@ -425,6 +425,8 @@ def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
             return f"its wrapper {type(algo).__name__} overrides {', '.join(extra)}, which run at every step"
         algo = algo.inner
     cls = type(algo)
+    if algo.unbatched:  # the part says why it has none (FedSAM: two gradient evaluations per step)
+        return f"its client part {cls.__name__} declares no batched form ({algo.unbatched})"
     declaring = next(c for c in cls.__mro__ if "batched_step" in vars(c))
     below = [c for c in cls.__mro__[: cls.__mro__.index(declaring)] if issubclass(c, LocalAlgorithm)]
     hooks = sorted({h for c in below for h in _own_hooks(c, TRAINING_HOOKS)})
