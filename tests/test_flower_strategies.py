@@ -249,6 +249,13 @@ def test_fedsa_aggregate_is_fedskews_fedsa_combine(one_thread):
         assert diag["fedsa_high_frac"] > 0  # the high-dispersion branch ran
         assert_close(model_after(log, result, rec.round), expected, atol=0)
         assert rec.diagnostics["fedsa"] == diag["fedsa"]
+        # history records the weights the combine uses: uniform by default (issue 45: it showed sample shares)
+        assert np.allclose(rec.weights, 1 / len(rec.nodes), atol=1e-12)
+    sampled = FedSA(lam=0.2, C=3, S=2, low_weighting="samples")
+    run_flower(sampled, make_client_app("none", log := []))
+    n = {r["node"]: r["n"] for r in log}
+    w = np.array([n[nd] for nd in sampled.history[0].nodes], dtype=np.float64)
+    assert np.allclose(sampled.history[0].weights, w / w.sum(), atol=1e-12)
     with pytest.raises(ValueError, match="C"):
         FedSA(C=0)
 

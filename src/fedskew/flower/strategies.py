@@ -69,7 +69,7 @@ from fedskew.server.api import (
     stack_uploads,
 )
 from fedskew.server.combine import WeightedMean
-from fedskew.server.weights import SampleWeights
+from fedskew.server.weights import SampleWeights, UniformWeights
 
 log = logging.getLogger("flwr.fedskew")
 
@@ -461,16 +461,19 @@ class FedSA(FedskewStrategy):
 
     ``lam``, ``delta``, ``C``, ``S``, ``micro_norm``, ``alpha_norm``, ``low_weighting``, ``buffers``, ``cv_norm``:
     :class:`~fedskew.catalog.fedsa.FedSAParams`, for :class:`~fedskew.catalog.fedsa.FedSACombine`; client weights are
-    sample shares (used only with ``low_weighting='samples'``). ``buffers='local'`` returns the broadcast buffers:
-    your ClientApp must then keep its own. The clients send what the quickstart sends. Other keyword arguments:
-    :class:`FedskewStrategy`'s.
+    sample shares with ``low_weighting='samples'``, else uniform (the combine's, which ``history`` records).
+    ``buffers='local'`` returns the broadcast buffers: your ClientApp must then keep its own. The clients send what
+    the quickstart sends. Other keyword arguments: :class:`FedskewStrategy`'s.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         params = _schema_args(FedSAParams, kwargs, "FedSA")
         self.params = params
         self.combine = FedSACombine(**params.model_dump())
-        super().__init__(Aggregation(weighting=SampleWeights(), combine=self.combine), **kwargs)
+        # the weights the combine uses, and so the ones history records: sample shares only with
+        # low_weighting='samples' (with 'uniform' the low-dispersion mean is the plain one, as fedskew's `fedsa`)
+        weighting = SampleWeights() if params.low_weighting == "samples" else UniformWeights()
+        super().__init__(Aggregation(weighting=weighting, combine=self.combine), **kwargs)
         self.name = f"fedsa(lam={params.lam}, delta={params.delta}, C={params.C}, S={params.S})"
 
 
