@@ -94,3 +94,15 @@ def test_one_file_method_example_runs_both_paths(tmp_path):
     assert [r[0] for r in rows] == ["fedavg", "my_feddecorr", "my_feddecorr+disco"]
     assert float(rows[0][2]) == 0.0  # FedAvg: the batched path gives the sequential numbers
     assert all(float(acc) > 0.1 for _, acc, _ in rows)
+
+
+def test_the_tutorial_runs_and_prints_its_three_parts(tmp_path):
+    """examples/tutorial.py, the first-hour walk-through the docs point to (issue 45: a runnable tutorial CI runs)."""
+    out = _run([str(EXAMPLES / "tutorial.py"), "--rounds", "2", "--seeds", "2"], tmp_path)
+    assert len(re.findall(r"^   client \d+: +\d+ samples", out, re.M)) == 10
+    rows = re.findall(r"^   (fedavg.*?|fedprox)\s+([\d.]+) ± +([\d.]+)\s+Δ\s+([+-][\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["fedavg", "fedavg, uniform weights (control)", "fedavg+disco", "fedprox"]
+    assert rows[0][3] == "+0.00"  # FedAvg against itself
+    personal = re.search(r"personal model \(generic \+ personal head\)\s+([\d.]+)", out)
+    assert personal is not None and 0 < float(personal.group(1)) <= 100
+    assert not (tmp_path / "runs").exists()  # the library API writes nothing unless asked
