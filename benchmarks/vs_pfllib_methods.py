@@ -32,8 +32,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "pfllib_shim.py"
@@ -91,6 +94,34 @@ def fedskew_accuracy(data: Path, args: list[str], view: str, rounds: int, seed: 
     return {k: float(last[k]) for k in ("global_local_acc", "personal_acc") if k in last} | {"view": last[view]}
 
 
+_CACHE_LOCK = threading.Lock()
+
+
+def _cached(cache: Path | None, key: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, or what an earlier call of this script recorded under ``key`` in ``cache`` (a JSON file: each
+    figure is written as soon as it is measured, so a stopped or failed call loses nothing)."""
+    with _CACHE_LOCK:
+        data = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    if key in data:
+        return data[key]
+    value = compute()
+    if cache is not None:
+        with _CACHE_LOCK:  # the runs finish in other threads: one read-modify-write at a time
+            data = json.loads(cache.read_text()) if cache.is_file() else {}
+            data[key] = value
+            cache.write_text(json.dumps(data, indent=1))
+    return value
+
+
+def _attempt(compute: Callable[[], Any]) -> Any:
+    """``compute()``, or ``{"error": ...}``: one failed run is reported in its row, never stops the others."""
+    try:
+        return compute()
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        tail = getattr(exc, "stderr", None) or str(exc)
+        return {"error": f"{type(exc).__name__}: {str(tail)[-1500:]}"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pfllib", type=Path, required=True, help="a PFLlib checkout")
@@ -99,7 +130,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     p.add_argument("--methods", nargs="*", default=list(PAIRS), choices=list(PAIRS))
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the figures as JSON, written as each is measured (and reused)")
     a = p.parse_args()
     data = a.pfllib / "dataset" / "MNIST"
     if not (data / "config.json").is_file():
@@ -110,25 +141,33 @@ def main() -> None:
     with ThreadPoolExecutor(a.jobs) as pool:
         for m in a.methods:
             fed_args, view, pfl_args = PAIRS[m]
-            jobs[(m, "pfllib")] = pool.submit(pfllib_accuracy, a.pfllib, pfl_args, a.rounds)
+            key = f"{m} r{a.rounds}"
+            measure_pfllib = lambda pa=pfl_args: pfllib_accuracy(a.pfllib, pa, a.rounds)  # noqa: E731
+            jobs[(m, "pfllib")] = pool.submit(
+                _attempt, lambda k=key, f=measure_pfllib: _cached(a.out, f"{k} pfllib", f)
+            )
             for s in range(a.seeds):
-                jobs[(m, s)] = pool.submit(fedskew_accuracy, data, fed_args, view, a.rounds, s)
-        results: dict[str, dict[str, object]] = {}
+                jobs[(m, s)] = pool.submit(
+                    _attempt,
+                    lambda k=key, fa=fed_args, v=view, s=s: _cached(
+                        a.out, f"{k} fedskew s{s}", lambda: fedskew_accuracy(data, fa, v, a.rounds, s)
+                    ),
+                )
+        print(f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.seeds} fedskew seeds")
+        print(f"{'method':<10} {'PFLlib':>8} {'fedskew mean ± std':>22} {'within':>7}  fedskew view")
         for m in a.methods:
             pfl = jobs[(m, "pfllib")].result()
             ours = [jobs[(m, s)].result() for s in range(a.seeds)]
+            failed = [r["error"] for r in [pfl, *ours] if isinstance(r, dict) and "error" in r]
+            if failed:
+                print(f"{m:<10} failed: {failed[0][-300:]}")
+                continue
             views = [r["view"] for r in ours]
             mean, std = statistics.fmean(views), statistics.stdev(views) if len(views) > 1 else 0.0
             inside = min(views) - std <= pfl[a.rounds] <= max(views) + std
-            results[m] = {"pfllib": pfl, "fedskew": ours, "mean": mean, "std": std, "within_spread": inside}
-    print(f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.seeds} fedskew seeds")
-    print(f"{'method':<10} {'PFLlib':>8} {'fedskew mean ± std':>22} {'within':>7}  fedskew view")
-    for m, r in results.items():
-        pfl = r["pfllib"][a.rounds]  # type: ignore[index]
-        within = "yes" if r["within_spread"] else "NO"
-        print(f"{m:<10} {100 * pfl:>7.2f}% {100 * r['mean']:>13.2f} ± {100 * r['std']:.2f}% {within:>7}  {PAIRS[m][1]}")  # type: ignore[operator]
-    if a.out:
-        a.out.write_text(json.dumps({"rounds": a.rounds, "seeds": a.seeds, "results": results}, indent=1))
+            within = "yes" if inside else "NO"
+            row = f"{100 * pfl[a.rounds]:>7.2f}% {100 * mean:>13.2f} ± {100 * std:.2f}% {within:>7}"
+            print(f"{m:<10} {row}  {PAIRS[m][1]}")
 
 
 if __name__ == "__main__":
