@@ -30,8 +30,10 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
-from fedskew.sweep.task import Event, RunResult, Task, execute_run
+from fedskew.sweep.task import Event, RunResult, Task, execute_run, finished_id, folder_state, settled
 from fedskew.tuning.tuned import apply_tuned
+
+_finished_id = finished_id  # the Ray executor's name for it
 
 # keys every run gets from the sweep itself, never from an axis
 _SWEEP_OWNED = ("out", "db", "seed")
@@ -274,37 +276,14 @@ def with_log(runs: list[PlannedRun], log: str | list[str] | None) -> list[Planne
     ]
 
 
-# ---- what is already there -------------------------------------------------------------------------------------
-def _same_experiment(saved: RunConfig, cfg: RunConfig) -> bool:
-    a, b = saved.identity(), cfg.identity()
-    if cfg.model == "auto":  # the run directory records the model `auto` stood for
-        a.pop("model"), b.pop("model")
-    return a == b and saved.seed == cfg.seed
-
-
+# ---- what is already there (the folder's state: sweep/task.py, which every executor's run reads too) ---------------
 def run_state(run: PlannedRun) -> tuple[str, str]:
-    """(state, detail) of a run's folder: ``new``, ``done`` (finished or diverged: skipped), ``resume`` (unfinished
-    with a checkpoint), ``restart`` (unfinished, no checkpoint: started over), ``blocked`` (the folder holds
-    something else; the run fails with the reason)."""
-    from fedskew.results.rundir import CHECKPOINT, RunDirectory, is_run_dir
+    """(state, detail) of a run's folder (:func:`fedskew.sweep.task.folder_state`)."""
+    return folder_state(run.cfg)
 
-    d = Path(str(run.cfg.out))
-    if not d.exists() or (d.is_dir() and not any(d.iterdir())):
-        return "new", ""
-    if not d.is_dir() or not is_run_dir(d):
-        return "blocked", f"{d} exists and is not a fedskew run directory; move it away"
-    status = RunDirectory(d).status()
-    try:
-        saved = make_config(load_yaml(d / "config.yaml"))
-    except ConfigError:
-        saved = None
-    if saved is not None and not _same_experiment(saved, run.cfg):
-        return "blocked", f"{d} holds a different experiment; move it away"
-    if status.get("status") in ("finished", "diverged") and (d / "summary.json").is_file():
-        return "done", str(status["status"])
-    if (d / CHECKPOINT).is_file() and saved is not None:
-        return "resume", f"after round {status.get('checkpoint_round')}"
-    return "restart", f"status {status.get('status', 'unknown')}, no checkpoint"
+
+def _settled(run: PlannedRun, state: str, detail: str) -> RunResult | None:
+    return settled(run.name, run.cfg, state, detail)
 
 
 @dataclass
@@ -333,31 +312,6 @@ def sweep_state(runs: list[PlannedRun]) -> SweepOutcome:
         settled = _settled(run, state, detail)
         results.append(settled or RunResult(run.name, "not started", str(run.cfg.out), detail=detail))
     return SweepOutcome(results)
-
-
-def _settled(run: PlannedRun, state: str, detail: str) -> RunResult | None:
-    """The result of a run that needs no running (``done``: skipped, or failed when its folder cannot be read;
-    ``blocked``: failed), else ``None``."""
-    out = str(run.cfg.out)
-    if state == "done":
-        run_id, error = _finished_id(out, run.cfg.db)
-        return RunResult(run.name, "failed" if error else "skipped", out, run_id, error, detail=detail)
-    if state == "blocked":
-        return RunResult(run.name, "failed", out, error=detail)
-    return None
-
-
-def _finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
-    """(run id, error) of a finished run directory, recording it in the database when it is not there yet."""
-    from fedskew.recorder import record_in_db
-
-    try:
-        run_id = json.loads((Path(run_dir) / "summary.json").read_text())["run_id"]
-        if db:
-            record_in_db(db, run_dir)
-        return run_id, None
-    except Exception as exc:  # noqa: BLE001 - reported as this run's failure
-        return None, f"{type(exc).__name__}: {exc}"
 
 
 def run_sweep(

@@ -5,15 +5,17 @@ call it; ``sweep/core.py`` decides which runs to give them."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from fedskew.config import make_config
+from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 
 Event = tuple[Any, ...]  # ("start", name, first_round, rounds, pid) | ("round", name, rnd, info) | ("note", name, msg)
 
@@ -86,15 +88,13 @@ def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_expe
     it. Returns ``(outcome, state)``, or ``(None, result)`` when the run needs no running any more (finished
     elsewhere: skipped)."""
     from fedskew.results.rundir import RunDirError, RunLocked
-    from fedskew.sweep.core import PlannedRun, _settled, run_state
 
     said, races = False, 0
     while True:
-        planned = PlannedRun(task.name, cfg, task.name)
-        state, detail = run_state(planned)
-        settled = _settled(planned, state, detail)
-        if settled is not None:
-            return None, settled
+        state, detail = folder_state(cfg)
+        done = settled(task.name, cfg, state, detail)
+        if done is not None:
+            return None, done
         try:
             outcome = run_experiment(
                 cfg,
@@ -115,5 +115,63 @@ def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_expe
             # the folder changed between the look and the start (another process finished or started it there):
             # look again, a few times, before reporting the error
             races += 1
-            if races > 3 or run_state(PlannedRun(task.name, cfg, task.name))[0] == state:
+            if races > 3 or folder_state(cfg)[0] == state:
                 raise
+
+
+# ---- the state of a run's folder (read when a sweep is planned, and again when each run starts) ------------------
+def _same_experiment(saved: RunConfig, cfg: RunConfig) -> bool:
+    a, b = saved.identity(), cfg.identity()
+    if cfg.model == "auto":  # the run directory records the model `auto` stood for
+        a.pop("model"), b.pop("model")
+    return a == b and saved.seed == cfg.seed
+
+
+def folder_state(cfg: RunConfig) -> tuple[str, str]:
+    """(state, detail) of the folder of the run ``cfg``: ``new``, ``done`` (finished or diverged: skipped),
+    ``resume`` (unfinished with a checkpoint), ``restart`` (unfinished, no checkpoint: started over), ``blocked``
+    (the folder holds something else; the run fails with the reason)."""
+    from fedskew.results.rundir import CHECKPOINT, RunDirectory, is_run_dir
+
+    d = Path(str(cfg.out))
+    if not d.exists() or (d.is_dir() and not any(d.iterdir())):
+        return "new", ""
+    if not d.is_dir() or not is_run_dir(d):
+        return "blocked", f"{d} exists and is not a fedskew run directory; move it away"
+    status = RunDirectory(d).status()
+    try:
+        saved = make_config(load_yaml(d / "config.yaml"))
+    except ConfigError:
+        saved = None
+    if saved is not None and not _same_experiment(saved, cfg):
+        return "blocked", f"{d} holds a different experiment; move it away"
+    if status.get("status") in ("finished", "diverged") and (d / "summary.json").is_file():
+        return "done", str(status["status"])
+    if (d / CHECKPOINT).is_file() and saved is not None:
+        return "resume", f"after round {status.get('checkpoint_round')}"
+    return "restart", f"status {status.get('status', 'unknown')}, no checkpoint"
+
+
+def settled(name: str, cfg: RunConfig, state: str, detail: str) -> RunResult | None:
+    """The result of a run that needs no running (``done``: skipped, or failed when its folder cannot be read;
+    ``blocked``: failed), else ``None``."""
+    out = str(cfg.out)
+    if state == "done":
+        run_id, error = finished_id(out, cfg.db)
+        return RunResult(name, "failed" if error else "skipped", out, run_id, error, detail=detail)
+    if state == "blocked":
+        return RunResult(name, "failed", out, error=detail)
+    return None
+
+
+def finished_id(run_dir: str, db: str | None) -> tuple[str | None, str | None]:
+    """(run id, error) of a finished run directory, recording it in the database when it is not there yet."""
+    from fedskew.recorder import record_in_db
+
+    try:
+        run_id = json.loads((Path(run_dir) / "summary.json").read_text())["run_id"]
+        if db:
+            record_in_db(db, run_dir)
+        return run_id, None
+    except Exception as exc:  # noqa: BLE001 - reported as this run's failure
+        return None, f"{type(exc).__name__}: {exc}"

@@ -148,8 +148,10 @@ class ClientDatasets:
             raise DataError(f"{self.name}: {k} clients' images but {len(self.y_train)} label arrays")
         if (self.x_test is None) != (self.y_test is None):
             raise DataError(f"{self.name}: x_test and y_test must both be given or both be None")
-        if 0 in self.x_train.shape[1:]:  # e.g. IDX files declaring 0x0 images: no pixel for any model to read
-            raise DataError(f"{self.name}: its samples hold no values (each is {list(self.x_train.shape[1:])})")
+        empty = [c for c, x in enumerate(self.x_train) if 0 in np.shape(x)[1:]]
+        if empty:  # no pixel for any model to read
+            shape = list(np.shape(self.x_train[empty[0]])[1:])
+            raise DataError(f"{self.name}: client {empty[0]}'s samples hold no values (each is {shape})")
         if self.x_test is not None and self.y_test is not None and not len(self.x_test) == len(self.y_test) == k:
             raise DataError(f"{self.name}: {k} clients' training data but {len(self.x_test)} test splits")
         check_task(self.name, self.num_classes, self.y_train)
