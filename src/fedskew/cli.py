@@ -420,15 +420,6 @@ def main(argv: list[str] | None = None) -> int:
         handlers.update(module.HANDLERS)
     try:
         return handlers[command](args)
-    except Exception as exc:
-        after_compute, expected = _expected_errors()
-        if isinstance(exc, after_compute):  # after the compute: the run directory is complete
-            print(f"error: {exc}", file=sys.stderr)
-            return 4
-        if isinstance(exc, expected):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
     except KeyboardInterrupt:
         print("interrupted before the first round finished; nothing was kept for this run", file=sys.stderr)
         return 130
@@ -440,6 +431,15 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except Exception as exc:  # after the two above (a closed pipe is an OSError too)
+        after_compute, expected = _expected_errors()
+        if isinstance(exc, after_compute):  # after the compute: the run directory is complete
+            print(f"error: {exc}", file=sys.stderr)
+            return 4
+        if isinstance(exc, expected):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
