@@ -7,8 +7,9 @@ PFLlib seeds torch with 0 at import, so its run is one number; fedskew runs ``--
 shuffling; the split is PFLlib's), and the table prints PFLlib's accuracy after the last round beside fedskew's mean ±
 std and whether PFLlib's lies within fedskew's range widened by one std. PFLlib's figure is its "Averaged Test
 Accuracy" (correct over samples, all clients' test splits pooled, at the start of the next round: the models after
-aggregation), i.e. fedskew's ``personal_acc`` (``global_local_acc`` for FedAvg, for LG-FedAvg, whose clients keep their bodies
-without a model of their own, and for pFedMe, whose PFLlib evaluation reads the global model: docs/methods.md).
+aggregation), i.e. fedskew's ``personal_acc`` (``global_local_acc`` for FedAvg, for LG-FedAvg, whose clients keep
+their bodies without a model of their own, and for pFedMe, whose PFLlib evaluation reads the global model:
+docs/methods.md).
 
 Pairs (fedskew arguments ↔ PFLlib arguments) follow each method's defaults in fedskew's docs/methods.md; where PFLlib's
 defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50``, the official script's; APFL
