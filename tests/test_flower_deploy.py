@@ -204,10 +204,8 @@ def test_secure_loopback_refuses_an_unregistered_supernode(tmp_path):
     assert fed.leftovers() == []
 
 
-def test_loopback_command_passes_secure(tmp_path, monkeypatch, capsys):
-    import fedskew.flower.loopback as loopback
-
-    made: list[dict] = []
+def _fake_loopback(made: list[dict], output: str) -> type:
+    """A stand-in for ``Loopback`` that records how it was built and whose run prints ``output``."""
 
     class Fake:
         port = 1
@@ -222,12 +220,19 @@ def test_loopback_command_passes_secure(tmp_path, monkeypatch, capsys):
             pass
 
         def run_app(self, *args, **kwargs) -> str:
-            return "ran"
+            return output
 
         def leftovers(self) -> list[int]:
             return []
 
-    monkeypatch.setattr(loopback, "Loopback", Fake)
+    return Fake
+
+
+def test_loopback_command_passes_secure(tmp_path, monkeypatch, capsys):
+    import fedskew.flower.loopback as loopback
+
+    made: list[dict] = []
+    monkeypatch.setattr(loopback, "Loopback", _fake_loopback(made, "ran"))
     app = _app(tmp_path, SECURE)
     assert main(["flower", "loopback", str(app), "--secure"]) == 0
     assert main(["flower", "loopback", str(app)]) == 0
@@ -254,25 +259,8 @@ def test_a_loopback_run_keeps_its_run_directory_and_database_where_the_user_ran_
 def test_loopback_output_through_a_pipe_has_no_colour_codes(tmp_path, monkeypatch, capsys):
     import fedskew.flower.loopback as loopback
 
-    class Fake:
-        port = 1
-
-        def __init__(self, home, clients, **kwargs) -> None:
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            pass
-
-        def run_app(self, *args, **kwargs) -> str:
-            return "\x1b[92mINFO \x1b[0m:      round 1/1 \x1b[1;31mdone\x1b[0m"
-
-        def leftovers(self) -> list[int]:
-            return []
-
-    monkeypatch.setattr(loopback, "Loopback", Fake)
+    output = "\x1b[92mINFO \x1b[0m:      round 1/1 \x1b[1;31mdone\x1b[0m"
+    monkeypatch.setattr(loopback, "Loopback", _fake_loopback([], output))
     assert main(["flower", "loopback", str(_app(tmp_path, SECURE))]) == 0
     out = capsys.readouterr().out
     assert "INFO :      round 1/1 done" in out and "\x1b" not in out
