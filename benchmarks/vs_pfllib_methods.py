@@ -12,9 +12,10 @@ their bodies without a model of their own, and for pFedMe, whose PFLlib evaluati
 docs/methods.md).
 
 Pairs (fedskew arguments ↔ PFLlib arguments) follow each method's defaults in fedskew's docs/methods.md; where PFLlib's
-defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50``, the official script's; APFL
-``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's), and Per-FedAvg's fedskew side takes PFLlib's
-layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice a round: ``--local-epochs 2``).
+defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50``, FedCP ``-lam 5``, GPFL ``-lam 0.01
+-mu 0.1``: the official scripts'; APFL ``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's), and
+Per-FedAvg's fedskew side takes PFLlib's layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice
+a round: ``--local-epochs 2``).
 
     python benchmarks/vs_pfllib_methods.py --pfllib PFLlib --mnist-idx ../shared/data/mnist --rounds 3
 
@@ -64,6 +65,8 @@ PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
     "lgfedavg": (["--method", "lgfedavg"], "global_local_acc", ["-algo", "LG-FedAvg"]),  # local bodies: no own model
     "fedpac": (["--method", "fedpac"], "personal_acc", ["-algo", "FedPAC", "-lam", "1"]),
     "fedas": (["--method", "fedas"], "personal_acc", ["-algo", "FedAS"]),
+    "fedcp": (["--method", "fedcp"], "personal_acc", ["-algo", "FedCP", "-lam", "5"]),
+    "gpfl": (["--method", "gpfl"], "personal_acc", ["-algo", "GPFL", "-lam", "0.01", "-mu", "0.1"]),
 }
 COMMON_PFLLIB = ["-data", "MNIST", "-m", "CNN", "-nc", "20", "-lbs", "10", "-lr", "0.005", "-ls", "1", "-jr", "1"]
 

@@ -65,7 +65,7 @@ def _without_timing(records: list[dict]) -> list[dict]:
     "method",
     # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term;
     # issue 42's personalizations: a server half and a folded bias, an adaptation step drawn on the client, heads
-    # only, a weighting by a client metric
+    # only, a weighting by a client metric, a composite head with personal entries
     [
         "fedavg",
         "fedsa",
@@ -79,6 +79,7 @@ def _without_timing(records: list[dict]) -> list[dict]:
         "perfedavg",
         "fedpac",
         "fedas",
+        "fedcp",
     ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):

@@ -341,7 +341,7 @@ def test_perfedavg_personal_views_are_reproducible_draws():
     assert not torch.equal(other["head.weight"], a.personal_params(0, 1)["head.weight"])
 
 
-STATEFUL = ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "lgfedavg", "fedpac", "fedas"]
+STATEFUL = ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "lgfedavg", "fedpac", "fedas", "fedcp", "gpfl"]
 
 
 def _metrics(out):
@@ -385,7 +385,7 @@ def test_killed_and_resumed_runs_equal_uninterrupted_ones(tmp_path, method, one_
     assert any("personal_acc_mean" in r for r in whole) or method == "lgfedavg"
 
 
-@pytest.mark.parametrize("method", ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg"])
+@pytest.mark.parametrize("method", ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "fedcp", "gpfl"])
 def test_batched_clients_names_why_each_trains_sequentially(method):
     from fedskew.engine.batched_steps import batchable
     from fedskew.methods import resolve_method

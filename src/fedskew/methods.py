@@ -72,7 +72,7 @@ _register_builtins()
 
 __all__ = ["ALIASES", "CLIENTS", "SERVER_PLUGINS", "ClientPart", "NoParams", "ServerPlugin", "resolve_method"]
 
-PERSONAL_GROUPS = frozenset({"head", "norm", "all"})  # local groups that make a method personalized
+PERSONAL_GROUPS = frozenset({"head", "norm", "all", "personal"})  # local groups that make a method personalized
 
 
 @dataclass(frozen=True)
@@ -282,6 +282,7 @@ def resolve_method(name: str, args: Mapping[str, Any]) -> Method:
     parts = [("server", ServerBaseParams), (client.name, client.params)] + [(p.name, p.params) for p in plugins]
     parsed = _split_args(parts, args, name)
     built = _build_plugins(name, plugins, parsed[2:])
+    built.local |= client.local
     weights_given = _given(args, "weights")
     if "weighting" in built.roles and weights_given:
         raise ConfigError(f"method {name!r}: 'weights' has no effect because a plug-in sets the client weights")

@@ -68,8 +68,10 @@ class ClientPart:
     personalized: bool = False  # keeps a personal model of its own (evaluated in the personal views)
     # the default of the server's ``weights`` for this client part (its paper's server average); -m weights=... wins
     weights: Literal["samples", "uniform"] = "samples"
-    # params -> keyword arguments for models.build_model (MOON's projection head)
+    # params -> keyword arguments for models.build_model (MOON's projection head, FedCP's composite head)
     model_options: Callable[[Any], dict[str, Any]] = lambda p: {}
+    # state-dict groups this client part keeps on the clients (engine.model_init.LOCAL_GROUPS; FedCP: "personal")
+    local: frozenset[str] = frozenset()
     # hyper-parameter -> the range `fedskew tune` searches (fedskew.space; the paper's or official code's)
     tunable: Mapping[str, Dist] = field(default_factory=dict)
 

@@ -25,6 +25,7 @@ from fedskew.catalog import (
     fedavgm,
     fedbabu,
     fedcac,
+    fedcp,
     feddbe,
     feddecorr,
     fedexp,
@@ -39,6 +40,7 @@ from fedskew.catalog import (
     fedsa,
     fedsam,
     fpl,
+    gpfl,
     heal,
     keep_local,
     label_calibration,
@@ -85,4 +87,6 @@ CATALOGS = (
     pfedme,
     fedpac,
     fedas,
+    fedcp,
+    gpfl,
 )

@@ -105,7 +105,9 @@ LOCAL_GROUPS = {
     "body": "every entry but the classifier head: the representation (LG-FedAvg)",
     "norm": "normalization layers: affine parameters and running statistics (FedBN)",
     "all": "every entry: no collaboration (Local / Separate)",
+    "personal": "the entries a method's composite head marks personal, head.personal.* (FedCP, GPFL)",
 }
+PERSONAL_PREFIX = "head.personal."  # what a composite head (models.replace_head) keeps on each client
 
 
 def local_state_names(groups: frozenset[str], model: nn.Module, trainable: frozenset[str]) -> frozenset[str]:
@@ -129,6 +131,14 @@ def local_state_names(groups: frozenset[str], model: nn.Module, trainable: froze
             names |= found
         elif group == "all":
             names |= set(template)
+        elif group == "personal":
+            found = {n for n in template if n.startswith(PERSONAL_PREFIX)}
+            if not found:
+                raise ConfigError(
+                    f"the model's head has no personal entries ({PERSONAL_PREFIX}*) to keep on the clients; build it "
+                    "with the method's model options (its composite head)"
+                )
+            names |= found
         else:
             raise ConfigError(f"unknown client-local group {group!r}; known: {', '.join(LOCAL_GROUPS)}")
     return frozenset(names)

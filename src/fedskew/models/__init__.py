@@ -11,11 +11,17 @@ token ids).
 ``build_model(..., projection=D)`` appends MOON's projection head to the body (``body.proj``: Linear d→d, ReLU,
 Linear d→D) and makes the classifier read its D-dimensional output, as the official MOON model (``ModelFedCon``:
 base → projection MLP → classifier); the body's output is then the projected representation MOON contrasts.
+
+``build_model(..., head_module=f)`` replaces the linear classifier with ``f(head)``, a method's composite head made
+from it (FedCP's conditional policy and two heads, GPFL's conditional valve and class embeddings): the state-dict
+names stay under ``head.``, and entries under ``head.personal.`` are the ones the ``personal`` client-local group
+keeps on each client (:data:`fedskew.engine.model_init.LOCAL_GROUPS`). The factory is called under the run's init
+stream, so its own random weights are seeded too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -186,12 +192,31 @@ def add_projection(model: FedModel, dim: int) -> FedModel:
     return model
 
 
+HeadModule = Callable[[nn.Linear], nn.Module]  # a method's composite head made from the zoo's linear classifier
+
+
+def replace_head(model: FedModel, head_module: HeadModule) -> FedModel:
+    """``model`` with its linear classifier replaced by ``head_module(classifier)`` (module docstring)."""
+    if not isinstance(model.head, nn.Linear):
+        raise ValueError(f"a composite head is made from a Linear classifier, got {type(model.head).__name__}")
+    model.head = head_module(model.head)
+    return model
+
+
 def build_model(
-    name: str, *, in_channels: int, image_size: int, num_classes: int, norm: str = "bn", projection: int = 0
+    name: str,
+    *,
+    in_channels: int,
+    image_size: int,
+    num_classes: int,
+    norm: str = "bn",
+    projection: int = 0,
+    head_module: HeadModule | None = None,
 ) -> FedModel:
     """Build a zoo model for ``in_channels x image_size x image_size`` inputs and ``num_classes`` outputs (``textcnn``:
     a vocabulary of ``in_channels`` ids, sequences of ``image_size`` tokens); ``projection > 0`` adds MOON's
-    projection head of that width (:func:`add_projection`)."""
+    projection head of that width (:func:`add_projection`); ``head_module`` replaces the classifier with a method's
+    composite head (:func:`replace_head`)."""
     if norm not in ("bn", "gn"):
         raise ValueError(f"norm must be 'bn' or 'gn', got {norm!r}")
     if in_channels < 1 or image_size < 1 or num_classes < 2:
@@ -211,7 +236,9 @@ def build_model(
         model = resnet(blocks, widths, in_channels, num_classes, norm)
     else:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
-    return add_projection(model, projection) if projection else model
+    if projection:
+        model = add_projection(model, projection)
+    return replace_head(model, head_module) if head_module is not None else model
 
 
 def projection_width(params: Mapping[str, Tensor]) -> int:

@@ -107,7 +107,8 @@ def prepare_user_model(
     user_model: nn.Module | Callable[[], nn.Module], example: Tensor, options: Mapping[str, Any]
 ) -> nn.Module:
     """The run's model from a user's module (deep-copied) or factory (called here: the caller seeds it), split
-    (:func:`split_model`, checked on ``example``), with MOON's projection head when ``options`` asks for one."""
+    (:func:`split_model`, checked on ``example``), with MOON's projection head or a method's composite head when
+    ``options`` asks for one."""
     if isinstance(user_model, nn.Module):
         module = copy.deepcopy(user_model)
     elif callable(user_model):
@@ -119,7 +120,7 @@ def prepare_user_model(
     model = split_model(module, example=example)
     if model is module:  # declared .body/.head: check them too
         check_split(module, FedModel(module.body, module.head), example, "its .body and .head")
-    unknown = set(options) - {"projection"}
+    unknown = set(options) - {"projection", "head_module"}
     if unknown:
         raise SplitError(f"model options {sorted(unknown)} are not supported for user models")
     width = int(options.get("projection", 0))
@@ -128,4 +129,11 @@ def prepare_user_model(
             raise SplitError(f"MOON's projection head needs an nn.Linear head, got {type(model.head).__name__}")
         body = model.body if isinstance(model.body, nn.Sequential) else nn.Sequential(model.body)
         model = add_projection(FedModel(body, model.head), width)
+    head_module = options.get("head_module")
+    if head_module is not None:
+        if not isinstance(model.head, nn.Linear):
+            raise SplitError(
+                f"this method's composite head is made from an nn.Linear head, got {type(model.head).__name__}"
+            )
+        model.head = head_module(model.head)
     return model

@@ -1,0 +1,180 @@
+"""GPFL (Zhang et al., ICCV 2023), whole: a conditional valve turns each feature into a global one, aligned with
+class embeddings shared by the federation, and a personal one, read by the client's own head.
+
+The model's classifier is GPFL's composite head (:class:`GPFLHead`, built from the zoo's linear head through
+``model_options``): ``valve`` (the CoV: ``γ(c)``, ``β(c)``, each Linear d→d, ReLU, LayerNorm), ``embedding`` (the
+GCE: one d-vector ``e_c`` per class) and ``personal`` (the client's head, a Linear, and its two conditional inputs
+``p_k``, ``g_k``). With ``CoV(z, c) = ReLU(z ⊙ (γ(c) + 1) + β(c))`` and ``z = body(x)``::
+
+    logits   = personal(CoV(z, p_k))                                    (the personalized model's output)
+    f_G      = CoV(z, g_k)
+    loss     = CE(logits, y) + CE(cos(f_G, e), y) + λ · ‖f_G − ê_y‖_F    (ê: the received embeddings, frozen; λ=0.01)
+               (+ μ/2 ‖θ‖² on the valve and the embeddings: μ = 0.1)
+    upload   : body, valve, embedding                                   (averaged by sample count)
+    keep     : personal, g_k ← mean_c e_c,  p_k ← Σ_c n_k[c]/n_k · e_c   (the trained embeddings: head.personal.*)
+
+``‖·‖_F`` is the norm of the batch's whole ``[B, d]`` difference (the official code's ``torch.norm(·, 2)``), and
+``cos(f_G, e)`` the cosine similarities, unscaled, as logits. The conditional inputs start at zero.
+
+Read against the official code (TsingZ0/GPFL, which PFLlib's ``clientgpfl.py``/``servergpfl.py`` repeat), its
+defaults for a 4-layer CNN (``-lam 0.01 -mu 0.1``; ResNet-18 and fastText: ``lam=1e-4, mu=0``). Departures, named: μ
+is added to the valve's and the embeddings' gradients before the run's optimizer steps (official: a second plain SGD
+with weight decay μ on them; the same at momentum 0, fedskew's default), and the run's own weight decay applies to
+them too; the class frequencies count every training sample (official: the samples of its full batches,
+``drop_last``); a client that sat out rounds keeps the conditional inputs from its own last training (official: every
+client recomputes them from the latest global embeddings each round; the same under full participation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.protocol import Params
+from fedskew.registry import ClientPart, ServerPlugin
+from fedskew.schema import StrictSettings
+from fedskew.space import LogFloat
+
+EMBEDDING = "head.embedding.weight"
+SHARED = ("head.valve.", "head.embedding.")  # the entries μ decays
+
+
+class Valve(nn.Module):
+    """GPFL's conditional valve ``CoV(z, c) = ReLU(z ⊙ (γ(c) + 1) + β(c))``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gamma = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.LayerNorm([d]))
+        self.beta = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.LayerNorm([d]))
+
+    def forward(self, z: Tensor, c: Tensor) -> Tensor:
+        return F.relu(z * (self.gamma(c) + 1) + self.beta(c))
+
+
+class PersonalHead(nn.Linear):
+    """The client's own head and its conditional inputs ``p_k``, ``g_k`` (buffers, set after training)."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__(source.in_features, source.out_features, device=source.weight.device)
+        with torch.no_grad():
+            self.weight.copy_(source.weight)
+            self.bias.copy_(source.bias)
+        d, device = source.in_features, source.weight.device
+        self.register_buffer("personal_input", torch.zeros(d, device=device))
+        self.register_buffer("generic_input", torch.zeros(d, device=device))
+
+
+class GPFLHead(nn.Module):
+    """GPFL's composite classifier (module docstring); its output is the personalized model's logits."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__()
+        d = source.in_features
+        self.valve = Valve(d).to(source.weight.device)
+        self.embedding = nn.Embedding(source.out_features, d, device=source.weight.device)
+        self.personal = PersonalHead(source)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.personal(self.valve(z, self.personal.personal_input))
+
+    def generic_features(self, z: Tensor) -> Tensor:
+        return self.valve(z, self.personal.generic_input)
+
+
+def embedding_loss(features: Tensor, y: Tensor, embeddings: Tensor) -> Tensor:
+    """The GCE's angle-level loss: cross-entropy of the cosine similarities of ``features`` to the class
+    ``embeddings`` (unscaled logits)."""
+    return F.cross_entropy(F.linear(F.normalize(features), F.normalize(embeddings)), y)
+
+
+def conditional_inputs(embeddings: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """``(p_k, g_k)``: the embeddings weighted by the client's class frequencies, and their plain mean."""
+    freq = counts.to(embeddings.dtype) / counts.sum()
+    return freq @ embeddings, embeddings.mean(0)
+
+
+@dataclass
+class GPFLRound:
+    """What :meth:`GPFL.begin` prepares: the received class embeddings (frozen), the client's class counts."""
+
+    embeddings: Tensor
+    counts: Tensor
+    head: GPFLHead
+    decayed: list[Tensor]  # the valve's and the embeddings' parameters (μ)
+
+
+@dataclass
+class GPFL(LocalAlgorithm):
+    """GPFL's client (module docstring)."""
+
+    lam: float = 0.01
+    mu: float = 0.1
+
+    def begin(self, ctx: LocalContext) -> None:
+        head = ctx.model.head
+        assert isinstance(head, GPFLHead) and ctx.y is not None
+        counts = torch.bincount(ctx.y, minlength=head.embedding.num_embeddings)
+        decayed = [p for n, p in ctx.model.named_parameters() if n.startswith(SHARED)]
+        ctx.prepared = GPFLRound(ctx.received[EMBEDDING].detach().clone(), counts, head, decayed)
+
+    def loss(self, ctx: LocalContext, logits: Tensor, features: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        r = ctx.prep(GPFLRound)
+        shared = r.head.generic_features(features)
+        loss = F.cross_entropy(logits, y) + embedding_loss(shared, y, r.head.embedding.weight)
+        return loss + self.lam * torch.linalg.matrix_norm(shared - r.embeddings[y])
+
+    def after_backward(self, ctx: LocalContext) -> None:
+        if self.mu == 0:
+            return
+        with torch.no_grad():
+            for p in ctx.prep(GPFLRound).decayed:
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=self.mu)
+
+    def end(self, ctx: LocalContext) -> Params:
+        r = ctx.prep(GPFLRound)
+        with torch.no_grad():
+            p, g = conditional_inputs(r.head.embedding.weight, r.counts)
+            r.head.personal.personal_input.copy_(p)
+            r.head.personal.generic_input.copy_(g)
+        return {}
+
+    def check_model(self, template: Params, trainable: frozenset[str]) -> None:
+        needed = {EMBEDDING, "head.valve.gamma.0.weight", "head.personal.weight", "head.personal.personal_input"}
+        if not needed <= set(template):
+            raise ValueError(
+                "GPFL trains its composite head (conditional valve, class embeddings, personal head); build the "
+                "model with build_model(..., **method.model_options)"
+            )
+
+    unbatched = "a second feature path through the conditional valve, aligned with the class embeddings"
+
+
+# ---- registration ----------------------------------------------------------------------------------------------------
+class GPFLParams(StrictSettings):
+    lam: float = Field(0.01, ge=0)  # magnitude-level alignment weight (official, 4-layer CNN: 0.01)
+    mu: float = Field(0.1, ge=0)  # decay of the valve and the embeddings (official, 4-layer CNN: 0.1)
+
+
+CLIENTS: dict[str, ClientPart] = {
+    "gpfl": ClientPart(
+        "gpfl",
+        "conditional valve: global features aligned with shared class embeddings, personal features for the "
+        "client's head (lam=0.01, mu=0.1); personal head and conditional inputs stay on the client",
+        "Zhang et al., GPFL: Simultaneously Learning Global and Personalized Feature Information for Personalized "
+        "Federated Learning, ICCV 2023",
+        GPFLParams,
+        lambda p: GPFL(lam=p.lam, mu=p.mu),
+        personalized=True,
+        model_options=lambda p: {"head_module": GPFLHead},
+        local=frozenset({"personal"}),
+        # the official scripts' values per model: lam 1e-4 .. 1e-2, mu 0 .. 1
+        tunable={"lam": LogFloat(1e-4, 0.1), "mu": LogFloat(1e-3, 1.0)},
+    ),
+}
+SERVER_PLUGINS: dict[str, ServerPlugin] = {}
