@@ -67,6 +67,8 @@ PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
     "fedas": (["--method", "fedas"], "personal_acc", ["-algo", "FedAS"]),
     "fedcp": (["--method", "fedcp"], "personal_acc", ["-algo", "FedCP", "-lam", "5"]),
     "gpfl": (["--method", "gpfl"], "personal_acc", ["-algo", "GPFL", "-lam", "0.01", "-mu", "0.1"]),
+    # PFLlib holds out the last 20% of each client's training split for FedFomo's weights (its val_ratio)
+    "fedfomo": (["--method", "fedfomo", "--validation", "0.2"], "personal_acc", ["-algo", "FedFomo", "-M", "5"]),
 }
 COMMON_PFLLIB = ["-data", "MNIST", "-m", "CNN", "-nc", "20", "-lbs", "10", "-lr", "0.005", "-ls", "1", "-jr", "1"]
 

@@ -65,7 +65,7 @@ def _without_timing(records: list[dict]) -> list[dict]:
     "method",
     # the four papers' methods, then issue 41's: a server step, a client part with a server half, an added term;
     # issue 42's personalizations: a server half and a folded bias, an adaptation step drawn on the client, heads
-    # only, a weighting by a client metric, a composite head with personal entries
+    # only, a weighting by a client metric, a composite head with personal entries, per-client downloads of peers
     [
         "fedavg",
         "fedsa",
@@ -80,12 +80,13 @@ def _without_timing(records: list[dict]) -> list[dict]:
         "fedpac",
         "fedas",
         "fedcp",
+        "fedfomo",
     ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
     from fedskew.flower.inprocess import make_grid, run_in_process
 
-    values = _config(tmp_path, method)
+    values = _config(tmp_path, method, **({"validation": 0.2} if method == "fedfomo" else {}))
     (tmp_path / "my.yaml").write_text(yaml.safe_dump(values))
     sim_dir, fl_dir = tmp_path / "sim", tmp_path / "flower"
     assert main(["run", "--config", str(tmp_path / "my.yaml"), "--out", str(sim_dir), "--db", "sim.db", "--quiet"]) == 0

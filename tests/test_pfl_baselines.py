@@ -342,6 +342,8 @@ def test_perfedavg_personal_views_are_reproducible_draws():
 
 
 STATEFUL = ["fedrod", "feddbe", "apfl", "pfedme", "perfedavg", "lgfedavg", "fedpac", "fedas", "fedcp", "gpfl"]
+STATEFUL += ["fedfomo"]
+NEEDS = {"fedfomo": {"validation": 0.2}}  # what a method needs beyond the defaults
 
 
 def _metrics(out):
@@ -372,6 +374,7 @@ def test_killed_and_resumed_runs_equal_uninterrupted_ones(tmp_path, method, one_
         "db": None,
         "seed": 4,
         "state_store": "disk",
+        **NEEDS.get(method, {}),
     }
     run_experiment(make_config(None, {**values, "out": str(tmp_path / "whole"), "state_store": "memory"}))
     killed = {**values, "out": str(tmp_path / "killed")}

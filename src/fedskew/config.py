@@ -320,6 +320,7 @@ class RunConfig(StrictSettings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        from fedskew.client.local import unwrapped
         from fedskew.data.partition.registry import BUILTIN, PartitionError, check_partition_params
         from fedskew.methods import resolve_method
 
@@ -358,9 +359,10 @@ class RunConfig(StrictSettings):
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
         if getattr(method.client, "needs_validation", False) and not self.validation:
+            part = type(unwrapped(method.client)).__name__
             raise ValueError(
-                f"method {self.method!r} scores each client's validation split (e.g. AFL with loss=after): set "
-                "validation to a share of the training split (e.g. 0.1)"
+                f"method {self.method!r} scores each client's validation split (its client part {part}, or a "
+                "wrapper such as AFL's loss=after): set validation to a share of the training split (e.g. 0.2)"
             )
         return self
 

@@ -25,6 +25,7 @@ class Purpose(IntEnum):
     EVAL_SAMPLE = 9  # the clients whose per-client models an evaluated round scores (eval_clients)
     CALIBRATION = 10  # a post-hoc calibration's draws at an evaluated round (CCVR's virtual features, their order)
     PERSONALIZE = 11  # a client part's personalization at evaluation (Per-FedAvg's adaptation batch)
+    DOWNLOADS = 12  # a server half's draws of what one client alone is sent (FedFomo's exploring peers)
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

@@ -29,6 +29,7 @@ from fedskew.catalog import (
     feddbe,
     feddecorr,
     fedexp,
+    fedfomo,
     fedgen,
     fednova,
     fedntd,
@@ -89,4 +90,5 @@ CATALOGS = (
     fedas,
     fedcp,
     gpfl,
+    fedfomo,
 )

@@ -230,23 +230,27 @@ class Simulation:
         plan = self.open_round(rnd)
         reporting = [cid for cid in plan.sampled if cid not in plan.gone]  # drop-outs: no training, no state change
         # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
-        for upload in self._train_clients(rnd, reporting, plan.broadcast):
+        for upload in self._train_clients(plan, reporting):
             self.take_upload(plan, upload)
         return self.close_round(plan)
 
-    def _train_clients(self, rnd: int, cids: list[int], broadcast: Params) -> Iterator[Upload]:
+    def _train_clients(self, plan: RoundPlan, cids: list[int]) -> Iterator[Upload]:
         """The uploads of ``cids``, in that order: trained one after the other, in ``workers`` forked processes
         (``engine/workers.py``: identical results), or together, vmapped (``batched_clients``, ``engine/batched.py``:
-        equal up to float32 rounding); the loop knows the last two only as ``ClientTrainer`` (``engine/host.py``)."""
+        equal up to float32 rounding); the loop knows the last two only as ``ClientTrainer`` (``engine/host.py``).
+        Each client gets its model and what the round server sends it beside it (``sent_to``)."""
+        rnd = plan.rnd
         if self._batched is not None:
-            yield from self._batched.train(self, rnd, [(cid, self.params_for(cid), broadcast) for cid in cids])
+            jobs = [(cid, self.params_for(cid), self.server.sent_to(plan, cid)) for cid in cids]
+            yield from self._batched.train(self, rnd, jobs)
         elif self.cfg.workers > 1 and len(cids) > 1:
             if self._workers is None:
                 self._workers = worker_pool(self, min(self.cfg.workers, self.data.num_clients))
-            yield from self._workers.train(self, rnd, [(cid, self.params_for(cid), broadcast) for cid in cids])
+            jobs = [(cid, self.params_for(cid), self.server.sent_to(plan, cid)) for cid in cids]
+            yield from self._workers.train(self, rnd, jobs)
         else:
             for cid in cids:
-                yield self._train(cid, rnd, self.params_for(cid), broadcast)
+                yield self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid))
 
     def close(self) -> None:
         """Stop the worker processes, if any (the runner calls it when the run ends, however it ends)."""

@@ -129,6 +129,15 @@ class RoundServer:
         """What the server half sends every sampled client beside its model (SCAFFOLD's c; ``{}`` for most)."""
         return self.method.server_half.broadcast(self.server_half_state)
 
+    def sent_to(self, plan: RoundPlan, cid: int) -> Params:
+        """What client ``cid`` receives beside its model this round: the broadcast, and what the server half sends it
+        alone (its downloads, counted in the round's bytes down here, when they are sent)."""
+        own = self.method.server_half.downloads(self.server_half_state, cid, plan.rnd, self.personal.get)
+        if not own:
+            return plan.broadcast
+        plan.bytes_down += payload_bytes(own)
+        return {**plan.broadcast, **own}
+
     def wire_bytes(self, params: Params) -> int:
         """Bytes of a model exchange; entries the clients keep locally (``method.local``) never travel."""
         return payload_bytes({k: v for k, v in params.items() if k not in self.local_names})

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew import __version__
@@ -298,11 +298,16 @@ class FlowerServer:
         plan = self.server.open_round(rnd)
         targets = [cid for cid in plan.sampled if cid not in plan.gone]
         broadcast = to_record(plan.broadcast)
+
+        def sent_to(cid: int) -> ArrayRecord:  # the broadcast, with what the client alone is sent (its downloads)
+            own = self.server.sent_to(plan, cid)
+            return broadcast if own is plan.broadcast else to_record(own)
+
         contents = {
             cid: RecordDict(
                 {
                     "model": to_record(self._wire(self.server.received(cid))),
-                    "broadcast": broadcast,
+                    "broadcast": sent_to(cid),
                     "config": self._config(cid),
                 }
             )

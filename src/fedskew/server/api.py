@@ -137,6 +137,9 @@ class ServerStep(Piece):
         raise NotImplementedError
 
 
+ModelLookup = Callable[[int], "Params | None"]  # client id -> the model the server holds for it
+
+
 class ServerHalf(Piece):
     """The server's side of a client part: what the server keeps for that client algorithm across rounds, what it
     broadcasts with the model, and how a round's uploads advance it (SCAFFOLD's and FedDC's global control variate,
@@ -151,6 +154,12 @@ class ServerHalf(Piece):
     def advance(self, rin: RoundInput, state: State) -> State:
         """The state after this round's uploads."""
         return state
+
+    def downloads(self, state: State, cid: int, rnd: int, models: ModelLookup) -> Params:
+        """The tensors client ``cid`` alone receives in round ``rnd`` beside its model and the broadcast (FedFomo: the
+        models of the peers it is sent), made from ``models``: the model the server holds for a client (``None``:
+        none). Counted in the round's bytes down when sent."""
+        return {}
 
 
 NO_SERVER_HALF = ServerHalf()
