@@ -74,6 +74,15 @@ def test_method_args_on_the_grid_and_a_seed_list(tmp_path):
     assert "mu-0.5" in runs[1].name and runs[1].name.endswith(runs[1].name[-6:])
 
 
+def test_a_method_entry_carries_the_run_settings_its_method_needs(tmp_path):
+    """FedFomo scores each client's validation split: its entry sets one; the other methods' runs keep none."""
+    methods = [{"name": "fedfomo", "config": {"validation": 0.2}}, "fedavg"]
+    runs = expand(SweepSpec(base=TINY, methods=methods, seeds=[0]), out=tmp_path)
+    assert [(r.cfg.method, r.cfg.validation) for r in runs] == [("fedfomo", 0.2), ("fedavg", 0.0)]
+    with pytest.raises(ConfigError, match="validation split"):
+        expand(SweepSpec(base=TINY, methods=["fedfomo"], seeds=[0]), out=tmp_path)
+
+
 def test_spec_round_trips_through_yaml(tmp_path):
     spec = SweepSpec(base=TINY, methods=[{"name": "fedprox+disco", "args": {"mu": 0.01}}, "fedavg"], seeds=[0])
     path = tmp_path / "s.yaml"

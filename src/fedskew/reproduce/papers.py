@@ -64,6 +64,9 @@ class Row(StrictSettings):
     scale_args: dict[Scale, dict[str, Any]] = Field(
         default_factory=dict, description="arguments changed at one scale (a cheaper smoke), over args"
     )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="run settings the row's method needs (FedFomo: a validation split)"
+    )
 
 
 class Column(StrictSettings):

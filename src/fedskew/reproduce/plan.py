@@ -53,7 +53,7 @@ class Plan:
             name=f"reproduce-{self.paper.paper}-{self.scale}",
             base=self.base,
             cases=[s.case for s in self.settings],
-            methods=[MethodEntry(name=r.method, args=r.args, label=r.label) for r in self.rows],
+            methods=[MethodEntry(name=r.method, args=r.args, label=r.label, config=r.config) for r in self.rows],
             seeds=self.seeds,
             out=str(self.out / "runs"),
             db=str(self.db),

@@ -48,6 +48,10 @@ class MethodEntry(StrictSettings):
     name: str = Field(min_length=1, description="method or composition, as `fedskew run --method`")
     args: dict[str, Any] = Field(default_factory=dict, description="hyper-parameters, as `-m KEY=VALUE`")
     label: str | None = Field(None, description="how the progress display names it (default: the name and args)")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="run settings this method needs beyond the base and the case (FedFomo: validation: 0.2)",
+    )
 
     def display(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in sorted(self.args.items()))
@@ -237,6 +241,8 @@ def expand(spec: SweepSpec, *, out: str | Path | None = None, db: str | Path | N
                     values["method"] = method.name
                     values["method_args"] = {**values.get("method_args", {}), **method.args}
                     where += f", method {method.display()}"
+                    for k, v in method.config.items():
+                        _set(values, k, v, where + ")")
                 values.update(seed=seed, db=db_path, log_group=spec.name)
                 took = None
                 try:
