@@ -170,8 +170,8 @@ class FedCPParams(StrictSettings):
 CLIENTS: dict[str, ClientPart] = {
     "fedcp": ClientPart(
         "fedcp",
-        "conditional policy splits features into personal/global parts for a personal and a global head; "
-        "lam * MMD to the received body (lam=5); personal head and context stay on the client",
+        "conditional policy splits features between a personal head (kept) and a global one; "
+        "lam * MMD to the received body (lam=5)",
         "Zhang et al., FedCP: Separating Feature Information for Personalized Federated Learning via Conditional "
         "Policy, KDD 2023",
         FedCPParams,

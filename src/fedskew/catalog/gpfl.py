@@ -164,8 +164,8 @@ class GPFLParams(StrictSettings):
 CLIENTS: dict[str, ClientPart] = {
     "gpfl": ClientPart(
         "gpfl",
-        "conditional valve: global features aligned with shared class embeddings, personal features for the "
-        "client's head (lam=0.01, mu=0.1); personal head and conditional inputs stay on the client",
+        "conditional valve: global features aligned with shared class embeddings, personal ones for the "
+        "client's own head (lam=0.01, mu=0.1)",
         "Zhang et al., GPFL: Simultaneously Learning Global and Personalized Feature Information for Personalized "
         "Federated Learning, ICCV 2023",
         GPFLParams,
