@@ -52,7 +52,17 @@ NOT_IDENTITY = frozenset(
 
 # keys added after runs were recorded with this schema: left out of an experiment's identity at their default, so
 # that experiments recorded before keep their identity (group keys, sweep folder names)
-ADDED_AT_DEFAULT: dict[str, Any] = {"uniform_clients": 1, "partition_args": {}}
+ADDED_AT_DEFAULT: dict[str, Any] = {
+    "uniform_clients": 1,
+    "partition_args": {},
+    "client_sampling": "fixed",
+    "dp_clip": None,
+    "dp_noise": None,
+    "dp_epsilon": None,
+    "dp_delta": 1e-5,
+    "dp_accountant": "rdp",
+    "dp_weight_cap": None,
+}
 
 
 # the keys that define a *setting*: the data and the federation (figures group an experiment's curves by them; an
@@ -177,6 +187,24 @@ class RunConfig(StrictSettings):
     )
     client_dropout: float = Field(
         0.0, ge=0, lt=1, description="probability that a sampled client fails to report in a round (seeded)"
+    )
+    client_sampling: Literal["fixed", "poisson"] = Field(
+        "fixed",
+        description="fixed: round(join_ratio * clients) distinct clients a round; poisson: each client joins "
+        "independently with probability join_ratio (what DP's amplification by Poisson sampling assumes)",
+    )
+    # user-level differential privacy (docs/privacy.md): on when dp_clip is set
+    dp_clip: float | None = Field(
+        None, gt=0, description="DP: every client's update clipped to this L2 norm (turns user-level DP on)"
+    )
+    dp_noise: float | None = Field(None, gt=0, description="DP: the noise multiplier z (noise std / sensitivity)")
+    dp_epsilon: float | None = Field(
+        None, gt=0, description="DP: the epsilon budget; without dp_noise, z is calibrated to spend it in the rounds"
+    )
+    dp_delta: float = Field(1e-5, gt=0, lt=1, description="DP: delta of the (epsilon, delta) guarantee")
+    dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="DP: the accountant (dp-accounting)")
+    dp_weight_cap: float | None = Field(
+        None, gt=0, description="DP, sample weights: w_k = min(n_k / cap, 1) (default: the mean training size)"
     )
     # evaluation and output
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and always the last)")
@@ -358,6 +386,14 @@ class RunConfig(StrictSettings):
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
+        dp_set = [k for k in ("dp_noise", "dp_epsilon", "dp_weight_cap") if getattr(self, k) is not None]
+        if dp_set and self.dp_clip is None:
+            raise ValueError(f"{', '.join(dp_set)} need dp_clip (differential privacy is on when dp_clip is set)")
+        if self.dp_clip is not None:
+            if self.dp_noise is None and self.dp_epsilon is None:
+                raise ValueError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
+            if self.batched_clients:
+                raise ValueError("differential privacy clips each client's update: batched_clients is not supported")
         if getattr(method.client, "needs_validation", False) and not self.validation:
             part = type(unwrapped(method.client)).__name__
             raise ValueError(

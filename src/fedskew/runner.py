@@ -224,6 +224,7 @@ def run_experiment(
     loggers = Loggers(cfg.log, cfg, out_dir, cfg.log_group or "", LogContext(run_id, first), note, hists)
     recorder = RunRecorder(rd, cfg, run_id, created, rd.read_lines("metrics.jsonl"), loggers)
     diverged: Diverged | None = None
+    budget_stop: int | None = None  # DP: the round that would have passed the epsilon budget
     ckpt_time, ckpt_count, since_ckpt = 0.0, 0, 0.0
     last_ckpt_cost: float | None = None
 
@@ -257,6 +258,9 @@ def run_experiment(
                 on_start(sim, first)
             for rnd in range(first, cfg.rounds + 1):
                 t0 = time.perf_counter()
+                if sim.server.budget_spent(rnd):  # DP: this round would spend more than the epsilon budget
+                    budget_stop = rnd
+                    break
                 try:
                     result = sim.round(rnd)
                 except Diverged as exc:  # keep the rounds before it, flagged; the caller reports it loudly
@@ -296,6 +300,8 @@ def run_experiment(
         model=sim.model_name, wall_time=wall_time, diverged=diverged, checkpoints=ckpt_count, checkpoint_time=ckpt_time
     )
     summary.update({**domain_fields(cfg, data.domains), **vocabulary_fields(data)})
+    if sim.server.privacy is not None:
+        summary["privacy"] = sim.server.privacy.summary(len(recorder.records), budget_stop is not None)
     recorder.finish(summary)
     sim.state_store.remove()  # like the checkpoint, the client state is kept only while the run can be resumed
     recorder.publish(summary)

@@ -26,6 +26,7 @@ class Purpose(IntEnum):
     CALIBRATION = 10  # a post-hoc calibration's draws at an evaluated round (CCVR's virtual features, their order)
     PERSONALIZE = 11  # a client part's personalization at evaluation (Per-FedAvg's adaptation batch)
     DOWNLOADS = 12  # a server half's draws of what one client alone is sent (FedFomo's exploring peers)
+    DP_NOISE = 13  # the Gaussian noise of a DP round's release (docs/privacy.md)
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

@@ -54,6 +54,7 @@ from fedskew.engine.rounds import (
     Diverged,
     RoundPlan,
     RoundResult,
+    UpdateClip,
     dropped_out,
     keep_trained,
     payload_bytes,
@@ -65,6 +66,7 @@ from fedskew.engine.rounds import (
 )
 from fedskew.engine.state_store import MAPS, open_state_store, peek, peek_entry
 from fedskew.methods import Method, resolve_method
+from fedskew.privacy.server import noised_entries
 from fedskew.protocol import Params, Upload
 from fedskew.server.api import CalibrationKey
 
@@ -178,6 +180,10 @@ class Simulation:
         self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, data.x_test)
         # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
         self.global_is_local_union = _same_samples(data)
+        # user-level DP: each client's update clipped over every floating entry that travels
+        self.dp_clip = (
+            UpdateClip(cfg.dp_clip, noised_entries(template, self.local_names)) if cfg.dp_clip is not None else None
+        )
         self.server = RoundServer(
             cfg.round_settings(),
             self.method,
@@ -283,7 +289,7 @@ class Simulation:
         client = self.data.clients[cid]
         state = self.client_states[cid]
         args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
-        return train_client(*args, client.x_train, client.y_train, client.x_val, client.y_val)
+        return train_client(*args, client.x_train, client.y_train, client.x_val, client.y_val, self.dp_clip)
 
     def _keep_trained(self, cid: int, upload: Upload) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the

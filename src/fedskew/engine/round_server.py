@@ -29,8 +29,18 @@ import numpy as np
 
 from fedskew.engine.buffers import BufferPool
 from fedskew.engine.probe import skew_probe
-from fedskew.engine.rounds import Diverged, RoundPlan, RoundResult, dropped_out, payload_bytes, sample_clients
+from fedskew.engine.rounds import (
+    Diverged,
+    RoundPlan,
+    RoundResult,
+    cohort_size,
+    dropped_out,
+    payload_bytes,
+    sample_clients,
+)
 from fedskew.engine.settings import RoundSettings
+from fedskew.privacy.accountant import Sampling
+from fedskew.privacy.server import PrivacyPlan, plan_privacy, private_server
 from fedskew.protocol import (
     LABEL_HIST,
     TRAIN_LOSS,
@@ -80,6 +90,14 @@ def server_context(
     )
 
 
+def cohort_sampling(settings: RoundSettings, num_clients: int) -> Sampling:
+    """How the run's cohorts are drawn, as the DP accountant counts them (full participation: no amplification)."""
+    if settings.client_sampling == "poisson":
+        return Sampling("poisson", num_clients, q=settings.join_ratio)
+    m = cohort_size(num_clients, settings.join_ratio)
+    return Sampling("full", num_clients) if m >= num_clients else Sampling("fixed", num_clients, m=m)
+
+
 class RoundServer:
     """The server of one federation: the method's server strategy and client part's server half, their states, the
     global model and the personalized models it sent, driven one round at a time (see the module docstring)."""
@@ -105,7 +123,24 @@ class RoundServer:
         # the training loss of a uniform prediction is ln(classes); a round above divergence_factor times that diverged
         factor = settings.divergence_factor
         self.loss_limit = factor * math.log(ctx.num_classes) if factor else math.inf
-        self.server_state = method.server.init(ctx)
+        # user-level DP (dp_clip set): the composition's weighted mean replaced by its private form, or refused
+        self.privacy: PrivacyPlan | None = None
+        self.strategy: Any = method.server
+        if settings.dp_clip is not None:
+            self.privacy = plan_privacy(
+                method,
+                ctx,
+                clip=settings.dp_clip,
+                noise_multiplier=settings.dp_noise,
+                target_epsilon=settings.dp_epsilon,
+                delta=settings.dp_delta,
+                accountant=settings.dp_accountant,  # type: ignore[arg-type]
+                sampling=cohort_sampling(settings, ctx.num_clients),
+                rounds=settings.rounds,
+                weight_cap=settings.dp_weight_cap,
+            )
+            self.strategy = private_server(method, self.privacy, ctx, local_names)
+        self.server_state = self.strategy.init(ctx)
         method.client.check_model(ctx.template, ctx.trainable)
         # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
         self.server_half_state = method.server_half.init(ctx)
@@ -158,7 +193,7 @@ class RoundServer:
         every sampled client is sent its model and the broadcast, whether or not it reports."""
         s, n = self.settings, self.ctx.num_clients
         t0 = time.perf_counter()
-        sampled = sample_clients(s.seed, rnd, n, s.join_ratio)
+        sampled = sample_clients(s.seed, rnd, n, s.join_ratio, s.client_sampling)
         gone = set(dropped_out(s.seed, rnd, sampled, n, s.client_dropout))
         broadcast = self.broadcast()
         stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
@@ -200,11 +235,16 @@ class RoundServer:
             rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
             rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
             self.server_half_state = method.server_half.advance(rin, self.server_half_state)
-            out, self.server_state = method.server.aggregate(rin, self.server_state)
+            out, self.server_state = self.strategy.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)
             self.global_params = out.global_params
             if out.personal:
                 self.personal.update(out.personal)
+        elif self.privacy is not None:  # an empty cohort under DP still releases the noise (a skip would tell)
+            self.global_params = self.strategy.no_uploads(rnd, self.global_params, self.server_state)
+            record["dp_noise_only"] = True
+        elif not sampled:  # an empty Poisson cohort
+            record["skipped_aggregation"] = "no client was sampled"
         elif len(gone) == len(sampled):  # nobody to aggregate: every model and all server state stay as they are
             record["skipped_aggregation"] = "every sampled client dropped out"
         else:
@@ -237,7 +277,14 @@ class RoundServer:
         )
         if out is not None and out.diagnostics:
             record["diagnostics"] = out.diagnostics
+        if self.privacy is not None:
+            record["dp_epsilon"] = self.privacy.epsilon(rnd)
         return RoundResult(record, scores, probe)
+
+    def budget_spent(self, rnd: int) -> bool:
+        """Whether round ``rnd`` would spend more than the run's ε budget (DP with a budget; the run stops before)."""
+        plan = self.privacy
+        return plan is not None and plan.budget is not None and plan.epsilon(rnd) > plan.budget * (1 + 1e-9)
 
     # ---- checks ------------------------------------------------------------------------------------------
     def _check_training(self, rnd: int, losses: list[tuple[int, int, float]]) -> float | None:

@@ -5,15 +5,18 @@ and its result (:class:`RoundPlan`, :class:`RoundResult`), and :class:`Diverged`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from fedskew.client.local import LOCAL_PARAMS, LocalContext, PersonalContext, TrainSettings, local_train, overrides
+from fedskew.privacy.mechanism import clip_update
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
@@ -35,13 +38,22 @@ def payload_bytes(tensors: Params) -> int:
     return total
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> list[int]:
-    """``max(1, round(join_ratio * N))`` distinct clients, drawn from a stream keyed by (seed, round)."""
-    m = max(1, int(round(join_ratio * num_clients)))
+def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float, kind: str = "fixed") -> list[int]:
+    """``fixed``: ``max(1, round(join_ratio * N))`` distinct clients; ``poisson``: each client independently with
+    probability ``join_ratio`` (possibly none). Drawn from a stream keyed by (seed, round)."""
+    if kind == "poisson":
+        u = numpy_rng(seed, Purpose.SAMPLING, rnd).random(num_clients)
+        return [int(c) for c in np.flatnonzero(u < join_ratio)]
+    m = cohort_size(num_clients, join_ratio)
     if m >= num_clients:
         return list(range(num_clients))
     rng = numpy_rng(seed, Purpose.SAMPLING, rnd)
     return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
+
+
+def cohort_size(num_clients: int, join_ratio: float) -> int:
+    """The number of clients fixed-size sampling draws each round."""
+    return max(1, int(round(join_ratio * num_clients)))
 
 
 def dropped_out(seed: int, rnd: int, sampled: list[int], num_clients: int, p: float) -> list[int]:
@@ -120,11 +132,14 @@ def train_client(
     y: torch.Tensor,
     x_val: torch.Tensor | None = None,
     y_val: torch.Tensor | None = None,
+    clip: UpdateClip | None = None,
 ) -> Upload:
     """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
     ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
-    split, if the run has one (hooks may score it; it is never trained on)."""
+    split, if the run has one (hooks may score it; it is never trained on). ``clip``: under user-level DP, the
+    update it uploads is clipped (:func:`fedskew.privacy.mechanism.clip_update`); a client part that uploads more
+    than the model is refused there (its extras would travel unclipped)."""
     ctx = LocalContext(
         cid=cid,
         round=rnd,
@@ -137,7 +152,25 @@ def train_client(
         y_val=y_val,
     )
     gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
-    return local_train(method.client, ctx, x, y, gen, method.upload_extras)
+    upload = local_train(method.client, ctx, x, y, gen, method.upload_extras)
+    if clip is None:
+        return upload
+    if upload.extras:
+        raise ValueError(
+            f"differential privacy: client {cid} uploads extra tensors {sorted(upload.extras)} beside the model, "
+            "which are not clipped or noised; this client part cannot run under DP"
+        )
+    params, _ = clip_update(received, upload.params, clip.names, clip.norm)
+    return dataclasses.replace(upload, params=params)
+
+
+@dataclass(frozen=True)
+class UpdateClip:
+    """User-level DP on the client: the update over ``names`` (every floating entry that travels) clipped to
+    ``norm``."""
+
+    norm: float
+    names: tuple[str, ...]
 
 
 def keep_trained(

@@ -20,6 +20,13 @@ class RoundSettings:
     rounds: int  # the last round evaluates every client
     join_ratio: float  # clients sampled per round
     client_dropout: float  # probability that a sampled client does not report
+    client_sampling: str  # fixed | poisson: who is sampled each round
+    dp_clip: float | None  # user-level DP on when set: the clip C (clients), the noise (server)
+    dp_noise: float | None  # the noise multiplier z (None: calibrated to dp_epsilon)
+    dp_epsilon: float | None  # the epsilon budget
+    dp_delta: float
+    dp_accountant: str  # rdp | pld
+    dp_weight_cap: float | None  # sample weights' cap (None: the mean training size)
     on_bad_update: str  # fail | drop: a non-finite or mis-shaped upload stops the run, or is left out
     divergence_factor: float  # a round's training loss above this × ln(classes) diverged (0: never)
     eval_every: int  # the evaluation cadence (the last round always evaluates)

@@ -41,6 +41,7 @@ from fedskew.engine.evaluate import predict_scores
 from fedskew.engine.model_init import init_model
 from fedskew.engine.rounds import (
     LOCAL_PARAMS,
+    UpdateClip,
     keep_trained,
     personalized,
     train_client,
@@ -52,6 +53,7 @@ from fedskew.flower.hello import NodeReport
 from fedskew.flower.node_data import NodePart, cached_part, own_part
 from fedskew.flower.settings import FlowerSettings, config_hash, node_overrides, parse_run_config
 from fedskew.methods import Method, resolve_method
+from fedskew.privacy.server import noised_entries
 from fedskew.protocol import Params
 
 app = ClientApp()
@@ -159,7 +161,9 @@ def train(msg: Message, context: Context) -> Message:
     rnd = int(conf["round"])  # type: ignore[arg-type]
     args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)
     data = client.data
-    update = train_client(*args, data.x_train, data.y_train, data.x_val, data.y_val)
+    # user-level DP: the node clips its own update (the server adds the noise), as the simulator's clients do
+    clip = UpdateClip(cfg.dp_clip, noised_entries(sh.initial, frozenset(names))) if cfg.dp_clip is not None else None
+    update = train_client(*args, data.x_train, data.y_train, data.x_val, data.y_val, clip)
     own_args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd)
     tune = lambda p: personalized(*own_args, p, state, data.x_train, data.y_train)  # noqa: E731
     kept = keep_trained(sh.method, frozenset(names), state, update, tune)

@@ -430,8 +430,12 @@ def run_on_grid(
     recorder.start(server_knows(view, reports, request), engine=ENGINE)
     log.info("fedskew %s on %s: %d clients connected, run directory %s", cfg.method, cfg.dataset, cfg.clients, out_dir)
     diverged: Diverged | None = None
+    budget_stop = False
     try:
         for rnd in range(1, cfg.rounds + 1):
+            if server.server.budget_spent(rnd):  # DP: this round would spend more than the epsilon budget
+                budget_stop = True
+                break
             try:
                 result = server.round(rnd)
             except Diverged as exc:  # keep the rounds before it, flagged
@@ -457,6 +461,8 @@ def run_on_grid(
             "flower": {**settings.model_dump(), "failures": server.failures, "rejoined": server.rejoined},
         }
     )
+    if server.server.privacy is not None:
+        summary["privacy"] = server.server.privacy.summary(len(recorder.records), budget_stop)
     recorder.finish(summary)
     recorder.publish(summary)
     return RunOutcome(run_id, out_dir, summary, recorder.records, view)

@@ -1,0 +1,74 @@
+"""The Gaussian mechanism of user-level DP-FedAvg as small pure functions: the client's clip, the server's capped
+weights, the noised weighted sum and its fixed denominator.
+
+Order, written once (:class:`fedskew.privacy.server.PrivateMean` applies it)::
+
+    client:  Δ_k = θ_k − θ  over the floating entries that travel, one flattened vector;  Δ_k ← Δ_k · min(1, C/‖Δ_k‖)
+    server:  w_k = 1 (uniform) or min(n_k / cap, 1) (samples, capped: w_k ≤ 1)
+             S = Σ_k w_k Δ_k + N(0, (z·C·max w)²·I)                      (the noise added once, to the sum)
+             θ ← θ + S / D,  D = E[Σ_{k in the cohort} w_k]             (fixed: never the realised cohort's weight)
+
+Replacing one client moves ``S`` by at most ``max w · C`` (add or remove: the same), which is the sensitivity the
+noise is scaled to; ``z`` is the noise multiplier the accountant counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from fedskew.protocol import Params
+
+
+def delta_norm(received: Params, trained: Params, names: Iterable[str]) -> float:
+    """``‖θ_k − θ‖`` over ``names`` as one flattened vector (float64)."""
+    total = 0.0
+    for n in names:
+        total += float(((trained[n].double() - received[n].double()) ** 2).sum())
+    return math.sqrt(total)
+
+
+def clip_update(received: Params, trained: Params, names: Sequence[str], clip: float) -> tuple[Params, float]:
+    """``trained`` with its update over ``names`` scaled to norm at most ``clip`` (direction kept; a zero update stays
+    zero), the other entries as they are, and the update's norm before clipping."""
+    if clip <= 0:
+        raise ValueError(f"the clipping norm must be positive, got {clip}")
+    norm = delta_norm(received, trained, names)
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    if scale == 1.0:
+        return trained, norm
+    out = dict(trained)
+    for n in names:
+        out[n] = (received[n] + scale * (trained[n] - received[n])).to(trained[n].dtype)
+    return out, norm
+
+
+def capped_weights(num_samples: Tensor, weights: str, cap: float) -> Tensor:
+    """The DP weights ``w_k`` (float64): ``uniform`` → 1; ``samples`` → ``min(n_k / cap, 1)``."""
+    if weights == "uniform":
+        return torch.ones_like(num_samples, dtype=torch.float64)
+    if weights == "samples":
+        if cap <= 0:
+            raise ValueError(f"the weight cap must be positive, got {cap}")
+        return (num_samples.double() / cap).clamp(max=1.0)
+    raise ValueError(f"DP weights must be uniform or samples, got {weights!r}")
+
+
+def noise_std(noise_multiplier: float, clip: float, max_weight: float) -> float:
+    """The std of the noise on the weighted sum: ``z · C · max w`` (the sum's sensitivity times ``z``)."""
+    return noise_multiplier * clip * max_weight
+
+
+def noised_sum(deltas: Params, weights: Tensor, std: float, generator: torch.Generator) -> Params:
+    """``Σ_k w_k Δ_k + N(0, std²)`` per entry, the noise drawn once per coordinate from ``generator`` (CPU, float64
+    sums, cast back to each entry's dtype). ``deltas``: ``[K, ...]`` per entry (``K`` may be 0: noise alone)."""
+    out: Params = {}
+    for n, d in deltas.items():
+        shape = d.shape[1:]
+        total = torch.tensordot(weights.to(d.device), d.double(), dims=1) if d.shape[0] else torch.zeros(shape)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float64) * std
+        out[n] = (total.cpu().double() + noise).to(device=d.device, dtype=d.dtype)
+    return out

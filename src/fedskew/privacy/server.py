@@ -1,0 +1,179 @@
+"""The server side of user-level DP: which compositions can be private, the noise multiplier a run uses (given, or
+calibrated to a target ε), and :class:`PrivateMean`, the private replacement of a composition's weighted mean.
+
+A composition can be private when its server combines the uploads as a weighted sum whose weights the server may
+know without a further release: FedAvg's client parts with uniform or (capped) sample weights, any server step after
+the sum (FedAvgM, FedAdam: post-processing), client-local groups (FedPer's head never travels), client parts whose
+personalized models stay on the client (Ditto, APFL: the guarantee covers the released global model). Refused, with the
+reason: a server piece that needs each client's update on its own (masks, a combine other than the weighted mean,
+one model per client), weights computed from the clients' statistics (FedDisco's: a release of their own), and a
+client part whose server half or uploads carry more than the model (SCAFFOLD's control variates: not yet clipped
+and noised with the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from fedskew.privacy.accountant import AccountantKind, Sampling, calibrate, epsilon
+from fedskew.privacy.mechanism import capped_weights, noise_std, noised_sum
+from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.schema import ConfigError
+from fedskew.seeding import Purpose, torch_generator
+from fedskew.server.api import NO_SERVER_HALF, Aggregation, ServerOutput, ServerStep
+from fedskew.server.combine import WeightedMean
+from fedskew.server.weights import SampleWeights, UniformWeights
+
+if TYPE_CHECKING:
+    from fedskew.methods import Method
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """A run's DP settings as the server applies them: the clip ``C``, the noise multiplier ``z`` (given, or
+    calibrated: ``calibrated``), the cohort's sampling, ``δ``, the accountant, the weights and their cap, the
+    fixed denominator ``D`` and the ε budget (``None``: none)."""
+
+    clip: float
+    noise_multiplier: float
+    sampling: Sampling
+    delta: float
+    accountant: AccountantKind
+    weights: str
+    cap: float
+    denominator: float
+    budget: float | None
+    calibrated: bool
+
+    def epsilon(self, rounds: int) -> float:
+        """The ε spent after ``rounds`` rounds."""
+        return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant)
+
+    def summary(self, rounds: int, stopped_at_budget: bool) -> dict[str, Any]:
+        """summary.json's ``privacy``: the settings, the ε spent in the ``rounds`` rounds run, whether the run stopped
+        at its budget."""
+        spent = self.epsilon(rounds)
+        return {**self.record(), "epsilon": spent, "rounds": rounds, "stopped_at_budget": stopped_at_budget}
+
+    def record(self) -> dict[str, Any]:
+        """The run's privacy settings as applied."""
+        return {
+            "clip": self.clip,
+            "noise_multiplier": self.noise_multiplier,
+            "calibrated": self.calibrated,
+            "sampling": self.sampling.kind,
+            "q": self.sampling.q if self.sampling.kind == "poisson" else self.sampling.m / self.sampling.n,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "weights": self.weights,
+            "weight_cap": self.cap,
+            "denominator": self.denominator,
+            "budget": self.budget,
+        }
+
+
+def refusal(method: Method) -> str | None:
+    """Why ``method`` cannot run under user-level DP (module docstring); ``None`` when it can."""
+    server = method.server
+    if not isinstance(server, Aggregation):
+        return "its server makes one model per client from the individual uploads"
+    if server.masking is not None:
+        return f"its server masks each client's update ({type(server.masking).__name__})"
+    if type(server.combine) is not WeightedMean:
+        return f"its server combines the individual updates ({type(server.combine).__name__}), not a weighted sum"
+    if not isinstance(server.weighting, SampleWeights | UniformWeights):
+        return (
+            f"its weights ({type(server.weighting).__name__}) come from the clients' statistics, a release of their "
+            "own that is not privatized"
+        )
+    if method.server_half is not NO_SERVER_HALF:
+        return f"its client part's server half ({type(method.server_half).__name__}) reads more than the model"
+    if method.upload_extras:
+        return "its clients upload extra tensors beside the model"
+    return None
+
+
+def plan_privacy(
+    method: Method,
+    ctx: ServerContext,
+    *,
+    clip: float,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    delta: float,
+    accountant: AccountantKind,
+    sampling: Sampling,
+    rounds: int,
+    weight_cap: float | None,
+) -> PrivacyPlan:
+    """The run's :class:`PrivacyPlan`; :class:`~fedskew.schema.ConfigError` naming why a composition is refused."""
+    why = refusal(method)
+    if why is not None:
+        raise ConfigError(f"method {method.name!r} cannot run under differential privacy: {why}")
+    weighting = method.server.weighting  # type: ignore[attr-defined]
+    weights = "samples" if isinstance(weighting, SampleWeights) else "uniform"
+    n = np.asarray(ctx.num_train, dtype=np.float64)
+    cap = float(weight_cap) if weight_cap is not None else float(n.mean())
+    all_w = capped_weights(torch.from_numpy(n), weights, cap).sum().item()
+    denominator = all_w * sampling.expected_cohort / sampling.n  # E[Σ w over the cohort]: each client joins w.p. q
+    if noise_multiplier is None:
+        if target_epsilon is None:
+            raise ConfigError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
+        z, calibrated = calibrate(target_epsilon, delta, sampling, rounds, accountant), True
+    else:
+        z, calibrated = float(noise_multiplier), False
+    return PrivacyPlan(clip, z, sampling, delta, accountant, weights, cap, denominator, target_epsilon, calibrated)
+
+
+class PrivateState(NamedTuple):
+    step: State = None
+
+
+@dataclass(frozen=True)
+class PrivateMean:
+    """DP-FedAvg's server (:mod:`fedskew.privacy.mechanism`): ``θ ← θ + (Σ w_k Δ_k + N(0, (z C max w)²))/D`` over
+    the entries the clients clip (``noised``), then the composition's server step; the other entries (integer
+    buffers, the entries clients keep locally) stay the global model's. Noise keyed by (seed, round)."""
+
+    plan: PrivacyPlan
+    noised: tuple[str, ...]
+    seed: int
+    step: ServerStep | None = None
+
+    def init(self, ctx: ServerContext) -> PrivateState:
+        return PrivateState(self.step.init(ctx) if self.step is not None else None)
+
+    def _release(self, rnd: int, global_params: Params, deltas: Params, weights: torch.Tensor) -> Params:
+        std = noise_std(self.plan.noise_multiplier, self.plan.clip, 1.0)  # capped weights: max w ≤ 1
+        gen = torch_generator(self.seed, Purpose.DP_NOISE, rnd)
+        total = noised_sum(deltas, weights, std, gen)
+        return {**global_params, **{n: global_params[n] + total[n] / self.plan.denominator for n in self.noised}}
+
+    def aggregate(self, rin: RoundInput, state: PrivateState) -> tuple[ServerOutput, PrivateState]:
+        weights = capped_weights(rin.num_samples, self.plan.weights, self.plan.cap)
+        deltas = {n: rin.params[n] - rin.global_params[n] for n in self.noised}
+        params = self._release(rin.round, rin.global_params, deltas, weights)
+        diagnostics: dict[str, Any] = {"weights": weights.tolist(), "dp_cohort_weight": float(weights.sum())}
+        sstate = None
+        if self.step is not None:
+            params, more, sstate = self.step(rin, params, weights / self.plan.denominator, state.step)
+            diagnostics.update(more)
+        return ServerOutput(params, None, diagnostics), PrivateState(sstate)
+
+    def no_uploads(self, rnd: int, global_params: Params, state: PrivateState) -> Params:
+        """An empty cohort's release: the noise alone (skipping the round would tell a neighbour apart)."""
+        empty = {n: global_params[n][None][:0] for n in self.noised}
+        return self._release(rnd, global_params, empty, torch.zeros(0, dtype=torch.float64))
+
+
+def noised_entries(template: Params, local_names: frozenset[str]) -> tuple[str, ...]:
+    """The entries a client clips and the server noises: every floating entry that travels."""
+    return tuple(n for n, t in template.items() if t.is_floating_point() and n not in local_names)
+
+
+def private_server(method: Method, plan: PrivacyPlan, ctx: ServerContext, local_names: frozenset[str]) -> PrivateMean:
+    return PrivateMean(plan, noised_entries(ctx.template, local_names), ctx.seed, method.server.step)  # type: ignore[attr-defined]
