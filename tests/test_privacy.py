@@ -124,7 +124,9 @@ def test_poisson_sampling_rate_within_its_binomial_interval():
 
 
 # ---- which compositions may be private -------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedavg+fedavgm", "fedper", "moon", "ditto", "fedcp"])
+@pytest.mark.parametrize(
+    "method", ["fedavg", "fedprox", "fedavg+fedavgm", "fedavg+fedadam", "fedper", "moon", "ditto", "fedcp"]
+)
 def test_weighted_sum_compositions_may_be_private(method):
     assert refusal(resolve_method(method, {})) is None
 
@@ -138,6 +140,8 @@ def test_weighted_sum_compositions_may_be_private(method):
         ("fedcac", "one model per client"),
         ("scaffold", "server half"),
         ("fedfomo", "one model per client"),
+        ("fedavg+fedexp", "server step (FedExPStep) reads the individual uploads"),
+        ("fedavg+ccvr", "feature statistics"),
     ],
 )
 def test_compositions_that_need_individual_updates_are_refused_with_the_reason(method, why):

@@ -289,10 +289,14 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print("refused:")
         for line in refused:
             print(textwrap.fill(line, width=110, initial_indent="  ", subsequent_indent="    "))
+        private = index.get("private", [])
+        print(f"\ncan run under user-level differential privacy (--dp-clip; docs/privacy.md), {len(private)}:")
+        print(textwrap.fill(", ".join(private), width=110, initial_indent="  ", subsequent_indent="  "))
     else:
         print(
             f"\n{len(valid)} valid compositions of a client part and a plug-in (or two plug-ins), {len(refused)} "
-            "refused with a reason: `fedskew methods --compositions` lists them"
+            f"refused with a reason; {len(index.get('private', []))} of the valid ones can run under --dp-clip: "
+            "`fedskew methods --compositions` lists them"
         )
     # the Flower apps run any composition with the simulator's own objects (docs/flower.md)
     import importlib.util

@@ -23,22 +23,28 @@ ENTRY_POINT_GROUP = "fedskew.methods"  # as fedskew.registry's (kept here so tha
 
 def compute_index() -> dict[str, Any]:
     """The rows (name, kind, summary) of every registered part and alias, the valid compositions of a client part
-    and a plug-in (or two plug-ins) under their canonical names, and the refused ones with their reasons."""
+    and a plug-in (or two plug-ins) under their canonical names, the refused ones with their reasons, and the valid
+    ones that can run under user-level differential privacy."""
     from fedskew.methods import CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
+    from fedskew.privacy.server import refusal
 
     valid: list[str] = []
     refused: list[str] = []
+    private: list[str] = []  # the valid compositions that can run under user-level DP (docs/privacy.md)
     candidates = [c for c in CLIENTS] + [f"{c}+{p}" for c in CLIENTS for p in SERVER_PLUGINS]
     candidates += [f"{a}+{b}" for a in SERVER_PLUGINS for b in SERVER_PLUGINS if a < b]
     for name in candidates:
         try:
-            canonical = resolve_method(name, {}).name
+            method = resolve_method(name, {})
         except ValueError as exc:
             refused.append(f"{name} ({str(exc).split(': ', 1)[-1]})")
             continue
-        if canonical not in valid:
-            valid.append(canonical)
-    return {"rows": [list(r) for r in describe_methods()], "valid": valid, "refused": refused}
+        if method.name not in valid:
+            valid.append(method.name)
+            if refusal(method) is None:
+                private.append(method.name)
+    rows = [list(r) for r in describe_methods()]
+    return {"rows": rows, "valid": valid, "refused": refused, "private": private}
 
 
 def method_index() -> dict[str, Any]:

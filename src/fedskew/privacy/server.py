@@ -2,13 +2,14 @@
 calibrated to a target ε), and :class:`PrivateMean`, the private replacement of a composition's weighted mean.
 
 A composition can be private when its server combines the uploads as a weighted sum whose weights the server may
-know without a further release: FedAvg's client parts with uniform or (capped) sample weights, any server step after
-the sum (FedAvgM, FedAdam: post-processing), client-local groups (FedPer's head never travels), client parts whose
-personalized models stay on the client (Ditto, APFL: the guarantee covers the released global model). Refused, with the
-reason: a server piece that needs each client's update on its own (masks, a combine other than the weighted mean,
-one model per client), weights computed from the clients' statistics (FedDisco's: a release of their own), and a
-client part whose server half or uploads carry more than the model (SCAFFOLD's control variates: not yet clipped
-and noised with the model).
+know without a further release: FedAvg's client parts with uniform or (capped) sample weights, a server step that
+reads only the sum (FedAvgM, FedAdam: post-processing; not FedExP, which reads each update's norm), client-local
+groups (FedPer's head never travels), client parts whose personalized models stay on the client (Ditto, APFL: the
+guarantee covers the released global model). Refused, with the reason: a server piece that needs each client's
+update on its own (masks, a combine other than the weighted mean, one model per client, a step reading the
+uploads), weights or a calibration computed from the clients' statistics (FedDisco's, CCVR's: releases of their
+own), and a client part whose server half or uploads carry more than the model (SCAFFOLD's control variates: not yet
+clipped and noised with the model).
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def refusal(method: Method) -> str | None:
             f"its weights ({type(server.weighting).__name__}) come from the clients' statistics, a release of their "
             "own that is not privatized"
         )
+    if server.step is not None and server.step.individual:
+        return f"its server step ({type(server.step).__name__}) reads the individual uploads, not only their sum"
+    if method.calibration is not None:
+        return "its evaluated model is calibrated on the clients' feature statistics, a release of their own"
     if method.server_half is not NO_SERVER_HALF:
         return f"its client part's server half ({type(method.server_half).__name__}) reads more than the model"
     if method.upload_extras:

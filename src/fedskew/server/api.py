@@ -129,7 +129,11 @@ class Combine(Piece):
 
 class ServerStep(Piece):
     """The server's own step after the combine: ``params`` is the combined model, the result the next global model
-    (FedAvgM's server momentum, FedDyn's correction by the mean of the clients' deltas)."""
+    (FedAvgM's server momentum, FedDyn's correction by the mean of the clients' deltas). ``individual``: whether it
+    reads the clients' uploads beyond the combined model (FedExP's norms of each update); a step that does not is
+    post-processing of the combine, which is what lets it run after a private sum (docs/privacy.md)."""
+
+    individual: ClassVar[bool] = True
 
     def __call__(
         self, rin: RoundInput, params: Params, weights: Tensor, state: State
@@ -232,6 +236,7 @@ class Descent(ServerStep):
     buffers take the combined value). FedAvgM is ``Descent((("ema", Ema(m)), ("scale", Scale(lr))))``; with no
     transform the result is the combined model up to float64 rounding. Diagnostics are prefixed with ``prefix_``."""
 
+    individual: ClassVar[bool] = False  # the pseudo-gradient is the combined model's alone
     transforms: tuple[tuple[str, GradientTransform], ...]
     prefix: str = ""
 
