@@ -60,11 +60,16 @@ def _without_timing(records: list[dict]) -> list[dict]:
 
 
 # ---- the equivalence harness -----------------------------------------------------------------------------------------
-# cases that are a method with settings of its own: FedFomo's validation split; user-level DP (the node clips, the
-# server noises; Poisson cohorts, one of them possibly empty)
+# cases that are a method with settings of its own: FedFomo's validation split; user-level DP (the node clips with
+# the clip the server broadcasts and reports whether it clipped, the server noises and adapts the clip; Poisson
+# cohorts, one of them possibly empty)
 CASES = {
     "fedfomo": ("fedfomo", {"validation": 0.2}),
-    "fedprox+dp": ("fedprox", {"dp_clip": 0.5, "dp_noise": 0.8, "client_sampling": "poisson", "join_ratio": 0.6}),
+    "fedprox+dp": (
+        "fedprox",
+        {"dp_clip": 0.5, "dp_noise": 0.8, "client_sampling": "poisson", "join_ratio": 0.6}
+        | {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0},
+    ),
 }
 
 @needs_flwr

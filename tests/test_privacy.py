@@ -89,7 +89,7 @@ def test_noise_has_the_declared_std_no_excess_kurtosis_and_is_added_once_per_rou
     assert not torch.equal(other.global_params["w"], out.global_params["w"])  # a fresh draw each round
     again, _ = server.aggregate(_rin(torch.zeros(4, d)), server.init(None))
     assert torch.equal(again.global_params["w"], out.global_params["w"])  # seeded by (seed, round)
-    alone = server.no_uploads(1, {"w": torch.zeros(d)}, server.init(None))  # an empty cohort: the noise alone
+    alone, _ = server.no_uploads(1, {"w": torch.zeros(d)}, server.init(None))  # an empty cohort: the noise alone
     assert float(alone["w"].double().std()) == pytest.approx(sigma, rel=0.02)
 
 
@@ -213,3 +213,32 @@ def test_without_noise_or_clipping_a_private_run_is_uniform_fedavg(tmp_path):
     for a, b in zip(dp, ref, strict=True):
         assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+# ---- adaptive clipping -----------------------------------------------------------------------------------------------
+def test_adaptive_clipping_splits_the_noise_multiplier_between_the_sum_and_the_count():
+    from fedskew.privacy.mechanism import model_noise_multiplier, next_clip
+
+    assert model_noise_multiplier(1.0, 5.0) == pytest.approx((1 - 1 / 100) ** -0.5)
+    with pytest.raises(ValueError, match="must exceed half the noise multiplier"):
+        model_noise_multiplier(2.0, 1.0)
+    gen = torch.Generator().manual_seed(0)
+    # all 10 of an expected 10 unclipped, no noise to speak of: C shrinks by exp(-lr (1 - q))
+    new, share = next_clip(2.0, 10.0, 1e-12, 10.0, 0.5, 0.2, gen)
+    assert share == pytest.approx(1.0) and new == pytest.approx(2.0 * math.exp(-0.2 * 0.5))
+
+
+def test_adaptive_clip_tracks_the_quantile_over_rounds_and_reports_it(tmp_path):
+    values = _values(tmp_path, dp_noise=1e-7, dp_count_noise=1e-6, dp_clip=1e3, dp_clip_quantile=0.5, rounds=4)
+    values |= {"client_sampling": "fixed", "join_ratio": 1.0}
+    run_experiment(make_config(None, values))
+    records = _lines(tmp_path / "run")
+    clips = [r["diagnostics"]["dp_clip"] for r in records]
+    assert clips[0] == 1e3
+    for a, b in zip(clips, clips[1:], strict=False):  # every update within the clip: b̄ = 1, a geometric decrease
+        assert b == pytest.approx(a * math.exp(-0.2 * 0.5), rel=1e-6)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())["privacy"]
+    assert summary["clip_quantile"] == 0.5 and summary["model_noise_multiplier"] > 1e-7
+    with pytest.raises(ConfigError, match="must exceed half"):
+        bad = {**values, "dp_noise": 1.0, "dp_count_noise": 0.1, "out": str(tmp_path / "x")}
+        run_experiment(make_config(None, bad))

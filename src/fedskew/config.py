@@ -62,6 +62,9 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "dp_delta": 1e-5,
     "dp_accountant": "rdp",
     "dp_weight_cap": None,
+    "dp_clip_quantile": None,
+    "dp_clip_lr": 0.2,
+    "dp_count_noise": None,
 }
 
 
@@ -205,6 +208,17 @@ class RunConfig(StrictSettings):
     dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="DP: the accountant (dp-accounting)")
     dp_weight_cap: float | None = Field(
         None, gt=0, description="DP, sample weights: w_k = min(n_k / cap, 1) (default: the mean training size)"
+    )
+    dp_clip_quantile: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="DP, adaptive clipping (Andrew et al. 2021): the quantile of the update norms the clip tracks "
+        "(e.g. 0.5; dp_clip is then its initial value)",
+    )
+    dp_clip_lr: float = Field(0.2, gt=0, description="DP, adaptive clipping: the geometric update's rate")
+    dp_count_noise: float | None = Field(
+        None, gt=0, description="DP, adaptive clipping: the std of the noise on the clipped count (default cohort/20)"
     )
     # evaluation and output
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and always the last)")
@@ -386,7 +400,8 @@ class RunConfig(StrictSettings):
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
-        dp_set = [k for k in ("dp_noise", "dp_epsilon", "dp_weight_cap") if getattr(self, k) is not None]
+        dp_keys = ("dp_noise", "dp_epsilon", "dp_weight_cap", "dp_clip_quantile", "dp_count_noise")
+        dp_set = [k for k in dp_keys if getattr(self, k) is not None]
         if dp_set and self.dp_clip is None:
             raise ValueError(f"{', '.join(dp_set)} need dp_clip (differential privacy is on when dp_clip is set)")
         if self.dp_clip is not None:

@@ -138,6 +138,9 @@ class RoundServer:
                 sampling=cohort_sampling(settings, ctx.num_clients),
                 rounds=settings.rounds,
                 weight_cap=settings.dp_weight_cap,
+                clip_quantile=settings.dp_clip_quantile,
+                clip_lr=settings.dp_clip_lr,
+                count_noise=settings.dp_count_noise,
             )
             self.strategy = private_server(method, self.privacy, ctx, local_names)
         self.server_state = self.strategy.init(ctx)
@@ -162,7 +165,10 @@ class RoundServer:
 
     def broadcast(self) -> Params:
         """What the server half sends every sampled client beside its model (SCAFFOLD's c; ``{}`` for most)."""
-        return self.method.server_half.broadcast(self.server_half_state)
+        sent = self.method.server_half.broadcast(self.server_half_state)
+        if self.privacy is not None:  # the DP server's own (adaptive clipping: this round's clip)
+            sent = {**sent, **self.strategy.broadcast(self.server_state)}
+        return sent
 
     def sent_to(self, plan: RoundPlan, cid: int) -> Params:
         """What client ``cid`` receives beside its model this round: the broadcast, and what the server half sends it
@@ -241,7 +247,7 @@ class RoundServer:
             if out.personal:
                 self.personal.update(out.personal)
         elif self.privacy is not None:  # an empty cohort under DP still releases the noise (a skip would tell)
-            self.global_params = self.strategy.no_uploads(rnd, self.global_params, self.server_state)
+            self.global_params, self.server_state = self.strategy.no_uploads(rnd, self.global_params, self.server_state)
             record["dp_noise_only"] = True
         elif not sampled:  # an empty Poisson cohort
             record["skipped_aggregation"] = "no client was sampled"

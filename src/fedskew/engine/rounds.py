@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fedskew.client.local import LOCAL_PARAMS, LocalContext, PersonalContext, TrainSettings, local_train, overrides
-from fedskew.privacy.mechanism import clip_update
+from fedskew.privacy.mechanism import DP_CLIP, DP_UNCLIPPED, clip_update
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
@@ -160,14 +160,18 @@ def train_client(
             f"differential privacy: client {cid} uploads extra tensors {sorted(upload.extras)} beside the model, "
             "which are not clipped or noised; this client part cannot run under DP"
         )
-    params, _ = clip_update(received, upload.params, clip.names, clip.norm)
-    return dataclasses.replace(upload, params=params)
+    norm = float(broadcast[DP_CLIP]) if DP_CLIP in broadcast else clip.norm  # adaptive clipping: the round's
+    params, before = clip_update(received, upload.params, clip.names, norm)
+    metrics = upload.metrics
+    if DP_CLIP in broadcast:  # the bit the server's noised count of unclipped updates reads
+        metrics = {**metrics, DP_UNCLIPPED: float(before <= norm)}
+    return dataclasses.replace(upload, params=params, metrics=metrics)
 
 
 @dataclass(frozen=True)
 class UpdateClip:
     """User-level DP on the client: the update over ``names`` (every floating entry that travels) clipped to
-    ``norm``."""
+    ``norm`` (under adaptive clipping, to the norm the server broadcasts this round)."""
 
     norm: float
     names: tuple[str, ...]

@@ -22,6 +22,9 @@ from torch import Tensor
 
 from fedskew.protocol import Params
 
+DP_CLIP = "dp_clip"  # broadcast under adaptive clipping: this round's clip norm C (float64 scalar)
+DP_UNCLIPPED = "dp_unclipped"  # a client's metric under adaptive clipping: 1 when its update was within C, else 0
+
 
 def delta_norm(received: Params, trained: Params, names: Iterable[str]) -> float:
     """``‖θ_k − θ‖`` over ``names`` as one flattened vector (float64)."""
@@ -72,3 +75,31 @@ def noised_sum(deltas: Params, weights: Tensor, std: float, generator: torch.Gen
         noise = torch.randn(shape, generator=generator, dtype=torch.float64) * std
         out[n] = (total.cpu().double() + noise).to(device=d.device, dtype=d.dtype)
     return out
+
+
+def model_noise_multiplier(z: float, count_noise: float) -> float:
+    """Adaptive clipping's split of the privacy (Andrew et al., NeurIPS 2021, Thm. 1): the count of unclipped
+    updates (each ``b_k − ½``, sensitivity ½) is noised with std ``σ_b``, so the model's sum gets the multiplier
+    ``z_Δ = (z⁻² − (2σ_b)⁻²)^(−½)`` and the pair is one Gaussian mechanism of multiplier ``z``."""
+    rest = z**-2 - (2 * count_noise) ** -2
+    if rest <= 0:
+        raise ValueError(
+            f"the clipped count's noise std ({count_noise:g}) must exceed half the noise multiplier ({z / 2:g}): "
+            "raise dp_count_noise or the noise"
+        )
+    return rest**-0.5
+
+
+def next_clip(
+    clip: float,
+    unclipped: float,
+    count_noise: float,
+    cohort: float,
+    quantile: float,
+    lr: float,
+    generator: torch.Generator,
+) -> tuple[float, float]:
+    """The geometric clip update: ``b̄ = (Σ b_k + N(0, σ_b²)) / E[cohort]``, ``C ← C·exp(−lr·(b̄ − quantile))``;
+    returns ``(C', b̄)``."""
+    noisy = (unclipped + float(torch.randn((), generator=generator, dtype=torch.float64)) * count_noise) / cohort
+    return clip * math.exp(-lr * (noisy - quantile)), noisy

@@ -21,7 +21,15 @@ import numpy as np
 import torch
 
 from fedskew.privacy.accountant import AccountantKind, Sampling, calibrate, epsilon
-from fedskew.privacy.mechanism import capped_weights, noise_std, noised_sum
+from fedskew.privacy.mechanism import (
+    DP_CLIP,
+    DP_UNCLIPPED,
+    capped_weights,
+    model_noise_multiplier,
+    next_clip,
+    noise_std,
+    noised_sum,
+)
 from fedskew.protocol import Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_generator
@@ -31,6 +39,18 @@ from fedskew.server.weights import SampleWeights, UniformWeights
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
+
+
+@dataclass(frozen=True)
+class AdaptiveClip:
+    """Adaptive clipping (Andrew et al., NeurIPS 2021): the clip tracks ``quantile`` of the update norms at rate
+    ``lr`` from the noised count of unclipped updates (noise std ``count_noise``); ``model_noise`` is the multiplier
+    left for the model's sum, so that the pair spends what ``noise_multiplier`` does."""
+
+    quantile: float
+    lr: float
+    count_noise: float
+    model_noise: float
 
 
 @dataclass(frozen=True)
@@ -49,6 +69,7 @@ class PrivacyPlan:
     denominator: float
     budget: float | None
     calibrated: bool
+    adaptive: AdaptiveClip | None = None  # adaptive clipping (None: the clip stays C)
 
     def epsilon(self, rounds: int) -> float:
         """The ε spent after ``rounds`` rounds."""
@@ -74,6 +95,16 @@ class PrivacyPlan:
             "weight_cap": self.cap,
             "denominator": self.denominator,
             "budget": self.budget,
+            **(
+                {}
+                if self.adaptive is None
+                else {
+                    "clip_quantile": self.adaptive.quantile,
+                    "clip_lr": self.adaptive.lr,
+                    "count_noise": self.adaptive.count_noise,
+                    "model_noise_multiplier": self.adaptive.model_noise,
+                }
+            ),
         }
 
 
@@ -114,6 +145,9 @@ def plan_privacy(
     sampling: Sampling,
     rounds: int,
     weight_cap: float | None,
+    clip_quantile: float | None = None,
+    clip_lr: float = 0.2,
+    count_noise: float | None = None,
 ) -> PrivacyPlan:
     """The run's :class:`PrivacyPlan`; :class:`~fedskew.schema.ConfigError` naming why a composition is refused."""
     why = refusal(method)
@@ -131,11 +165,23 @@ def plan_privacy(
         z, calibrated = calibrate(target_epsilon, delta, sampling, rounds, accountant), True
     else:
         z, calibrated = float(noise_multiplier), False
-    return PrivacyPlan(clip, z, sampling, delta, accountant, weights, cap, denominator, target_epsilon, calibrated)
+    adaptive = None
+    if clip_quantile is not None:
+        sigma_b = count_noise if count_noise is not None else sampling.expected_cohort / 20  # Andrew et al.'s default
+        try:
+            adaptive = AdaptiveClip(clip_quantile, clip_lr, sigma_b, model_noise_multiplier(z, sigma_b))
+        except ValueError as exc:
+            raise ConfigError(f"adaptive clipping: {exc}") from None
+    return PrivacyPlan(
+        clip, z, sampling, delta, accountant, weights, cap, denominator, target_epsilon, calibrated, adaptive
+    )
 
 
 class PrivateState(NamedTuple):
+    """The server step's state, and the clip norm this round's clients use (adaptive clipping moves it)."""
+
     step: State = None
+    clip: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,29 +196,47 @@ class PrivateMean:
     step: ServerStep | None = None
 
     def init(self, ctx: ServerContext) -> PrivateState:
-        return PrivateState(self.step.init(ctx) if self.step is not None else None)
+        return PrivateState(self.step.init(ctx) if self.step is not None else None, self.plan.clip)
 
-    def _release(self, rnd: int, global_params: Params, deltas: Params, weights: torch.Tensor) -> Params:
-        std = noise_std(self.plan.noise_multiplier, self.plan.clip, 1.0)  # capped weights: max w ≤ 1
+    def broadcast(self, state: PrivateState) -> Params:
+        """Under adaptive clipping, this round's clip norm (the clients clip with it)."""
+        return {} if self.plan.adaptive is None else {DP_CLIP: torch.tensor(state.clip, dtype=torch.float64)}
+
+    def _release(self, rnd: int, global_params: Params, deltas: Params, weights: torch.Tensor, clip: float) -> Params:
+        z = self.plan.noise_multiplier if self.plan.adaptive is None else self.plan.adaptive.model_noise
+        std = noise_std(z, clip, 1.0)  # capped weights: max w ≤ 1; this round's clip for this round's noise
         gen = torch_generator(self.seed, Purpose.DP_NOISE, rnd)
         total = noised_sum(deltas, weights, std, gen)
         return {**global_params, **{n: global_params[n] + total[n] / self.plan.denominator for n in self.noised}}
 
+    def _next_clip(self, rnd: int, unclipped: float, clip: float, diagnostics: dict[str, Any]) -> float:
+        a = self.plan.adaptive
+        if a is None:
+            return clip
+        gen = torch_generator(self.seed, Purpose.DP_NOISE, rnd, 1)  # the count's own stream
+        cohort = self.plan.sampling.expected_cohort
+        new, share = next_clip(clip, unclipped, a.count_noise, cohort, a.quantile, a.lr, gen)
+        diagnostics.update({"dp_clip": clip, "dp_unclipped_share": share})
+        return new
+
     def aggregate(self, rin: RoundInput, state: PrivateState) -> tuple[ServerOutput, PrivateState]:
         weights = capped_weights(rin.num_samples, self.plan.weights, self.plan.cap)
         deltas = {n: rin.params[n] - rin.global_params[n] for n in self.noised}
-        params = self._release(rin.round, rin.global_params, deltas, weights)
+        params = self._release(rin.round, rin.global_params, deltas, weights, state.clip)
         diagnostics: dict[str, Any] = {"weights": weights.tolist(), "dp_cohort_weight": float(weights.sum())}
+        unclipped = float(rin.metrics[DP_UNCLIPPED].sum()) if self.plan.adaptive is not None else 0.0
+        clip = self._next_clip(rin.round, unclipped, state.clip, diagnostics)
         sstate = None
         if self.step is not None:
             params, more, sstate = self.step(rin, params, weights / self.plan.denominator, state.step)
             diagnostics.update(more)
-        return ServerOutput(params, None, diagnostics), PrivateState(sstate)
+        return ServerOutput(params, None, diagnostics), PrivateState(sstate, clip)
 
-    def no_uploads(self, rnd: int, global_params: Params, state: PrivateState) -> Params:
+    def no_uploads(self, rnd: int, global_params: Params, state: PrivateState) -> tuple[Params, PrivateState]:
         """An empty cohort's release: the noise alone (skipping the round would tell a neighbour apart)."""
         empty = {n: global_params[n][None][:0] for n in self.noised}
-        return self._release(rnd, global_params, empty, torch.zeros(0, dtype=torch.float64))
+        params = self._release(rnd, global_params, empty, torch.zeros(0, dtype=torch.float64), state.clip)
+        return params, state._replace(clip=self._next_clip(rnd, 0.0, state.clip, {}))
 
 
 def noised_entries(template: Params, local_names: frozenset[str]) -> tuple[str, ...]:
