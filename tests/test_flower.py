@@ -70,6 +70,7 @@ CASES = {
         {"dp_clip": 0.5, "dp_noise": 0.8, "client_sampling": "poisson", "join_ratio": 0.6}
         | {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0},
     ),
+    "scaffold+dp": ("scaffold", {"dp_clip": 0.5, "dp_noise": 0.8}),
 }
 
 @needs_flwr
@@ -94,6 +95,7 @@ CASES = {
         "fedcp",
         "fedfomo",
         "fedprox+dp",
+        "scaffold+dp",
     ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):

@@ -45,16 +45,23 @@ def test_clip_scales_the_update_keeps_its_direction_and_leaves_a_small_or_zero_o
     trained = {k: v + (torch.randn(v.shape, generator=g) if v.is_floating_point() else 1) for k, v in received.items()}
     names = ("a", "b")
     norm = delta_norm(received, trained, names)
-    out, before = clip_update(received, trained, names, 0.5)
+    out, before, _ = clip_update(received, trained, names, 0.5)
     assert before == pytest.approx(norm) and norm > 0.5
     assert delta_norm(received, out, names) == pytest.approx(0.5, rel=1e-6)
     for n in names:  # the same direction: a positive multiple of the update, applied to the delta, not the weights
         torch.testing.assert_close(out[n] - received[n], (trained[n] - received[n]) * (0.5 / norm))
     assert torch.equal(out["n"], trained["n"])  # an entry outside the clipped vector is left as it is
-    same, _ = clip_update(received, trained, names, 10 * norm)
+    same, _, _ = clip_update(received, trained, names, 10 * norm)
     assert same is trained
-    zero, z = clip_update(received, dict(received), names, 1.0)
+    zero, z, _ = clip_update(received, dict(received), names, 1.0)
     assert z == 0.0 and all(torch.equal(zero[n], received[n]) for n in names)
+    # the extras a client uploads (SCAFFOLD's control delta) are part of the one clipped vector
+    extras = {"dc": torch.randn(7, generator=g)}
+    joint, full, clipped = clip_update(received, trained, names, 0.5, extras)
+    assert full == pytest.approx(math.sqrt(norm**2 + float((extras["dc"] ** 2).sum())))
+    moved = delta_norm(received, joint, names) ** 2 + float((clipped["dc"] ** 2).sum())
+    assert math.sqrt(moved) == pytest.approx(0.5, rel=1e-6)
+    torch.testing.assert_close(clipped["dc"], extras["dc"] * (0.5 / full))
 
 
 def _plan(z=1.0, clip=1.0, weights="uniform", cap=1.0, denominator=4.0):
@@ -125,7 +132,7 @@ def test_poisson_sampling_rate_within_its_binomial_interval():
 
 # ---- which compositions may be private -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "method", ["fedavg", "fedprox", "fedavg+fedavgm", "fedavg+fedadam", "fedper", "moon", "ditto", "fedcp"]
+    "method", ["fedavg", "fedprox", "fedavg+fedavgm", "fedavg+fedadam", "fedper", "moon", "ditto", "fedcp", "scaffold"]
 )
 def test_weighted_sum_compositions_may_be_private(method):
     assert refusal(resolve_method(method, {})) is None
@@ -138,7 +145,7 @@ def test_weighted_sum_compositions_may_be_private(method):
         ("fedsa", "combines the individual updates"),
         ("fedavg+heal", "masks"),
         ("fedcac", "one model per client"),
-        ("scaffold", "server half"),
+        ("feddbe", "server half (DbeServer) reads the individual uploads' extras"),
         ("fedfomo", "one model per client"),
         ("fedavg+fedexp", "server step (FedExPStep) reads the individual uploads"),
         ("fedavg+ccvr", "feature statistics"),
@@ -242,3 +249,15 @@ def test_adaptive_clip_tracks_the_quantile_over_rounds_and_reports_it(tmp_path):
     with pytest.raises(ConfigError, match="must exceed half"):
         bad = {**values, "dp_noise": 1.0, "dp_count_noise": 0.1, "out": str(tmp_path / "x")}
         run_experiment(make_config(None, bad))
+
+
+def test_private_scaffold_advances_its_control_variate_from_the_noised_sum(tmp_path):
+    """SCAFFOLD's control deltas are clipped with the model and its server half sees their noised sum only: with no
+    noise to speak of and a clip no upload reaches, the private run is SCAFFOLD's own (uniform weights)."""
+    base = {**_values(tmp_path), "method": "scaffold", "client_sampling": "fixed", "join_ratio": 1.0, "rounds": 3}
+    run_experiment(make_config(None, {**base, "dp_noise": 1e-12, "dp_clip": 1e6, "dp_weight_cap": 1e-9}))
+    plain = {k: v for k, v in base.items() if not k.startswith("dp_")} | {"out": str(tmp_path / "plain")}
+    run_experiment(make_config(None, plain))
+    for a, b in zip(_lines(tmp_path / "run"), _lines(tmp_path / "plain"), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+        assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)

@@ -115,8 +115,17 @@ class ScaffoldServer(ServerHalf):
         return {f"{SCAFFOLD_C}{n}": t for n, t in state.c.items()}
 
     def advance(self, rin: RoundInput, state: ControlState) -> ControlState:
+        return self.advance_sums({k: t.sum(0) for k, t in rin.extras.items()}, state)
+
+    # under DP the server sees only the noised sum of the control deltas, which is all ``advance`` reads
+    private = True
+
+    def summed_extras(self, ctx: ServerContext) -> Params:
+        return {f"{SCAFFOLD_DELTA}{n}": torch.zeros_like(ctx.template[n]) for n in sorted(ctx.trainable)}
+
+    def advance_sums(self, sums: Params, state: ControlState) -> ControlState:
         n_all = state.num_clients
-        c = {n: t + rin.extras[f"{SCAFFOLD_DELTA}{n}"].sum(0) / n_all for n, t in state.c.items()}
+        c = {n: t + sums[f"{SCAFFOLD_DELTA}{n}"] / n_all for n, t in state.c.items()}
         return ControlState(c, n_all)
 
 

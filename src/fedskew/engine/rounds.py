@@ -138,8 +138,7 @@ def train_client(
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
     ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
     split, if the run has one (hooks may score it; it is never trained on). ``clip``: under user-level DP, the
-    update it uploads is clipped (:func:`fedskew.privacy.mechanism.clip_update`); a client part that uploads more
-    than the model is refused there (its extras would travel unclipped)."""
+    update it uploads, with its extras, is clipped (:func:`fedskew.privacy.mechanism.clip_update`)."""
     ctx = LocalContext(
         cid=cid,
         round=rnd,
@@ -155,17 +154,13 @@ def train_client(
     upload = local_train(method.client, ctx, x, y, gen, method.upload_extras)
     if clip is None:
         return upload
-    if upload.extras:
-        raise ValueError(
-            f"differential privacy: client {cid} uploads extra tensors {sorted(upload.extras)} beside the model, "
-            "which are not clipped or noised; this client part cannot run under DP"
-        )
     norm = float(broadcast[DP_CLIP]) if DP_CLIP in broadcast else clip.norm  # adaptive clipping: the round's
-    params, before = clip_update(received, upload.params, clip.names, norm)
+    # the extras (SCAFFOLD's control delta) are clipped with the model; the server sees only their noised sum
+    params, before, extras = clip_update(received, upload.params, clip.names, norm, upload.extras)
     metrics = upload.metrics
     if DP_CLIP in broadcast:  # the bit the server's noised count of unclipped updates reads
         metrics = {**metrics, DP_UNCLIPPED: float(before <= norm)}
-    return dataclasses.replace(upload, params=params, metrics=metrics)
+    return dataclasses.replace(upload, params=params, extras=extras, metrics=metrics)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ weights, the noised weighted sum and its fixed denominator.
 
 Order, written once (:class:`fedskew.privacy.server.PrivateMean` applies it)::
 
-    client:  Δ_k = θ_k − θ  over the floating entries that travel, one flattened vector;  Δ_k ← Δ_k · min(1, C/‖Δ_k‖)
+    client:  Δ_k = θ_k − θ  over the floating entries that travel, with any extras it uploads (SCAFFOLD's control
+             delta), one flattened vector;  Δ_k ← Δ_k · min(1, C/‖Δ_k‖)
     server:  w_k = 1 (uniform) or min(n_k / cap, 1) (samples, capped: w_k ≤ 1)
              S = Σ_k w_k Δ_k + N(0, (z·C·max w)²·I)                      (the noise added once, to the sum)
              θ ← θ + S / D,  D = E[Σ_{k in the cohort} w_k]             (fixed: never the realised cohort's weight)
@@ -34,19 +35,25 @@ def delta_norm(received: Params, trained: Params, names: Iterable[str]) -> float
     return math.sqrt(total)
 
 
-def clip_update(received: Params, trained: Params, names: Sequence[str], clip: float) -> tuple[Params, float]:
-    """``trained`` with its update over ``names`` scaled to norm at most ``clip`` (direction kept; a zero update stays
-    zero), the other entries as they are, and the update's norm before clipping."""
+def clip_update(
+    received: Params, trained: Params, names: Sequence[str], clip: float, extras: Params | None = None
+) -> tuple[Params, float, Params]:
+    """``trained`` with its update over ``names`` and the ``extras`` it uploads (SCAFFOLD's control delta), one
+    flattened vector, scaled to norm at most ``clip`` (direction kept; a zero update stays zero), the other entries
+    as they are; returns the clipped model, the vector's norm before clipping and the clipped extras."""
     if clip <= 0:
         raise ValueError(f"the clipping norm must be positive, got {clip}")
-    norm = delta_norm(received, trained, names)
+    extras = extras or {}
+    norm = math.sqrt(
+        delta_norm(received, trained, names) ** 2 + sum(float((e.double() ** 2).sum()) for e in extras.values())
+    )
     scale = min(1.0, clip / norm) if norm > 0 else 1.0
     if scale == 1.0:
-        return trained, norm
+        return trained, norm, extras
     out = dict(trained)
     for n in names:
         out[n] = (received[n] + scale * (trained[n] - received[n])).to(trained[n].dtype)
-    return out, norm
+    return out, norm, {k: (scale * e).to(e.dtype) for k, e in extras.items()}
 
 
 def capped_weights(num_samples: Tensor, weights: str, cap: float) -> Tensor:

@@ -8,8 +8,8 @@ groups (FedPer's head never travels), client parts whose personalized models sta
 guarantee covers the released global model). Refused, with the reason: a server piece that needs each client's
 update on its own (masks, a combine other than the weighted mean, one model per client, a step reading the
 uploads), weights or a calibration computed from the clients' statistics (FedDisco's, CCVR's: releases of their
-own), and a client part whose server half or uploads carry more than the model (SCAFFOLD's control variates: not yet
-clipped and noised with the model).
+own), and a client part whose server half reads the individual extras (a private one, SCAFFOLD's, advances from
+their noised sum: the extras are clipped with the model and noised like it).
 """
 
 from __future__ import annotations
@@ -126,8 +126,11 @@ def refusal(method: Method) -> str | None:
         return f"its server step ({type(server.step).__name__}) reads the individual uploads, not only their sum"
     if method.calibration is not None:
         return "its evaluated model is calibrated on the clients' feature statistics, a release of their own"
-    if method.server_half is not NO_SERVER_HALF:
-        return f"its client part's server half ({type(method.server_half).__name__}) reads more than the model"
+    if method.server_half is not NO_SERVER_HALF and not method.server_half.private:
+        return (
+            f"its client part's server half ({type(method.server_half).__name__}) reads the individual uploads' "
+            "extras, not only their noised sum"
+        )
     if method.upload_extras:
         return "its clients upload extra tensors beside the model"
     return None
@@ -194,6 +197,7 @@ class PrivateMean:
     noised: tuple[str, ...]
     seed: int
     step: ServerStep | None = None
+    extras: Params | None = None  # a private server half's summed extras (zeros of their shapes: SCAFFOLD's Δc)
 
     def init(self, ctx: ServerContext) -> PrivateState:
         return PrivateState(self.step.init(ctx) if self.step is not None else None, self.plan.clip)
@@ -218,6 +222,17 @@ class PrivateMean:
         new, share = next_clip(clip, unclipped, a.count_noise, cohort, a.quantile, a.lr, gen)
         diagnostics.update({"dp_clip": clip, "dp_unclipped_share": share})
         return new
+
+    def extras_sums(self, rnd: int, stacked: Params | None, clip: float) -> Params:
+        """The noised ``Σ_k extras_k`` a private server half advances from (unweighted, as the halves sum them; the
+        clipped vector's sensitivity holds for the pair since every weight is at most 1), from their own stream."""
+        if self.extras is None:
+            return {}
+        z = self.plan.noise_multiplier if self.plan.adaptive is None else self.plan.adaptive.model_noise
+        rows = stacked if stacked is not None else {k: t[None][:0] for k, t in self.extras.items()}
+        k = next(iter(rows.values())).shape[0] if rows else 0
+        gen = torch_generator(self.seed, Purpose.DP_NOISE, rnd, 2)
+        return noised_sum(rows, torch.ones(k, dtype=torch.float64), noise_std(z, clip, 1.0), gen)
 
     def aggregate(self, rin: RoundInput, state: PrivateState) -> tuple[ServerOutput, PrivateState]:
         weights = capped_weights(rin.num_samples, self.plan.weights, self.plan.cap)
@@ -245,4 +260,7 @@ def noised_entries(template: Params, local_names: frozenset[str]) -> tuple[str, 
 
 
 def private_server(method: Method, plan: PrivacyPlan, ctx: ServerContext, local_names: frozenset[str]) -> PrivateMean:
-    return PrivateMean(plan, noised_entries(ctx.template, local_names), ctx.seed, method.server.step)  # type: ignore[attr-defined]
+    half = method.server_half
+    extras = half.summed_extras(ctx) if half.private else None
+    step = method.server.step  # type: ignore[attr-defined]
+    return PrivateMean(plan, noised_entries(ctx.template, local_names), ctx.seed, step, extras)

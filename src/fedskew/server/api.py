@@ -159,6 +159,19 @@ class ServerHalf(Piece):
         """The state after this round's uploads."""
         return state
 
+    # under user-level DP (docs/privacy.md) a server half may see the round's extras only as their noised sum: one
+    # that can advance from it says so here, names the extras it sums (zeros of their shapes) and advances from them
+    private: ClassVar[bool] = False
+
+    def summed_extras(self, ctx: ServerContext) -> Params:
+        """The extras a private server half advances from (zeros of their shapes; DP noises their sum)."""
+        raise NotImplementedError
+
+    def advance_sums(self, sums: Params, state: State) -> State:
+        """The state after a round whose uploads this server half sees only as ``sums``: ``Σ_k extras_k`` over the
+        cohort, noised (DP)."""
+        raise NotImplementedError
+
     def downloads(self, state: State, cid: int, rnd: int, models: ModelLookup) -> Params:
         """The tensors client ``cid`` alone receives in round ``rnd`` beside its model and the broadcast (FedFomo: the
         models of the peers it is sent), made from ``models``: the model the server holds for a client (``None``:
