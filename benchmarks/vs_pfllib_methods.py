@@ -83,7 +83,9 @@ def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int) -> list[float]:
     cmd = [sys.executable, str(SHIM), "main.py", *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
     run = subprocess.run(cmd, cwd=pfllib / "system", env=one_thread(), capture_output=True, text=True)
     accs = [float(a) for a in re.findall(r"Averaged Test Accuracy: ([0-9.]+)", run.stdout)]
-    if run.returncode != 0 or len(accs) < rounds + 1:
+    # PFLlib's FedAS trains and evaluates every round, then fails in its closing report (it calls a missing
+    # avg_generalization_metrics): the evaluations it printed are complete, so they count
+    if len(accs) < rounds + 1:
         raise RuntimeError(f"PFLlib {' '.join(args)} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
     return accs
 
