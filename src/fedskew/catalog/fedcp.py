@@ -41,7 +41,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
+from fedskew.models import LinearFrom
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
@@ -51,14 +53,11 @@ GENERIC, POLICY = "head.generic.", "head.policy."
 RBF_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)  # the official code's rbf kernel widths
 
 
-class PersonalHead(nn.Linear):
+class PersonalHead(LinearFrom):
     """The client's own head and its context vector ``c_k`` (a buffer: set after training, never trained)."""
 
     def __init__(self, source: nn.Linear) -> None:
-        super().__init__(source.in_features, source.out_features, device=source.weight.device)
-        with torch.no_grad():
-            self.weight.copy_(source.weight)
-            self.bias.copy_(source.bias)
+        super().__init__(source)
         self.register_buffer("context", torch.rand(1, source.in_features, device=source.weight.device))
 
 
@@ -70,10 +69,7 @@ class CPHead(nn.Module):
         super().__init__()
         d = source.in_features
         self.policy = nn.Sequential(nn.Linear(d, 2 * d), nn.LayerNorm([2 * d]), nn.ReLU())
-        self.generic = nn.Linear(d, source.out_features, device=source.weight.device)
-        with torch.no_grad():
-            self.generic.weight.copy_(source.weight)
-            self.generic.bias.copy_(source.bias)
+        self.generic = LinearFrom(source)
         self.personal = PersonalHead(source)
         self.policy.to(source.weight.device)
         self.tau = tau
@@ -153,11 +149,7 @@ class FedCP(LocalAlgorithm):
 
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         needed = {f"{GENERIC}weight", f"{POLICY}0.weight", "head.personal.weight", "head.personal.context"}
-        if not needed <= set(template):
-            raise ValueError(
-                "FedCP trains its composite head (policy, generic and personal heads); build the model with "
-                "build_model(..., **method.model_options)"
-            )
+        check_composite_head(template, needed, "FedCP", "policy, generic and personal heads")
 
     unbatched = "a Gumbel gate drawn per feature and an MMD term against the received body"
 

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.models import LinearFrom
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
@@ -56,14 +58,11 @@ class Valve(nn.Module):
         return F.relu(z * (self.gamma(c) + 1) + self.beta(c))
 
 
-class PersonalHead(nn.Linear):
+class PersonalHead(LinearFrom):
     """The client's own head and its conditional inputs ``p_k``, ``g_k`` (buffers, set after training)."""
 
     def __init__(self, source: nn.Linear) -> None:
-        super().__init__(source.in_features, source.out_features, device=source.weight.device)
-        with torch.no_grad():
-            self.weight.copy_(source.weight)
-            self.bias.copy_(source.bias)
+        super().__init__(source)
         d, device = source.in_features, source.weight.device
         self.register_buffer("personal_input", torch.zeros(d, device=device))
         self.register_buffer("generic_input", torch.zeros(d, device=device))
@@ -146,11 +145,7 @@ class GPFL(LocalAlgorithm):
 
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         needed = {EMBEDDING, "head.valve.gamma.0.weight", "head.personal.weight", "head.personal.personal_input"}
-        if not needed <= set(template):
-            raise ValueError(
-                "GPFL trains its composite head (conditional valve, class embeddings, personal head); build the "
-                "model with build_model(..., **method.model_options)"
-            )
+        check_composite_head(template, needed, "GPFL", "conditional valve, class embeddings, personal head")
 
     unbatched = "a second feature path through the conditional valve, aligned with the class embeddings"
 

@@ -49,6 +49,16 @@ def check_linear_head(template: Params, who: str) -> None:
         )
 
 
+def check_composite_head(template: Params, needed: set[str], who: str, what: str) -> None:
+    """Refuse a model whose head lacks the ``needed`` entries of ``who``'s composite head (``what`` it holds): the
+    model must be built with the method's ``model_options`` (``build_model(..., head_module=...)``)."""
+    if not needed <= set(template):
+        raise ValueError(
+            f"{who} trains its composite head ({what}); this model lacks {sorted(needed - set(template))}: build it "
+            "with build_model(..., **method.model_options)"
+        )
+
+
 def leaf_copy(tensors: Params) -> Params:
     """Detached copies of ``tensors`` that require a gradient: values a client part trains beside the model (FedRoD's
     personal head, FedDBE's representation bias), stepped by :func:`sgd_leaves`."""

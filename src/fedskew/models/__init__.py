@@ -195,6 +195,20 @@ def add_projection(model: FedModel, dim: int) -> FedModel:
 HeadModule = Callable[[nn.Linear], nn.Module]  # a method's composite head made from the zoo's linear classifier
 
 
+class LinearFrom(nn.Linear):
+    """A ``Linear`` layer starting from another's weights, on its device: the heads a composite head makes from the
+    classifier (subclass it to add buffers, as FedCP's and GPFL's personal heads do)."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__(
+            source.in_features, source.out_features, bias=source.bias is not None, device=source.weight.device
+        )
+        with torch.no_grad():
+            self.weight.copy_(source.weight)
+            if source.bias is not None:
+                self.bias.copy_(source.bias)
+
+
 def replace_head(model: FedModel, head_module: HeadModule) -> FedModel:
     """``model`` with its linear classifier replaced by ``head_module(classifier)`` (module docstring)."""
     if not isinstance(model.head, nn.Linear):
