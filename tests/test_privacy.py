@@ -261,3 +261,15 @@ def test_private_scaffold_advances_its_control_variate_from_the_noised_sum(tmp_p
     for a, b in zip(_lines(tmp_path / "run"), _lines(tmp_path / "plain"), strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
         assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)
+
+
+def test_fedskew_methods_lists_the_compositions_that_can_be_private(capsys):
+    from fedskew.cli import main
+    from fedskew.method_index import compute_index
+
+    private = compute_index()["private"]
+    assert {"fedavg", "fedprox", "scaffold", "fedavg+fedadam"} <= set(private)
+    assert not {"fedsa", "fedavg+disco", "fedcac", "fedavg+fedexp"} & set(private)
+    assert main(["methods", "--compositions"]) == 0
+    out = capsys.readouterr().out
+    assert f"can run under user-level differential privacy (--dp-clip; docs/privacy.md), {len(private)}:" in out
