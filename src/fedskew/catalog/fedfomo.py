@@ -74,11 +74,17 @@ def ranked_peers(
     tie = rng.random(len(candidates))
     score = [row.get(j, 0.0) + (1.0 if j == cid else 0.0) for j in candidates]
     order = [candidates[k] for k in np.lexsort((tie, -np.asarray(score)))]
+    k = min(m, len(candidates))
+    if eps == 0:  # no exploration: the top k (no draw but the ties')
+        return order[:k]
     chosen: list[int] = []
-    for _ in range(min(m, len(candidates))):
-        rest = [j for j in order if j not in chosen]
-        pick = rest[int(rng.integers(len(rest)))] if eps > 0 and rng.random() < eps else rest[0]
-        chosen.append(pick)
+    for _ in range(k):
+        taken = set(chosen)
+        if rng.random() < eps:
+            rest = [j for j in order if j not in taken]
+            chosen.append(rest[int(rng.integers(len(rest)))])
+        else:
+            chosen.append(next(j for j in order if j not in taken))
     return chosen
 
 
