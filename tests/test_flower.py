@@ -71,6 +71,11 @@ CASES = {
         | {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0},
     ),
     "scaffold+dp": ("scaffold", {"dp_clip": 0.5, "dp_noise": 0.8}),
+    # FedDisco's weights from the d_k each node reported, released with the server's Gaussian noise
+    "fedprox+disco+dp": (
+        "fedprox+disco",
+        {"dp_clip": 0.5, "dp_noise": 0.8, "dp_report_noise": 0.5, "client_sampling": "poisson", "join_ratio": 0.6},
+    ),
 }
 
 @needs_flwr
@@ -96,6 +101,7 @@ CASES = {
         "fedfomo",
         "fedprox+dp",
         "scaffold+dp",
+        "fedprox+disco+dp",
     ],
 )
 def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):

@@ -141,7 +141,7 @@ def test_weighted_sum_compositions_may_be_private(method):
 @pytest.mark.parametrize(
     ("method", "why"),
     [
-        ("fedavg+disco", "clients' statistics"),
+        ("fedavg+afl", "(AflWeights) come from the clients' statistics"),
         ("fedsa", "combines the individual updates"),
         ("fedavg+heal", "masks"),
         ("fedcac", "one model per client"),
@@ -203,7 +203,7 @@ def test_private_runs_are_reproducible_and_refused_compositions_say_why(tmp_path
     assert strip(_lines(tmp_path / "a" / "run")) == strip(_lines(tmp_path / "b" / "run"))
     assert a is not None and b is not None
     with pytest.raises(ConfigError, match="cannot run under differential privacy: .*statistics"):
-        run_experiment(make_config(None, _values(tmp_path / "c", dp_noise=1.0, method="fedavg+disco")))
+        run_experiment(make_config(None, _values(tmp_path / "c", dp_noise=1.0, method="fedavg+afl")))
 
 
 def test_without_noise_or_clipping_a_private_run_is_uniform_fedavg(tmp_path):
@@ -269,7 +269,8 @@ def test_fedskew_methods_lists_the_compositions_that_can_be_private(capsys):
 
     private = compute_index()["private"]
     assert {"fedavg", "fedprox", "scaffold", "fedavg+fedadam"} <= set(private)
-    assert not {"fedsa", "fedavg+disco", "fedcac", "fedavg+fedexp"} & set(private)
+    assert not {"fedsa", "fedavg+afl", "fedcac", "fedavg+fedexp"} & set(private)
+    assert "fedavg+disco" in private  # with its d_k released through the Gaussian mechanism (dp_report_noise)
     assert main(["methods", "--compositions"]) == 0
     out = capsys.readouterr().out
     assert f"can run under user-level differential privacy (--dp-clip; docs/privacy.md), {len(private)}:" in out

@@ -65,6 +65,7 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "dp_clip_quantile": None,
     "dp_clip_lr": 0.2,
     "dp_count_noise": None,
+    "dp_report_noise": None,
 }
 
 
@@ -207,7 +208,10 @@ class RunConfig(StrictSettings):
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="DP: delta of the (epsilon, delta) guarantee")
     dp_accountant: Literal["rdp", "pld"] = Field("rdp", description="DP: the accountant (dp-accounting)")
     dp_weight_cap: float | None = Field(
-        None, gt=0, description="DP, sample weights: w_k = min(n_k / cap, 1) (default: the mean training size)"
+        None,
+        gt=0,
+        description="DP, non-uniform weights: w_k = min(v_k / cap, 1), v_k the client's sample count (FedDisco: its "
+        "weight over the federation) (default: the mean of v over the clients)",
     )
     dp_clip_quantile: float | None = Field(
         None,
@@ -219,6 +223,12 @@ class RunConfig(StrictSettings):
     dp_clip_lr: float = Field(0.2, gt=0, description="DP, adaptive clipping: the geometric update's rate")
     dp_count_noise: float | None = Field(
         None, gt=0, description="DP, adaptive clipping: the std of the noise on the clipped count (default cohort/20)"
+    )
+    dp_report_noise: float | None = Field(
+        None,
+        gt=0,
+        description="DP, weights that read a client report (FedDisco's d_k): the noise multiplier of its one-off "
+        "release (Gaussian std = this times the report's range), composed in the accountant",
     )
     # evaluation and output
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and always the last)")
@@ -400,7 +410,7 @@ class RunConfig(StrictSettings):
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
-        dp_keys = ("dp_noise", "dp_epsilon", "dp_weight_cap", "dp_clip_quantile", "dp_count_noise")
+        dp_keys = ("dp_noise", "dp_epsilon", "dp_weight_cap", "dp_clip_quantile", "dp_count_noise", "dp_report_noise")
         dp_set = [k for k in dp_keys if getattr(self, k) is not None]
         if dp_set and self.dp_clip is None:
             raise ValueError(f"{', '.join(dp_set)} need dp_clip (differential privacy is on when dp_clip is set)")

@@ -27,6 +27,7 @@ class Purpose(IntEnum):
     PERSONALIZE = 11  # a client part's personalization at evaluation (Per-FedAvg's adaptation batch)
     DOWNLOADS = 12  # a server half's draws of what one client alone is sent (FedFomo's exploring peers)
     DP_NOISE = 13  # the Gaussian noise of a DP round's release (docs/privacy.md)
+    DP_REPORT = 14  # the Gaussian noise of a client report's release under DP (FedDisco's d_k), keyed by client
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

@@ -32,8 +32,9 @@ from torch import Tensor
 
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext, State
 from fedskew.registry import ClientPart, ServerPlugin
-from fedskew.schema import StrictSettings
-from fedskew.server.api import Weighting
+from fedskew.schema import ConfigError, StrictSettings
+from fedskew.seeding import Purpose, numpy_rng
+from fedskew.server.api import PrivateWeights, Weighting
 from fedskew.space import Float
 
 METRICS = ("kl", "l1", "l2", "cosine", "only_iid")
@@ -98,6 +99,18 @@ def discrepancy(hists: np.ndarray, target: np.ndarray | tuple[float, ...] | None
         # 1 - cos >= 0; clip round-off (a histogram proportional to T can give cos = 1 + 1 ulp, i.e. -2.2e-16)
         return np.maximum(1.0 - cos, 0.0)
     return np.where(cos > ONLY_IID_COS, ONLY_IID_DISTANCE, np.inf)
+
+
+def discrepancy_bound(target: np.ndarray | tuple[float, ...] | None, num_classes: int, metric: str = "kl") -> float:
+    """The largest ``d_k`` :func:`discrepancy` can give a client (its smallest is 0, a histogram proportional to T):
+    the range of one client's report, i.e. its sensitivity when a client's data is replaced. Every metric is convex
+    in ``P_k`` (``cosine``: ``1 - cos`` is maximal where ``P·T`` is smallest, linear), so the maximum is at a vertex of
+    the simplex, a one-class client: ``kl`` ``-log min T``, ``l1`` ``2(1 - min T)``, ``l2`` ``max_c ‖e_c - T‖``,
+    ``cosine`` ``1 - min T / ‖T‖``. ``only_iid`` has none (an infinite ``d_k`` drops a client)."""
+    _check_metric(metric)
+    if metric == "only_iid":
+        raise ValueError("FedDisco's only_iid discrepancy is unbounded (an infinite d_k drops a client)")
+    return float(discrepancy(np.eye(num_classes), target, metric).max())
 
 
 class DiscoParams(StrictSettings):
@@ -167,6 +180,15 @@ def disco_weights(
     no such case).
     """
     return disco_terms(num_samples, discrepancies, metric=metric, a=a, b=b).weights
+
+
+def released_discrepancy(d: np.ndarray, bound: float, report_noise: float, seed: int) -> np.ndarray:
+    """The Gaussian mechanism on each client's ``d_k`` (``[N]``, client ``k`` at row ``k``): ``clip(d_k + z·B·g_k,
+    0, B)``, ``g_k`` standard normal from the (seed, client) stream, ``B = bound`` the range of ``d_k`` (its
+    sensitivity: a replaced client moves its ``d_k`` by at most ``B``), ``z = report_noise``."""
+    d = np.asarray(d, dtype=np.float64)
+    noise = np.array([numpy_rng(seed, Purpose.DP_REPORT, k).standard_normal() for k in range(d.shape[0])])
+    return np.clip(d + report_noise * bound * noise, 0.0, bound)
 
 
 DISCREPANCY = "disco_discrepancy"  # the client report of FedDisco's d_k
@@ -252,6 +274,45 @@ class DiscoWeights(Weighting):
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return torch.as_tensor(self.terms(rin).weights, dtype=torch.float64), state
+
+    # ---- under user-level DP (docs/privacy.md) -----------------------------------------------------------------------
+    def private_refusal(self) -> str | None:
+        if self.metric == "only_iid":
+            return "FedDisco's only_iid d_k is unbounded (an infinite d_k drops a client): use kl, l1, l2 or cosine"
+        return None
+
+    def private(self, ctx: ServerContext, report_noise: float | None) -> PrivateWeights:
+        """Eq. 3 once over the whole federation (the paper's own form: ``n_k`` and, for ``kl``, ``d_k`` normalized
+        over every client, as the official code's per-round renormalization gives under full participation), from
+        each client's ``d_k`` released through a Gaussian mechanism: ``d̃_k = clip(d_k + N(0, (z_d·B)²), 0, B)``, ``B``
+        the range of ``d_k`` (:func:`discrepancy_bound`), the draw keyed by (seed, client). The weights are
+        post-processing of the released ``d̃`` and the public sample counts."""
+        if report_noise is None:
+            raise ConfigError(
+                "FedDisco's weights read each client's label-distribution discrepancy d_k, a release of its own: give "
+                "it a noise multiplier, dp_report_noise (--dp-report-noise Z; d_k is released once with Gaussian "
+                "noise of std Z times its range, composed in the accountant with the rounds)"
+            )
+        if self.private_refusal() is not None:
+            raise ConfigError(str(self.private_refusal()))
+        bound = discrepancy_bound(self.target, ctx.num_classes, self.metric)
+        released = released_discrepancy(self.population_discrepancy(ctx), bound, report_noise, ctx.seed)
+        terms = disco_terms(ctx.num_train, released, metric=self.metric, a=self.a, b=self.b)
+        record = {
+            "report": "d_k",
+            "report_range": bound,
+            "report_noise_std": report_noise * bound,
+            "size_fallback": terms.fallback,
+        }
+        return PrivateWeights(terms.weights, "disco", report_noise, record)
+
+    def population_discrepancy(self, ctx: ServerContext) -> np.ndarray:
+        """Every client's raw ``d_k`` (``[N]``) from what it reported before round 1."""
+        if DISCREPANCY in ctx.reports:
+            return np.asarray(ctx.reports[DISCREPANCY], dtype=np.float64).reshape(-1)
+        if ctx.label_hists is not None:
+            return discrepancy(ctx.label_hists, self.target, self.metric)
+        raise ValueError(f"FedDisco needs every client's {DISCREPANCY} or label histogram (its declared report)")
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

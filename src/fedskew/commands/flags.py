@@ -60,6 +60,7 @@ FLAG_KEYS = (
     "dp_clip_quantile",
     "dp_clip_lr",
     "dp_count_noise",
+    "dp_report_noise",
     "checkpoint_every",
     "seed",
     "device",

@@ -141,6 +141,7 @@ class RoundServer:
                 clip_quantile=settings.dp_clip_quantile,
                 clip_lr=settings.dp_clip_lr,
                 count_noise=settings.dp_count_noise,
+                report_noise=settings.dp_report_noise,
             )
             self.strategy = private_server(method, self.privacy, ctx, local_names)
         self.server_state = self.strategy.init(ctx)

@@ -26,10 +26,11 @@ class RoundSettings:
     dp_epsilon: float | None  # the epsilon budget
     dp_delta: float
     dp_accountant: str  # rdp | pld
-    dp_weight_cap: float | None  # sample weights' cap (None: the mean training size)
+    dp_weight_cap: float | None  # non-uniform weights' cap (None: their mean over the clients)
     dp_clip_quantile: float | None  # adaptive clipping's target quantile (None: a fixed clip)
     dp_clip_lr: float  # adaptive clipping's rate
     dp_count_noise: float | None  # the std of the clipped count's noise (None: cohort / 20)
+    dp_report_noise: float | None  # the noise multiplier of a client report's release (FedDisco's d_k)
     on_bad_update: str  # fail | drop: a non-finite or mis-shaped upload stops the run, or is left out
     divergence_factor: float  # a round's training loss above this × ln(classes) diverged (0: never)
     eval_every: int  # the evaluation cadence (the last round always evaluates)

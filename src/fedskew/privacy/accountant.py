@@ -104,10 +104,20 @@ def _accountant(kind: AccountantKind, sampling: Sampling) -> Any:
     raise ValueError(f"unknown accountant {kind!r}; use rdp or pld")
 
 
-def epsilon(z: float, sampling: Sampling, rounds: int, delta: float, kind: AccountantKind = "rdp") -> float:
-    """``ε`` after ``rounds`` rounds at noise multiplier ``z`` (``δ = delta``); ``0`` rounds: 0."""
-    if z <= 0:
-        raise ValueError(f"the noise multiplier must be positive, got {z}")
+def epsilon(
+    z: float,
+    sampling: Sampling,
+    rounds: int,
+    delta: float,
+    kind: AccountantKind = "rdp",
+    once: tuple[float, ...] = (),
+) -> float:
+    """``ε`` after ``rounds`` rounds at noise multiplier ``z`` (``δ = delta``); ``0`` rounds: 0. ``once``: the noise
+    multipliers of Gaussian releases every client makes once, before round 1, whose values the rounds read (FedDisco's
+    privatized ``d_k``): composed with the rounds, without amplification (every client reports), from round 1 on
+    (nothing that depends on them is released before)."""
+    if z <= 0 or any(o <= 0 for o in once):
+        raise ValueError(f"the noise multipliers must be positive, got {z} and {list(once)}")
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if rounds <= 0:
@@ -115,24 +125,39 @@ def epsilon(z: float, sampling: Sampling, rounds: int, delta: float, kind: Accou
     dpa = _dpa()
     acc = _accountant(kind, sampling)
     with _quiet():
+        for o in once:
+            acc.compose(dpa.GaussianDpEvent(o))
         acc.compose(dpa.SelfComposedDpEvent(round_event(z, sampling), rounds))
         return float(acc.get_epsilon(delta))
 
 
 def calibrate(
-    target: float, delta: float, sampling: Sampling, rounds: int, kind: AccountantKind = "rdp", rtol: float = 1e-4
+    target: float,
+    delta: float,
+    sampling: Sampling,
+    rounds: int,
+    kind: AccountantKind = "rdp",
+    rtol: float = 1e-4,
+    once: tuple[float, ...] = (),
 ) -> float:
-    """The smallest noise multiplier ``z`` (to ``rtol``) whose ``rounds`` rounds spend at most ``ε = target``."""
+    """The smallest noise multiplier ``z`` (to ``rtol``) whose ``rounds`` rounds, with the releases ``once``
+    (:func:`epsilon`), spend at most ``ε = target``."""
     if target <= 0:
         raise ValueError(f"the target epsilon must be positive, got {target}")
+    if once and epsilon(1e6, sampling, rounds, delta, kind, once) > target:
+        alone = epsilon(1e6, sampling, 1, delta, kind, once)
+        raise ValueError(
+            f"the one-off releases of noise multipliers {list(once)} alone spend about epsilon {alone:.3g}, more than "
+            f"the target {target}: raise their noise"
+        )
     lo, hi = 1e-3, 1.0
-    while epsilon(hi, sampling, rounds, delta, kind) > target:
+    while epsilon(hi, sampling, rounds, delta, kind, once) > target:
         lo, hi = hi, hi * 2
         if hi > 1e6:
             raise ValueError(f"no noise multiplier up to 1e6 keeps {rounds} rounds within epsilon {target}")
     while hi - lo > rtol * hi:
         mid = (lo + hi) / 2
-        if epsilon(mid, sampling, rounds, delta, kind) > target:
+        if epsilon(mid, sampling, rounds, delta, kind, once) > target:
             lo = mid
         else:
             hi = mid

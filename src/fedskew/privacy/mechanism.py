@@ -5,7 +5,8 @@ Order, written once (:class:`fedskew.privacy.server.PrivateMean` applies it)::
 
     client:  Δ_k = θ_k − θ  over the floating entries that travel, with any extras it uploads (SCAFFOLD's control
              delta), one flattened vector;  Δ_k ← Δ_k · min(1, C/‖Δ_k‖)
-    server:  w_k = 1 (uniform) or min(n_k / cap, 1) (samples, capped: w_k ≤ 1)
+    server:  w_k = 1 (uniform) or min(v_k / cap, 1) (capped: w_k ≤ 1; v_k the sample count, or FedDisco's weight
+             from its released d̃_k)
              S = Σ_k w_k Δ_k + N(0, (z·C·max w)²·I)                      (the noise added once, to the sum)
              θ ← θ + S / D,  D = E[Σ_{k in the cohort} w_k]             (fixed: never the realised cohort's weight)
 
@@ -56,15 +57,14 @@ def clip_update(
     return out, norm, {k: (scale * e).to(e.dtype) for k, e in extras.items()}
 
 
-def capped_weights(num_samples: Tensor, weights: str, cap: float) -> Tensor:
-    """The DP weights ``w_k`` (float64): ``uniform`` → 1; ``samples`` → ``min(n_k / cap, 1)``."""
+def capped_weights(raw: Tensor, weights: str, cap: float) -> Tensor:
+    """The DP weights ``w_k`` (float64): ``uniform`` → 1; any other kind (``samples``: ``raw`` = the sample counts
+    ``n_k``; ``disco``: FedDisco's weights from the released ``d̃_k``) → ``min(raw_k / cap, 1)``."""
     if weights == "uniform":
-        return torch.ones_like(num_samples, dtype=torch.float64)
-    if weights == "samples":
-        if cap <= 0:
-            raise ValueError(f"the weight cap must be positive, got {cap}")
-        return (num_samples.double() / cap).clamp(max=1.0)
-    raise ValueError(f"DP weights must be uniform or samples, got {weights!r}")
+        return torch.ones_like(raw, dtype=torch.float64)
+    if cap <= 0:
+        raise ValueError(f"the weight cap must be positive, got {cap}")
+    return (raw.double() / cap).clamp(max=1.0)
 
 
 def noise_std(noise_multiplier: float, clip: float, max_weight: float) -> float:

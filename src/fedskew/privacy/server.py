@@ -2,14 +2,16 @@
 calibrated to a target ε), and :class:`PrivateMean`, the private replacement of a composition's weighted mean.
 
 A composition can be private when its server combines the uploads as a weighted sum whose weights the server may
-know without a further release: FedAvg's client parts with uniform or (capped) sample weights, a server step that
+know without a further release, or from one that is itself private: FedAvg's client parts with uniform or (capped)
+sample weights, FedDisco's weights from each client's ``d_k`` released once through a Gaussian mechanism
+(``dp_report_noise``, composed in the accountant; :meth:`fedskew.server.api.Weighting.private`), a server step that
 reads only the sum (FedAvgM, FedAdam: post-processing; not FedExP, which reads each update's norm), client-local
 groups (FedPer's head never travels), client parts whose personalized models stay on the client (Ditto, APFL: the
 guarantee covers the released global model). Refused, with the reason: a server piece that needs each client's
 update on its own (masks, a combine other than the weighted mean, one model per client, a step reading the
-uploads), weights or a calibration computed from the clients' statistics (FedDisco's, CCVR's: releases of their
-own), and a client part whose server half reads the individual extras (a private one, SCAFFOLD's, advances from
-their noised sum: the extras are clipped with the model and noised like it).
+uploads), weights or a calibration computed from the clients' statistics without a private form (CCVR's
+calibration, FedDisco's ``only_iid``), and a client part whose server half reads the individual extras (a private one,
+SCAFFOLD's, advances from their noised sum: the extras are clipped with the model and noised like it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_generator
 from fedskew.server.api import NO_SERVER_HALF, Aggregation, ServerOutput, ServerStep
 from fedskew.server.combine import WeightedMean
-from fedskew.server.weights import SampleWeights, UniformWeights
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
@@ -57,7 +58,9 @@ class AdaptiveClip:
 class PrivacyPlan:
     """A run's DP settings as the server applies them: the clip ``C``, the noise multiplier ``z`` (given, or
     calibrated: ``calibrated``), the cohort's sampling, ``δ``, the accountant, the weights and their cap, the
-    fixed denominator ``D`` and the ε budget (``None``: none)."""
+    fixed denominator ``D`` and the ε budget (``None``: none); ``values``: every client's raw weight (the weights'
+    private form, :class:`~fedskew.server.api.PrivateWeights`), ``report_noise`` the multiplier of the one-off
+    release they read (0: none) and ``report`` what the record states of it."""
 
     clip: float
     noise_multiplier: float
@@ -70,10 +73,19 @@ class PrivacyPlan:
     budget: float | None
     calibrated: bool
     adaptive: AdaptiveClip | None = None  # adaptive clipping (None: the clip stays C)
+    values: np.ndarray | None = None  # [N] raw weights (None: each upload's sample count, or 1)
+    report_noise: float = 0.0
+    report: tuple[tuple[str, Any], ...] = ()
 
     def epsilon(self, rounds: int) -> float:
-        """The ε spent after ``rounds`` rounds."""
-        return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant)
+        """The ε spent after ``rounds`` rounds (with the one-off release of the reports the weights read)."""
+        once = (self.report_noise,) if self.report_noise > 0 else ()
+        return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant, once)
+
+    def round_weights(self, cids: tuple[int, ...], num_samples: torch.Tensor) -> torch.Tensor:
+        """The cohort's capped weights ``w_k ≤ 1`` (float64)."""
+        raw = num_samples if self.values is None else torch.from_numpy(self.values[list(cids)])
+        return capped_weights(raw, self.weights, self.cap)
 
     def summary(self, rounds: int, stopped_at_budget: bool) -> dict[str, Any]:
         """summary.json's ``privacy``: the settings, the ε spent in the ``rounds`` rounds run, whether the run stopped
@@ -88,13 +100,14 @@ class PrivacyPlan:
             "noise_multiplier": self.noise_multiplier,
             "calibrated": self.calibrated,
             "sampling": self.sampling.kind,
-            "q": self.sampling.q if self.sampling.kind == "poisson" else self.sampling.m / self.sampling.n,
+            "q": self.sampling.expected_cohort / self.sampling.n,
             "delta": self.delta,
             "accountant": self.accountant,
             "weights": self.weights,
             "weight_cap": self.cap,
             "denominator": self.denominator,
             "budget": self.budget,
+            **({} if self.report_noise <= 0 else {"report_noise_multiplier": self.report_noise, **dict(self.report)}),
             **(
                 {}
                 if self.adaptive is None
@@ -117,11 +130,9 @@ def refusal(method: Method) -> str | None:
         return f"its server masks each client's update ({type(server.masking).__name__})"
     if type(server.combine) is not WeightedMean:
         return f"its server combines the individual updates ({type(server.combine).__name__}), not a weighted sum"
-    if not isinstance(server.weighting, SampleWeights | UniformWeights):
-        return (
-            f"its weights ({type(server.weighting).__name__}) come from the clients' statistics, a release of their "
-            "own that is not privatized"
-        )
+    why = server.weighting.private_refusal()
+    if why is not None:
+        return why
     if server.step is not None and server.step.individual:
         return f"its server step ({type(server.step).__name__}) reads the individual uploads, not only their sum"
     if method.calibration is not None:
@@ -151,21 +162,33 @@ def plan_privacy(
     clip_quantile: float | None = None,
     clip_lr: float = 0.2,
     count_noise: float | None = None,
+    report_noise: float | None = None,
 ) -> PrivacyPlan:
-    """The run's :class:`PrivacyPlan`; :class:`~fedskew.schema.ConfigError` naming why a composition is refused."""
+    """The run's :class:`PrivacyPlan`; :class:`~fedskew.schema.ConfigError` naming why a composition is refused.
+    ``report_noise``: the noise multiplier of the client reports' one-off release, for weights that read them."""
     why = refusal(method)
     if why is not None:
         raise ConfigError(f"method {method.name!r} cannot run under differential privacy: {why}")
-    weighting = method.server.weighting  # type: ignore[attr-defined]
-    weights = "samples" if isinstance(weighting, SampleWeights) else "uniform"
-    n = np.asarray(ctx.num_train, dtype=np.float64)
-    cap = float(weight_cap) if weight_cap is not None else float(n.mean())
-    all_w = capped_weights(torch.from_numpy(n), weights, cap).sum().item()
+    private = method.server.weighting.private(ctx, report_noise)  # type: ignore[attr-defined]
+    if report_noise is not None and private.report_noise <= 0:
+        raise ConfigError(
+            f"dp_report_noise is for weights that read client reports (FedDisco's); the weights of {method.name!r} "
+            f"({private.kind}) read none: leave it out"
+        )
+    values = np.asarray(private.values, dtype=np.float64)
+    if values.shape != (ctx.num_clients,) or not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(f"the private weights must be [{ctx.num_clients}] finite and non-negative, got {values}")
+    cap = float(weight_cap) if weight_cap is not None else float(values.mean())
+    all_w = capped_weights(torch.from_numpy(values), private.kind, cap).sum().item()
     denominator = all_w * sampling.expected_cohort / sampling.n  # E[Σ w over the cohort]: each client joins w.p. q
+    once = (private.report_noise,) if private.report_noise > 0 else ()
     if noise_multiplier is None:
         if target_epsilon is None:
             raise ConfigError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
-        z, calibrated = calibrate(target_epsilon, delta, sampling, rounds, accountant), True
+        try:
+            z, calibrated = calibrate(target_epsilon, delta, sampling, rounds, accountant, once=once), True
+        except ValueError as exc:
+            raise ConfigError(f"dp_epsilon {target_epsilon}: {exc}") from None
     else:
         z, calibrated = float(noise_multiplier), False
     adaptive = None
@@ -176,7 +199,20 @@ def plan_privacy(
         except ValueError as exc:
             raise ConfigError(f"adaptive clipping: {exc}") from None
     return PrivacyPlan(
-        clip, z, sampling, delta, accountant, weights, cap, denominator, target_epsilon, calibrated, adaptive
+        clip,
+        z,
+        sampling,
+        delta,
+        accountant,
+        private.kind,
+        cap,
+        denominator,
+        target_epsilon,
+        calibrated,
+        adaptive,
+        values,
+        private.report_noise,
+        tuple(private.record.items()),
     )
 
 
@@ -235,7 +271,7 @@ class PrivateMean:
         return noised_sum(rows, torch.ones(k, dtype=torch.float64), noise_std(z, clip, 1.0), gen)
 
     def aggregate(self, rin: RoundInput, state: PrivateState) -> tuple[ServerOutput, PrivateState]:
-        weights = capped_weights(rin.num_samples, self.plan.weights, self.plan.cap)
+        weights = self.plan.round_weights(rin.cids, rin.num_samples)
         deltas = {n: rin.params[n] - rin.global_params[n] for n in self.noised}
         params = self._release(rin.round, rin.global_params, deltas, weights, state.clip)
         diagnostics: dict[str, Any] = {"weights": weights.tolist(), "dp_cohort_weight": float(weights.sum())}

@@ -105,10 +105,37 @@ def refuse_masks(comp: Composition, why: str) -> None:
         raise ConfigError(f"method {comp.method!r}: {why}, not element masks")
 
 
+@dataclass(frozen=True)
+class PrivateWeights:
+    """A weighting's form under user-level DP (:mod:`fedskew.privacy`): one raw weight per client of the federation,
+    fixed before round 1, from what the server may know (sample counts) or from client reports released through a
+    Gaussian mechanism of multiplier ``report_noise`` (0: no release), which the accountant composes once with the
+    rounds. The private server caps them (``w ≤ 1``), sums the cohort's clipped updates with them and divides by the
+    fixed denominator they give. ``record``: what the run's privacy record states of the release."""
+
+    values: np.ndarray  # [N] float64, >= 0
+    kind: str  # the record's name of the weights: uniform, samples, disco, ...
+    report_noise: float = 0.0
+    record: Mapping[str, Any] = field(default_factory=dict)
+
+
 class Weighting(Piece):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         """Return ``[K]`` float64 non-negative weights summing to 1."""
         raise NotImplementedError
+
+    def private_refusal(self) -> str | None:
+        """Why these weights have no form under user-level DP (``None``: :meth:`private` gives it)."""
+        return (
+            f"its weights ({type(self).__name__}) come from the clients' statistics, a release of their own that is "
+            "not privatized"
+        )
+
+    def private(self, ctx: ServerContext, report_noise: float | None) -> PrivateWeights:
+        """The weights under user-level DP (see :class:`PrivateWeights`); ``report_noise``: the noise multiplier the
+        run gives the release of the client reports they read (``None``: none given; a weighting that needs one
+        raises :class:`~fedskew.schema.ConfigError` saying so)."""
+        raise ConfigError(self.private_refusal() or f"{type(self).__name__} has no private form")
 
 
 class Masking(Piece):

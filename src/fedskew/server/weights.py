@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from fedskew.protocol import Params, RoundInput, State
-from fedskew.server.api import Weighting
+from fedskew.protocol import Params, RoundInput, ServerContext, State
+from fedskew.server.api import PrivateWeights, Weighting
 
 
 def normalize(raw: Tensor) -> Tensor:
@@ -26,6 +27,13 @@ class SampleWeights(Weighting):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return normalize(rin.num_samples.to(torch.float64)), state
 
+    def private_refusal(self) -> str | None:
+        return None
+
+    def private(self, ctx: ServerContext, report_noise: float | None) -> PrivateWeights:
+        """Each client's training sample count (what the server knows of every client)."""
+        return PrivateWeights(np.asarray(ctx.num_train, dtype=np.float64), "samples")
+
 
 @dataclass(frozen=True)
 class UniformWeights(Weighting):
@@ -34,3 +42,9 @@ class UniformWeights(Weighting):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         k = rin.num_participants
         return torch.full((k,), 1.0 / k, dtype=torch.float64), state
+
+    def private_refusal(self) -> str | None:
+        return None
+
+    def private(self, ctx: ServerContext, report_noise: float | None) -> PrivateWeights:
+        return PrivateWeights(np.ones(ctx.num_clients), "uniform")
