@@ -1,0 +1,92 @@
+"""The GPU run book's budget and resumption (benchmarks/gpu_suite.py) on a clock the test controls: every piece "takes"
+the time the test gives it, one is slowed far past its estimate, and what each call runs, defers and kills follows
+from the budget alone. Nothing here reads the machine's clock, so a slow or busy machine cannot change the outcome
+(tests/test_gpu_suite.py runs the real pieces)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+ONLY = "env,batched-fedavg,batched-fedprox,pfl-batched,run100,runs-per-gpu"  # smoke estimates 1, 20, 20, 20, 20, 30
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_suite_under_test", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    clock = {"now": 0.0, "ran": [], "limits": {}, "takes": {}}
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock["now"]
+
+    def run_piece(piece, out):
+        """A piece that takes ``takes[name]`` seconds of the test's clock (its estimate unless slowed); killed at
+        its limit as the real one is."""
+        took = clock["takes"].get(piece.name, piece.estimate_s)
+        clock["ran"].append(piece.name)
+        clock["limits"][piece.name] = piece.limit_s
+        if took > piece.limit_s:
+            clock["now"] += piece.limit_s
+            return {"piece": piece.name, "ok": False, "error": f"timed out after {piece.limit_s:.0f}s"}
+        clock["now"] += took
+        return {"piece": piece.name, "ok": True, "seconds": took}
+
+    monkeypatch.setattr(module, "time", FakeTime)
+    monkeypatch.setattr(module, "run_piece", run_piece)
+
+    def call(out, budget, takes=None):
+        clock.update(now=0.0, ran=[], limits={}, takes=takes or {})
+        code = module.main(["--smoke", "--out", str(out), "--only", ONLY, "--budget", str(budget)])
+        return code, list(clock["ran"]), dict(clock["limits"])
+
+    return call
+
+
+def _done(out):
+    return sorted(p.stem for p in out.glob("*.json") if json.loads(p.read_text()).get("ok"))
+
+
+def test_a_slowed_piece_defers_the_pieces_that_no_longer_fit_and_the_next_call_runs_them(suite, tmp_path, capsys):
+    out = tmp_path / "suite"
+    # 111 s of estimates in a 111 s budget; batched-fedavg takes 70 s instead of 20: 50 s of the others' time is gone
+    code, ran, limits = suite(out, 111, takes={"batched-fedavg": 70})
+    assert code == 0
+    # env (1) + fedavg (70) + fedprox (20) = 91; 20 s left: pfl-batched (20) fits, run100 and runs-per-gpu do not
+    assert ran == ["env", "batched-fedavg", "batched-fedprox", "pfl-batched"]
+    assert limits["batched-fedavg"] == 110  # a piece is never given more than the budget left (111 - env's 1)
+    printed = capsys.readouterr().out
+    assert "run100: needs ~20s, 0s left: run the suite again" in printed
+    assert "runs-per-gpu: needs ~30s, 0s left: run the suite again" in printed
+    assert _done(out) == ["batched-fedavg", "batched-fedprox", "env", "pfl-batched"]
+    report = (out / "suite.md").read_text()
+    assert "**run100**: not run yet" in report and "**runs-per-gpu**: not run yet" in report
+
+    # the next call skips what is done and runs exactly what was left, whatever the first call's clock said
+    code, ran, _ = suite(out, 60)
+    assert code == 0 and ran == ["run100", "runs-per-gpu"]
+    assert _done(out) == ["batched-fedavg", "batched-fedprox", "env", "pfl-batched", "run100", "runs-per-gpu"]
+    assert "not run yet" not in (out / "suite.md").read_text()
+    code, ran, _ = suite(out, 1)  # a third call has nothing to do
+    assert code == 0 and ran == []
+
+
+def test_a_piece_slower_than_the_budget_left_is_cut_at_it_and_run_again_next_time(suite, tmp_path, capsys):
+    out = tmp_path / "suite"
+    # batched-fedprox hangs (1,000 s): it is cut where the call's budget ends, reported failed, the rest deferred
+    code, ran, limits = suite(out, 60, takes={"batched-fedprox": 1000})
+    assert code == 1 and ran == ["env", "batched-fedavg", "batched-fedprox"]
+    assert limits["batched-fedprox"] == 39  # 60 - 1 - 20
+    assert json.loads((out / "batched-fedprox.json").read_text())["error"] == "timed out after 39s"
+    assert "batched-fedprox: FAILED" in capsys.readouterr().out
+    # a failed piece is not a result: the next call runs it again, then what did not fit before
+    code, ran, _ = suite(out, 200)
+    assert code == 0 and ran == ["batched-fedprox", "pfl-batched", "run100", "runs-per-gpu"]
+    assert json.loads((out / "batched-fedprox.json").read_text())["ok"]
