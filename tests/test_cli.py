@@ -1,5 +1,7 @@
 """What the command line prints."""
 
+import pytest
+
 
 def test_the_consoles_print_colon_words_as_written(capsys):
     """A tuning study of MOON is named `<search>:moon:<args>`; rich's emoji codes would print a moon instead."""
@@ -42,14 +44,40 @@ def test_run_flags_come_from_the_configuration_schema():
     assert "%%" in flag_help(fields["domain_fraction"])  # argparse's % escaped
 
 
-def test_methods_fits_a_screen_and_lists_the_compositions_on_request(capsys):
-    """Issue 45: ``fedskew methods`` printed 27 KB with 7,000- and 13,000-character lines."""
+@pytest.mark.parametrize("columns", [80, 100, 140])
+def test_methods_fits_a_screen_and_lists_the_compositions_on_request(capsys, monkeypatch, columns):
+    """Issue 45: ``fedskew methods`` printed 27 KB with 7,000- and 13,000-character lines; now one line per part,
+    cut to the terminal's width (``fedskew methods NAME`` has the rest), every line within it."""
     from fedskew.cli import main
+    from fedskew.method_index import method_index
 
+    monkeypatch.setenv("COLUMNS", str(columns))
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
-    assert len(out) < 10_000 and max(len(line) for line in out.splitlines()) < 250
-    assert "valid compositions of a client part and a plug-in" in out and "fedprox+disco" not in out
+    assert len(out) < 10_000 and max(len(line) for line in out.splitlines()) <= columns
+    names = [row[0] for row in method_index()["rows"]]
+    listed = [ln.split()[0] for ln in out.splitlines() if ln.startswith("  ")]
+    assert sorted(listed) == sorted(names)  # one line each (grouped by kind)
+    flat = " ".join(out.split())
+    assert "valid compositions of a client part and a plug-in" in flat and "fedprox+disco" not in flat
+    assert "fedskew methods NAME" in flat
     assert main(["methods", "--compositions"]) == 0
     full = capsys.readouterr().out
-    assert "fedprox+disco" in full and "refused:" in full and max(len(line) for line in full.splitlines()) < 200
+    assert "fedprox+disco" in full and "refused:" in full and max(len(line) for line in full.splitlines()) <= columns
+
+
+def test_methods_name_gives_each_parts_paper_defaults_and_what_the_composition_can_do(capsys, monkeypatch):
+    from fedskew.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["methods", "fedprox+disco", "fedsa"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    flat = " ".join(out.split())
+    assert "fedprox+disco: a composition" in flat and "Li et al., Federated Optimization" in flat
+    assert "mu = 0.01 (>= 0; tuned over log[0.001, 1])" in flat and "metric = 'kl' (kl|l1|l2|cosine|only_iid)" in flat
+    assert "disco_discrepancy" in flat  # what the server learns of each client
+    assert "user-level DP (--dp-clip): can run" in flat
+    assert "user-level DP (--dp-clip): no: its server combines the individual updates (FedSACombine)" in flat
+    assert main(["methods", "fedpake"]) == 0 and "fedpake (= fedsa)" in capsys.readouterr().out
+    assert main(["methods", "nope"]) == 2 and "unknown part 'nope'" in capsys.readouterr().err

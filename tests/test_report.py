@@ -183,12 +183,27 @@ def test_last_n_header_says_fewer_rounds(tmp_path, capsys):
     assert "global_acc last-3" in _report(capsys, db)
 
 
+def test_the_prose_around_a_table_fits_a_terminal(tmp_path, capsys):
+    """The settings line and the notes are wrapped to 100 columns (they were one line of about 700 characters);
+    a table row stays one line."""
+    db = tmp_path / "r.db"
+    for seed in range(2):
+        _add(db, [0.7], seed=seed)
+        _add(db, [0.8], seed=seed, method="fedprox")
+    table = _report(capsys, db)
+    prose = [ln for ln in table.splitlines() if not ln.startswith("|")]
+    assert len(prose) > 4 and max(len(ln) for ln in prose) <= 100
+    assert " ".join(" ".join(prose).split()).startswith("settings common to every row: dataset=digits;")
+    assert len(_rows(table)) == 3  # fedavg, fedprox and the detectable-difference footer
+
+
 def test_a_diverged_run_stays_visible(tmp_path, capsys):
     db = tmp_path / "r.db"
     _add(db, [0.8], seed=0)
     _add(db, [], seed=1, diverged_round=1, lr=1.5)  # diverged in round 1: no metric at all
     table = _report(capsys, db, "--metric", "global_acc")
-    assert "diverged" in table.splitlines()[2]
+    header = next(ln for ln in table.splitlines() if ln.startswith("| method"))
+    assert "diverged" in header
     (bad,) = [r for r in _rows(table) if "seed 1 (round 1)" in r]
     assert "| 1.5 |" in bad
     out = _report(capsys, db, "--format", "csv")
@@ -352,7 +367,8 @@ def test_a_row_better_on_every_seed_is_marked_and_noise_is_not(tmp_path, capsys)
     from fedskew.results.stats import detectable_difference
 
     assert f"{detectable_difference(sd, 4):.2f} (n=4, sd {sd:.2f})" in foot
-    assert "paired t (fewer than 10 common seeds)" in table and "* marks an interval that excludes 0" in table
+    prose = " ".join(table.split())  # the notes are wrapped to the width of a terminal
+    assert "paired t (fewer than 10 common seeds)" in prose and "* marks an interval that excludes 0" in prose
     # the unpaired view could not tell fedprox from fedavg: the std over seeds (5.8) dwarfs the 2-point gain
     assert better[3] == "64.75 ± 5.77" and ref[3] == "62.75 ± 5.72"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 from fedskew.results.experiments import mean_std_text
@@ -33,8 +34,18 @@ def _footer_text(cell: Any, kind: str) -> str:
     return str(cell)
 
 
+WIDTH = 100  # the prose around a table (settings, notes) is wrapped to this many columns; a table row is one line
+
+
+def _wrapped(text: str, indent: str = "") -> str:
+    """``text`` as a markdown paragraph of lines of at most :data:`WIDTH` columns (a word longer stays whole)."""
+    return textwrap.fill(
+        text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
+
+
 def markdown_text(rep: Report) -> str:
-    lines = [f"settings common to every row: {'; '.join(rep.common) or '-'}", ""]
+    lines = [_wrapped(f"settings common to every row: {'; '.join(rep.common) or '-'}"), ""]
     lines.append("| " + " | ".join(rep.columns) + " |")
     lines.append("|" + "---|" * len(rep.columns))
     for i, row in enumerate(rep.rows):
@@ -46,7 +57,7 @@ def markdown_text(rep: Report) -> str:
             for j, c in enumerate(rep.footer)
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + [f"{i}. {n}" for i, n in enumerate(rep.notes, 1)]
+    lines += [""] + [_wrapped(f"{i}. {n}", " " * len(f"{i}. ")) for i, n in enumerate(rep.notes, 1)]
     return "\n".join(lines)
 
 
