@@ -2,7 +2,7 @@
 
 Workload (issue 15, goal 3): the PFLlib CNN on MNIST-shaped data, PFLlib's split (protocol pfllib, Dir(0.1) over N
 clients, 75% of each client's samples for training), batch 10, lr 0.005, 1 local epoch, FedAvg's local step. MNIST
-is read from --data-dir (default /work/shared/data/mnist or ../shared/data/mnist when present); without it the
+is read from --data-dir (default ../shared/data/mnist beside the checkout, when present); without it the
 script uses random uint8 28x28 images of MNIST's shape and counts (70,000 samples, 10 classes), which time the same.
 
 Each repetition trains the same clients from the same received model twice, once one after another with
@@ -38,7 +38,7 @@ from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.loop import Simulation
 from fedskew.protocol import Upload
 
-DATA_DIRS = (Path("/work/shared/data/mnist"), Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist")
+DATA_DIRS = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist",)  # beside the checkout, when present
 
 
 def random_mnist(seed: int) -> ImageDataset:

@@ -81,3 +81,21 @@ def test_methods_name_gives_each_parts_paper_defaults_and_what_the_composition_c
     assert "user-level DP (--dp-clip): no: its server combines the individual updates (FedSACombine)" in flat
     assert main(["methods", "fedpake"]) == 0 and "fedpake (= fedsa)" in capsys.readouterr().out
     assert main(["methods", "nope"]) == 2 and "unknown part 'nope'" in capsys.readouterr().err
+
+
+def test_a_commands_warning_is_one_note_line_without_pythons_source_line(tmp_path, capsys):
+    """Issue 45: a warning (here: a client part without a batched form under --batched-clients) printed Python's
+    ``file:line: UserWarning`` header and the raw ``warnings.warn(`` line under it."""
+    import warnings
+
+    from fedskew.cli import main
+
+    before = warnings.showwarning
+    args = ["run", "--method", "fedsam", "--batched-clients", "--rounds", "1", "--clients", "4", "--no-db", "--quiet"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main([*args, "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "note: batched_clients: its client part FedSAM declares no batched form" in err
+    assert "UserWarning" not in err and "warnings.warn(" not in err
+    assert warnings.showwarning is before  # left as it was for the process that called main()

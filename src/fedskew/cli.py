@@ -453,6 +453,14 @@ def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[Base
     return after, tuple(found)
 
 
+def _note(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """How a command prints a warning (a domain without files, a composition trained one client at a time): one
+    ``note:`` line on stderr, not Python's ``file:line: Category`` header and the raw source line under it."""
+    print(f"note: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and bad flags end here, before torch is imported
     command = args.command or "run"
@@ -467,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for module in _command_modules():
         handlers.update(module.HANDLERS)
+    import warnings
+
+    shown, warnings.showwarning = warnings.showwarning, _note  # a command's warnings read as notes
     try:
         return handlers[command](args)
     except KeyboardInterrupt:
@@ -489,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         raise
+    finally:
+        warnings.showwarning = shown  # main() called in a process that goes on (tests, notebooks) leaves it as it was
 
 
 if __name__ == "__main__":
