@@ -16,7 +16,8 @@ def label_table(train_hists: np.ndarray, test_hists: np.ndarray | None = None) -
     present = ((train + test) > 0).sum(1)
     head = (
         f"{n} clients, {c} classes; client size min {sizes.min()}, median {int(np.median(sizes))}, "
-        f"max {sizes.max()}; classes per client mean {present.mean():.2f}\n\n"
+        f"max {sizes.max()} (train + test); classes per client mean {present.mean():.2f}\n"
+        f"c0..c{c - 1}: training samples per class\n\n"
     )
     cols = ["client", "n_train", "n_test", *[f"c{j}" for j in range(c)]]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
