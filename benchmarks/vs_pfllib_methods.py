@@ -83,6 +83,8 @@ def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int) -> list[float]:
     cmd = [sys.executable, str(SHIM), "main.py", *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
     run = subprocess.run(cmd, cwd=pfllib / "system", env=one_thread(), capture_output=True, text=True)
     accs = [float(a) for a in re.findall(r"Averaged Test Accuracy: ([0-9.]+)", run.stdout)]
+    if len(accs) < rounds + 1:  # pFedMe reports its evaluations through print_: "Average Test Accuracy"
+        accs = [float(a) for a in re.findall(r"Average Test Accuracy: ([0-9.]+)", run.stdout)]
     # PFLlib's FedAS trains and evaluates every round, then fails in its closing report (it calls a missing
     # avg_generalization_metrics): the evaluations it printed are complete, so they count
     if len(accs) < rounds + 1:
