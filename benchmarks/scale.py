@@ -119,6 +119,7 @@ def child(args: argparse.Namespace, method: str, n: int) -> dict:
             "skew_probes": 0,
             "checkpoint_every": 0,
             "state_store": args.state_store,
+            "aggregation": args.child_aggregation,
             **({"state_memory": args.state_memory} if args.state_memory else {}),
         },
     )
@@ -154,6 +155,7 @@ def child(args: argparse.Namespace, method: str, n: int) -> dict:
         eval_s = rec["time_eval"]
         sampled_eval = rec.get("eval_clients")
         state_mb = sim.state_store.state_bytes() / 1e6
+        streamed = sim.server.streaming
         backend = sim.state_store.backend
         sim.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -177,6 +179,7 @@ def child(args: argparse.Namespace, method: str, n: int) -> dict:
         "state_mb": state_mb,
         "eval_s": eval_s,
         "eval_clients": sampled_eval,
+        "aggregation": "streaming" if streamed else "stacked",
     }
 
 
@@ -193,7 +196,14 @@ def main() -> None:
     p.add_argument("--state-store", default="auto", choices=("auto", "memory", "disk"))
     p.add_argument("--state-memory", default=None, help="the store's memory budget (e.g. 2GB)")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument(
+        "--aggregation",
+        default="auto",
+        help="comma-separated: auto, stacked, streaming (each (method, clients) runs once per mode; auto streams a "
+        "weighted-mean composition whose stacked uploads would exceed 512 MiB)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child-aggregation", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         method, n = args.child.split(":")
@@ -201,7 +211,7 @@ def main() -> None:
         return
     results = []
     head = (
-        f"{'method':7} {'clients':>8} {'store':>6} {'round train':>11} {'plain SGD':>10} {'ratio':>6} "
+        f"{'method':7} {'clients':>8} {'uploads':>9} {'store':>6} {'round train':>11} {'plain SGD':>10} {'ratio':>6} "
         f"{'fixed/client':>12} {'peak RSS':>9} {'built':>8} {'state':>9} {'eval':>14}"
     )
     print(
@@ -211,14 +221,15 @@ def main() -> None:
     )
     print(head)
     for n in (int(x) for x in args.clients.split(",")):
-        for method in args.methods.split(","):
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{method}:{n}"]
+        for method, mode in ((m, a) for m in args.methods.split(",") for a in args.aggregation.split(",")):
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{method}:{n}", "--child-aggregation", mode]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             results.append(r)
             ev = f"{r['eval_s']:.2f}s/{r['eval_clients'] or 'all'}"
             print(
-                f"{method:7} {n:>8} {r['backend']:>6} {1e3 * r['train_s']:9.1f}ms {1e3 * r['plain_s']:8.1f}ms "
+                f"{method:7} {n:>8} {r['aggregation']:>9} {r['backend']:>6} "
+                f"{1e3 * r['train_s']:9.1f}ms {1e3 * r['plain_s']:8.1f}ms "
                 f"{r['ratio']:5.2f}x {r['fixed_ms']:10.2f}ms {r['peak_mb']:7.0f}MB {r['base_mb']:6.0f}MB "
                 f"{r['state_mb']:7.0f}MB {ev:>14}",
                 flush=True,

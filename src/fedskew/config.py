@@ -40,6 +40,7 @@ NOT_IDENTITY = frozenset(
         "checkpoint_every",
         "workers",
         "batched_clients",
+        "aggregation",
         "channels_last",
         "state_store",
         "state_memory",
@@ -273,6 +274,13 @@ class RunConfig(StrictSettings):
         description="train the sampled clients together, vmapped over stacked parameters (engine/batched.py; for a "
         "GPU); equal to the sequential loop up to float32 rounding; methods it cannot batch fall back, with a warning",
     )
+    aggregation: Literal["auto", "stacked", "streaming"] = Field(
+        "auto",
+        description="the server's uploads: stacked ([clients, ...] buffers, what every server method can read) or "
+        "streaming (a weighted mean summed upload by upload, memory O(model): FedAvg, FedProx, SCAFFOLD, Ditto, "
+        "FedAvgM, ...; equal up to float64 rounding; needs skew_probes 0); auto: streaming when the composition "
+        "allows it, skew_probes is 0 and the stacked uploads would take over 512 MiB",
+    )
     channels_last: bool = Field(
         False,
         description="keep convolution weights and activations in channels-last memory order (faster convolutions "
@@ -419,6 +427,18 @@ class RunConfig(StrictSettings):
                 raise ValueError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
             if self.batched_clients:
                 raise ValueError("differential privacy clips each client's update: batched_clients is not supported")
+        if self.aggregation == "streaming":
+            from fedskew.server.streaming import stream_refusal
+
+            why = stream_refusal(method) or (
+                "user-level DP noises the stacked sum (aggregation streaming is not built for it)"
+                if self.dp_clip is not None
+                else "the skew probes read every upload: set skew_probes 0"
+                if self.skew_probes
+                else None
+            )
+            if why is not None:
+                raise ValueError(f"aggregation streaming: method {self.method!r}: {why}")
         if getattr(method.client, "needs_validation", False) and not self.validation:
             part = type(unwrapped(method.client)).__name__
             raise ValueError(

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from fedskew.engine.buffers import BufferPool
 from fedskew.engine.probe import skew_probe
@@ -53,7 +54,8 @@ from fedskew.protocol import (
     client_reports,
 )
 from fedskew.seeding import Purpose, numpy_rng
-from fedskew.server.api import UploadStack, check_model, enforce
+from fedskew.server.api import RoundInput, UploadStack, check_model, enforce, stack_metrics
+from fedskew.server.streaming import RunningSum, stream_refusal
 
 if TYPE_CHECKING:
     from fedskew.data.pools import FederatedData
@@ -88,6 +90,21 @@ def server_context(
         seed=seed,
         reports=declared,
     )
+
+
+STREAM_ABOVE = 512 * 2**20  # aggregation auto: stream when the round's stacked uploads would exceed this (bytes)
+
+
+def streams(settings: RoundSettings, method: Method, ctx: ServerContext) -> bool:
+    """Whether the round server sums the uploads as they arrive (:mod:`fedskew.server.streaming`): ``streaming``
+    (the configuration has checked that the composition allows it), or ``auto`` when it allows it, no skew probe
+    or DP reads the stack, and the expected cohort's stacked uploads would take over :data:`STREAM_ABOVE`."""
+    if settings.aggregation != "auto":
+        return settings.aggregation == "streaming"
+    if settings.skew_probes or settings.dp_clip is not None or stream_refusal(method) is not None:
+        return False
+    model = payload_bytes(ctx.template)
+    return cohort_sampling(settings, ctx.num_clients).expected_cohort * model > STREAM_ABOVE
 
 
 def cohort_sampling(settings: RoundSettings, num_clients: int) -> Sampling:
@@ -146,6 +163,7 @@ class RoundServer:
             self.strategy = private_server(method, self.privacy, ctx, local_names)
         self.server_state = self.strategy.init(ctx)
         method.client.check_model(ctx.template, ctx.trainable)
+        self.streaming = streams(settings, method, ctx)
         # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
         self.server_half_state = method.server_half.init(ctx)
         self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
@@ -203,7 +221,11 @@ class RoundServer:
         sampled = sample_clients(s.seed, rnd, n, s.join_ratio, s.client_sampling)
         gone = set(dropped_out(s.seed, rnd, sampled, n, s.client_dropout))
         broadcast = self.broadcast()
-        stack = UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
+        stack: UploadStack | RunningSum = (
+            RunningSum(self.global_params, self.method.server.weighting.arrival_weight)  # type: ignore[attr-defined]
+            if self.streaming
+            else UploadStack(len(sampled) - len(gone), self.global_params, self._buffers.empty)
+        )
         plan = RoundPlan(rnd, sampled, gone, broadcast, stack, t0)
         plan.bytes_down = sum(self.wire_bytes(self.received(cid)) + payload_bytes(broadcast) for cid in sampled)
         return plan
@@ -238,7 +260,9 @@ class RoundServer:
         if plan.failed:
             record["failed"] = plan.failed
         rin, out = None, None
-        if stack.count:
+        if stack.count and isinstance(stack, RunningSum):  # the uploads were summed as they arrived
+            out = self._aggregate_sums(rnd, stack)
+        elif stack.count:
             rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
             rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
             if self.privacy is None:
@@ -294,6 +318,27 @@ class RoundServer:
         if self.privacy is not None:
             record["dp_epsilon"] = self.privacy.epsilon(rnd)
         return RoundResult(record, scores, probe)
+
+    def _aggregate_sums(self, rnd: int, stack: RunningSum) -> Any:
+        """Streaming aggregation's close: the private server half from the summed extras, the composition's step on
+        the weighted mean (:meth:`fedskew.server.api.Aggregation.aggregate_sums`)."""
+        rin = RoundInput(
+            round=rnd,
+            cids=tuple(stack.cids),
+            params={},
+            num_samples=torch.tensor(stack.num_samples, dtype=torch.float64),
+            extras={},
+            global_params=self.global_params,
+            trainable=self.trainable,
+            metrics=stack_metrics(stack.metrics),
+            reports={k: v[list(stack.cids)] for k, v in self.reports.items()},
+        )
+        if self.method.server_half.private:
+            self.server_half_state = self.method.server_half.advance_sums(stack.summed_extras(), self.server_half_state)
+        out, self.server_state = self.strategy.aggregate_sums(rin, stack.mean(), stack.weights(), self.server_state)
+        self._check_models(rnd, out.global_params, out.personal)
+        self.global_params = out.global_params
+        return out
 
     def budget_spent(self, rnd: int) -> bool:
         """Whether round ``rnd`` would spend more than the run's ε budget (DP with a budget; the run stops before)."""

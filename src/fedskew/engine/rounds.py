@@ -20,6 +20,7 @@ from fedskew.privacy.mechanism import DP_CLIP, DP_UNCLIPPED, clip_update
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
 from fedskew.server.api import UploadStack
+from fedskew.server.streaming import RunningSum
 
 # LOCAL_PARAMS: a client's state-dict entries that never travel (method.local: FedPer's head, FedBN's norms), the
 # engine's own entry in every client's state (fedskew.client.local)
@@ -97,7 +98,7 @@ class RoundPlan:
     sampled: list[int]
     gone: set[int]  # sampled, but drop out before reporting (client_dropout, seeded)
     broadcast: Params
-    stack: UploadStack
+    stack: UploadStack | RunningSum  # RunningSum: streaming aggregation (server/streaming.py)
     t0: float
     losses: list[tuple[int, int, float]] = field(default_factory=list)  # (cid, samples, loss) of counted uploads
     bytes_up: int = 0

@@ -124,6 +124,12 @@ class Weighting(Piece):
         """Return ``[K]`` float64 non-negative weights summing to 1."""
         raise NotImplementedError
 
+    def arrival_weight(self, num_samples: float) -> float | None:
+        """An upload's raw weight from what arrives with it, the weights being these normalized over the round
+        (sample counts: ``num_samples``; uniform: 1); ``None`` when it depends on the whole round (streaming
+        aggregation, :mod:`fedskew.server.streaming`, needs it)."""
+        return None
+
     def private_refusal(self) -> str | None:
         """Why these weights have no form under user-level DP (``None``: :meth:`private` gives it)."""
         return (
@@ -348,6 +354,20 @@ class Aggregation:
             diagnostics = {**diagnostics, **more}
         diagnostics = {"weights": weights.tolist(), **diagnostics}
         return ServerOutput(params, None, diagnostics), AggregationState(wstate, mstate, cstate, sstate)
+
+    def aggregate_sums(
+        self, rin: RoundInput, params: Params, weights: Tensor, state: AggregationState
+    ) -> tuple[ServerOutput, AggregationState]:
+        """The same aggregation from a weighted mean summed upload by upload (:mod:`fedskew.server.streaming`, for
+        the compositions it accepts): ``params`` the combined model, ``weights`` the uploads' normalized weights;
+        ``rin`` carries the round's scalars (ids, sample counts, metrics) and no uploads (``params`` empty), which a
+        step that is not ``individual`` does not read."""
+        sstate = None
+        diagnostics: Diagnostics = {}
+        if self.step is not None:
+            params, diagnostics, sstate = self.step(rin, params, weights, state.step)
+        diagnostics = {"weights": weights.tolist(), **diagnostics}
+        return ServerOutput(params, None, diagnostics), state._replace(step=sstate)
 
 
 def check_upload(upload: Upload, global_params: Params, extras_template: Params | None = None) -> Rejection | None:

@@ -27,6 +27,9 @@ class SampleWeights(Weighting):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return normalize(rin.num_samples.to(torch.float64)), state
 
+    def arrival_weight(self, num_samples: float) -> float | None:
+        return num_samples
+
     def private_refusal(self) -> str | None:
         return None
 
@@ -42,6 +45,9 @@ class UniformWeights(Weighting):
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         k = rin.num_participants
         return torch.full((k,), 1.0 / k, dtype=torch.float64), state
+
+    def arrival_weight(self, num_samples: float) -> float | None:
+        return 1.0
 
     def private_refusal(self) -> str | None:
         return None
