@@ -274,3 +274,30 @@ def test_fedskew_methods_lists_the_compositions_that_can_be_private(capsys):
     assert main(["methods", "--compositions"]) == 0
     out = capsys.readouterr().out
     assert f"can run under user-level differential privacy (--dp-clip; docs/privacy.md), {len(private)}:" in out
+
+
+def test_scaled_extras_enter_the_clip_scaled_and_the_server_divides_their_noised_sum(tmp_path):
+    """dp_extras_scale s: the client clips [Δθ, s·Δc] jointly (SCAFFOLD's Δc is about Δθ/(lr·steps), so without it
+    the control delta takes most of the clip) and the server divides the extras' noised sum by s; with no noise and
+    a clip no upload reaches, the run is SCAFFOLD's own for any s."""
+    from fedskew.engine.rounds import UpdateClip
+
+    base = {**_values(tmp_path), "method": "scaffold", "client_sampling": "fixed", "join_ratio": 1.0, "rounds": 3}
+    private = {**base, "dp_noise": 1e-12, "dp_clip": 1e6, "dp_weight_cap": 1e-9, "dp_extras_scale": 0.25}
+    run_experiment(make_config(None, private))
+    plain = {k: v for k, v in base.items() if not k.startswith("dp_")} | {"out": str(tmp_path / "plain")}
+    run_experiment(make_config(None, plain))
+    for a, b in zip(_lines(tmp_path / "run"), _lines(tmp_path / "plain"), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+        assert a["global_acc"] == pytest.approx(b["global_acc"], abs=2e-3)
+    # the clipped vector: the extras scaled by s before the joint clip
+    received, trained = {"w": torch.zeros(3)}, {"w": torch.tensor([3.0, 0.0, 0.0])}
+    extras = {"dc": torch.tensor([0.0, 40.0])}
+    _, norm, clipped = clip_update(received, trained, ("w",), 1.0, {k: v * 0.1 for k, v in extras.items()})
+    assert norm == pytest.approx(5.0) and float(clipped["dc"][1]) == pytest.approx(4.0 / 5.0)
+    assert UpdateClip(1.0, ("w",)).extras_scale == 1.0
+    server = PrivateMean(_plan(z=1e-12), ("w",), seed=0, extras={"dc": torch.zeros(2)})
+    sums = server.extras_sums(1, {"dc": torch.tensor([[0.0, 0.8], [0.0, 0.4]])}, 1.0, scale=0.1)
+    torch.testing.assert_close(sums["dc"], torch.tensor([0.0, 12.0]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="dp_extras_scale needs dp_clip"):
+        make_config(None, {"dp_extras_scale": 0.5})

@@ -67,6 +67,7 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "dp_clip_lr": 0.2,
     "dp_count_noise": None,
     "dp_report_noise": None,
+    "dp_extras_scale": 1.0,
 }
 
 
@@ -224,6 +225,13 @@ class RunConfig(StrictSettings):
     dp_clip_lr: float = Field(0.2, gt=0, description="DP, adaptive clipping: the geometric update's rate")
     dp_count_noise: float | None = Field(
         None, gt=0, description="DP, adaptive clipping: the std of the noise on the clipped count (default cohort/20)"
+    )
+    dp_extras_scale: float = Field(
+        1.0,
+        gt=0,
+        description="DP, a client part that uploads extras (SCAFFOLD's control delta): they enter the jointly "
+        "clipped vector multiplied by this and the server divides their noised sum by it; SCAFFOLD's control delta "
+        "is about the model's delta / (lr × local steps), so lr × local steps balances the two",
     )
     dp_report_noise: float | None = Field(
         None,
@@ -419,6 +427,8 @@ class RunConfig(StrictSettings):
         # (fedsa+disco needs low_weighting=samples)
         method = resolve_method(self.method, self.method_args)
         dp_keys = ("dp_noise", "dp_epsilon", "dp_weight_cap", "dp_clip_quantile", "dp_count_noise", "dp_report_noise")
+        if self.dp_extras_scale != 1.0 and self.dp_clip is None:
+            raise ValueError("dp_extras_scale needs dp_clip (differential privacy is on when dp_clip is set)")
         dp_set = [k for k in dp_keys if getattr(self, k) is not None]
         if dp_set and self.dp_clip is None:
             raise ValueError(f"{', '.join(dp_set)} need dp_clip (differential privacy is on when dp_clip is set)")

@@ -61,6 +61,7 @@ FLAG_KEYS = (
     "dp_clip_lr",
     "dp_count_noise",
     "dp_report_noise",
+    "dp_extras_scale",
     "aggregation",
     "checkpoint_every",
     "seed",

@@ -182,7 +182,9 @@ class Simulation:
         self.global_is_local_union = _same_samples(data)
         # user-level DP: each client's update clipped over every floating entry that travels
         self.dp_clip = (
-            UpdateClip(cfg.dp_clip, noised_entries(template, self.local_names)) if cfg.dp_clip is not None else None
+            UpdateClip(cfg.dp_clip, noised_entries(template, self.local_names), cfg.dp_extras_scale)
+            if cfg.dp_clip is not None
+            else None
         )
         self.server = RoundServer(
             cfg.round_settings(),

@@ -268,7 +268,7 @@ class RoundServer:
             if self.privacy is None:
                 self.server_half_state = method.server_half.advance(rin, self.server_half_state)
             elif method.server_half.private:  # DP: the half sees the extras only as their noised sum
-                sums = self.strategy.extras_sums(rnd, rin.extras, self.server_state.clip)
+                sums = self.strategy.extras_sums(rnd, rin.extras, self.server_state.clip, s.dp_extras_scale)
                 self.server_half_state = method.server_half.advance_sums(sums, self.server_half_state)
             out, self.server_state = self.strategy.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)
@@ -277,7 +277,7 @@ class RoundServer:
                 self.personal.update(out.personal)
         elif self.privacy is not None:  # an empty cohort under DP still releases the noise (a skip would tell)
             if method.server_half.private:
-                sums = self.strategy.extras_sums(rnd, None, self.server_state.clip)
+                sums = self.strategy.extras_sums(rnd, None, self.server_state.clip, s.dp_extras_scale)
                 self.server_half_state = method.server_half.advance_sums(sums, self.server_half_state)
             self.global_params, self.server_state = self.strategy.no_uploads(rnd, self.global_params, self.server_state)
             record["dp_noise_only"] = True

@@ -157,7 +157,8 @@ def train_client(
         return upload
     norm = float(broadcast[DP_CLIP]) if DP_CLIP in broadcast else clip.norm  # adaptive clipping: the round's
     # the extras (SCAFFOLD's control delta) are clipped with the model; the server sees only their noised sum
-    params, before, extras = clip_update(received, upload.params, clip.names, norm, upload.extras)
+    scaled = {k: e * clip.extras_scale for k, e in upload.extras.items()} if clip.extras_scale != 1 else upload.extras
+    params, before, extras = clip_update(received, upload.params, clip.names, norm, scaled)
     metrics = upload.metrics
     if DP_CLIP in broadcast:  # the bit the server's noised count of unclipped updates reads
         metrics = {**metrics, DP_UNCLIPPED: float(before <= norm)}
@@ -171,6 +172,7 @@ class UpdateClip:
 
     norm: float
     names: tuple[str, ...]
+    extras_scale: float = 1.0  # the extras enter the clipped vector (and travel) multiplied by this
 
 
 def keep_trained(

@@ -31,6 +31,7 @@ class RoundSettings:
     dp_clip_lr: float  # adaptive clipping's rate
     dp_count_noise: float | None  # the std of the clipped count's noise (None: cohort / 20)
     dp_report_noise: float | None  # the noise multiplier of a client report's release (FedDisco's d_k)
+    dp_extras_scale: float  # the extras' factor in the clipped vector (the server divides their sum by it)
     on_bad_update: str  # fail | drop: a non-finite or mis-shaped upload stops the run, or is left out
     divergence_factor: float  # a round's training loss above this × ln(classes) diverged (0: never)
     eval_every: int  # the evaluation cadence (the last round always evaluates)

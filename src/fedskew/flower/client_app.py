@@ -162,7 +162,11 @@ def train(msg: Message, context: Context) -> Message:
     args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd, received, broadcast, state)
     data = client.data
     # user-level DP: the node clips its own update (the server adds the noise), as the simulator's clients do
-    clip = UpdateClip(cfg.dp_clip, noised_entries(sh.initial, frozenset(names))) if cfg.dp_clip is not None else None
+    clip = (
+        UpdateClip(cfg.dp_clip, noised_entries(sh.initial, frozenset(names)), cfg.dp_extras_scale)
+        if cfg.dp_clip is not None
+        else None
+    )
     update = train_client(*args, data.x_train, data.y_train, data.x_val, data.y_val, clip)
     own_args = (sh.method, sh.model, sh.settings, cfg.seed, client.cid, rnd)
     tune = lambda p: personalized(*own_args, p, state, data.x_train, data.y_train)  # noqa: E731

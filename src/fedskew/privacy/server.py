@@ -259,16 +259,19 @@ class PrivateMean:
         diagnostics.update({"dp_clip": clip, "dp_unclipped_share": share})
         return new
 
-    def extras_sums(self, rnd: int, stacked: Params | None, clip: float) -> Params:
+    def extras_sums(self, rnd: int, stacked: Params | None, clip: float, scale: float = 1.0) -> Params:
         """The noised ``Σ_k extras_k`` a private server half advances from (unweighted, as the halves sum them; the
-        clipped vector's sensitivity holds for the pair since every weight is at most 1), from their own stream."""
+        clipped vector's sensitivity holds for the pair since every weight is at most 1), from their own stream;
+        ``scale``: the factor the clients multiplied their extras by before the clip (``dp_extras_scale``), divided
+        out of the noised sum (post-processing)."""
         if self.extras is None:
             return {}
         z = self.plan.noise_multiplier if self.plan.adaptive is None else self.plan.adaptive.model_noise
         rows = stacked if stacked is not None else {k: t[None][:0] for k, t in self.extras.items()}
         k = next(iter(rows.values())).shape[0] if rows else 0
         gen = torch_generator(self.seed, Purpose.DP_NOISE, rnd, 2)
-        return noised_sum(rows, torch.ones(k, dtype=torch.float64), noise_std(z, clip, 1.0), gen)
+        total = noised_sum(rows, torch.ones(k, dtype=torch.float64), noise_std(z, clip, 1.0), gen)
+        return total if scale == 1.0 else {n: (t / scale).to(t.dtype) for n, t in total.items()}
 
     def aggregate(self, rin: RoundInput, state: PrivateState) -> tuple[ServerOutput, PrivateState]:
         weights = self.plan.round_weights(rin.cids, rin.num_samples)
