@@ -35,8 +35,8 @@ from fedskew.privacy.mechanism import (
 from fedskew.protocol import Params, RoundInput, ServerContext, State
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_generator
-from fedskew.server.api import NO_SERVER_HALF, Aggregation, ServerOutput, ServerStep
-from fedskew.server.combine import WeightedMean
+from fedskew.server.api import ServerOutput, ServerStep
+from fedskew.server.streaming import sum_refusal
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
@@ -122,26 +122,12 @@ class PrivacyPlan:
 
 
 def refusal(method: Method) -> str | None:
-    """Why ``method`` cannot run under user-level DP (module docstring); ``None`` when it can."""
-    server = method.server
-    if not isinstance(server, Aggregation):
-        return "its server makes one model per client from the individual uploads"
-    if server.masking is not None:
-        return f"its server masks each client's update ({type(server.masking).__name__})"
-    if type(server.combine) is not WeightedMean:
-        return f"its server combines the individual updates ({type(server.combine).__name__}), not a weighted sum"
-    why = server.weighting.private_refusal()
+    """Why ``method`` cannot run under user-level DP (module docstring); ``None`` when it can: a server that is a
+    weighted sum of the uploads (:func:`~fedskew.server.streaming.sum_refusal`, which streaming aggregation shares)
+    with weights that have a private form, and no extra upload that is not part of the clipped vector."""
+    why = sum_refusal(method) or method.server.weighting.private_refusal()  # type: ignore[attr-defined]
     if why is not None:
         return why
-    if server.step is not None and server.step.individual:
-        return f"its server step ({type(server.step).__name__}) reads the individual uploads, not only their sum"
-    if method.calibration is not None:
-        return "its evaluated model is calibrated on the clients' feature statistics, a release of their own"
-    if method.server_half is not NO_SERVER_HALF and not method.server_half.private:
-        return (
-            f"its client part's server half ({type(method.server_half).__name__}) reads the individual uploads' "
-            "extras, not only their noised sum"
-        )
     if method.upload_extras:
         return "its clients upload extra tensors beside the model"
     return None

@@ -28,27 +28,36 @@ if TYPE_CHECKING:
     from fedskew.methods import Method
 
 
-def stream_refusal(method: Method) -> str | None:
-    """Why ``method``'s server cannot aggregate upload by upload (``None``: it can)."""
+def sum_refusal(method: Method) -> str | None:
+    """Why ``method``'s server is not a weighted sum of the uploads followed by a step that reads only that sum
+    (``None``: it is): what streaming aggregation and user-level DP both need of a composition."""
     server = method.server
     if not isinstance(server, Aggregation):
         return "its server makes one model per client from the individual uploads"
     if server.masking is not None:
         return f"its server masks each client's update ({type(server.masking).__name__})"
     if type(server.combine) is not WeightedMean:
-        return f"its server combines the individual updates ({type(server.combine).__name__}), not a weighted mean"
-    if server.weighting.arrival_weight(1.0) is None:
-        return (
-            f"its weights ({type(server.weighting).__name__}) depend on the whole round's uploads or reports, not on "
-            "each upload alone"
-        )
+        return f"its server combines the individual updates ({type(server.combine).__name__}), not a weighted sum"
     if server.step is not None and server.step.individual:
-        return f"its server step ({type(server.step).__name__}) reads the individual uploads"
+        return f"its server step ({type(server.step).__name__}) reads the individual uploads, not only their sum"
     if method.calibration is not None:
-        return "its evaluated model is calibrated on the clients' individual statistics"
+        return "its evaluated model is calibrated on the clients' feature statistics"
     if method.server_half is not NO_SERVER_HALF and not method.server_half.private:
-        return f"its client part's server half ({type(method.server_half).__name__}) reads the individual uploads"
+        return (
+            f"its client part's server half ({type(method.server_half).__name__}) reads the individual uploads' "
+            "extras, not only their sum"
+        )
     return None
+
+
+def stream_refusal(method: Method) -> str | None:
+    """Why ``method``'s server cannot aggregate upload by upload (``None``: it can): a weighted sum
+    (:func:`sum_refusal`) whose weight of an upload is known when it arrives."""
+    why = sum_refusal(method)
+    if why is None and method.server.weighting.arrival_weight(1.0) is None:  # type: ignore[attr-defined]
+        weighting = type(method.server.weighting).__name__  # type: ignore[attr-defined]
+        return f"its weights ({weighting}) depend on the whole round's uploads or reports, not on each upload alone"
+    return why
 
 
 @dataclass
