@@ -111,6 +111,7 @@ def test_a_streaming_run_gives_the_stacked_runs_records(tmp_path, monkeypatch, m
     assert len(stacked) == len(streamed) == 3
     for a, b in zip(stacked, streamed, strict=True):
         assert a["participants"] == b["participants"]
+        assert b["aggregation"] == "streaming" and "aggregation" not in a
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert b["global_acc"] == pytest.approx(a["global_acc"], abs=1e-2)
         assert b["diagnostics"]["weights"] == pytest.approx(a["diagnostics"]["weights"], rel=1e-12)

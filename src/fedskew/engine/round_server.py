@@ -260,7 +260,9 @@ class RoundServer:
         if plan.failed:
             record["failed"] = plan.failed
         rin, out = None, None
-        if stack.count and isinstance(stack, RunningSum):  # the uploads were summed as they arrived
+        if isinstance(stack, RunningSum):  # the round's record says its uploads were summed as they arrived
+            record["aggregation"] = "streaming"
+        if stack.count and isinstance(stack, RunningSum):
             out = self._aggregate_sums(rnd, stack)
         elif stack.count:
             rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
