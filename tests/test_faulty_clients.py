@@ -346,3 +346,29 @@ def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):
     with pytest.raises(UploadError, match="client 2: tensor .* has shape") as got:
         Simulation(cfg, build_federated(cfg)).round(1)
     assert not isinstance(got.value, Diverged)
+
+
+@pytest.mark.parametrize("kind", ["nan", "shape"])
+def test_streaming_drops_a_bad_upload_before_summing_it(tmp_path, monkeypatch, kind):
+    """Streaming aggregation (server/streaming.py) validates each upload before adding it to the running sums: a
+    dropped one leaves the round equal to the round without it, as the stacked path does."""
+    corrupt, reason = CORRUPTIONS[kind]
+    cfg = _cfg(tmp_path, method="scaffold", on_bad_update="drop", aggregation="streaming")
+    data = build_federated(cfg)
+    with monkeypatch.context() as m:
+        _corrupt_uploads(m, corrupt, {3})
+        sim = Simulation(cfg, data)
+        rec = sim.round(1).record
+    assert rec["aggregation"] == "streaming" and rec["participants"] == 4
+    assert [d["client"] for d in rec["dropped"]] == [3] and reason in rec["dropped"][0]["reason"]
+    with monkeypatch.context() as m:
+        _without_clients(m, {3})
+        ref = Simulation(cfg, data)
+        ref.round(1)
+    assert _same_params(sim.global_params, ref.global_params)
+    assert all(torch.equal(sim.server_half_state.c[n], t) for n, t in ref.server_half_state.c.items())
+    fail = _cfg(tmp_path / "fail", method="scaffold", aggregation="streaming")
+    with monkeypatch.context() as m:
+        _corrupt_uploads(m, corrupt, {3})
+        with pytest.raises(Exception, match="client 3" if kind == "shape" else "NaN|Inf|diverged"):
+            Simulation(fail, build_federated(fail)).round(1)

@@ -14,6 +14,7 @@ why. The result equals the stacked path's up to float64 rounding (the sums are t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,7 @@ class RunningSum:
     ``metrics``, ``rejected``."""
 
     global_params: Params
-    weight_of: object  # the weighting's arrival_weight: sample count -> raw weight r_k
+    weight_of: Callable[[float], float | None]  # the weighting's arrival_weight: sample count -> raw weight r_k
     cids: list[int] = field(default_factory=list)
     num_samples: list[float] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
@@ -87,7 +88,7 @@ class RunningSum:
         if bad is not None:
             self.rejected.append(bad)
             return bad
-        r = float(self.weight_of(float(upload.num_samples)))  # type: ignore[operator]
+        r = float(self.weight_of(float(upload.num_samples)))  # type: ignore[arg-type]
         first = not self.cids
         for n, g in self.global_params.items():
             t = upload.params[n]
