@@ -67,10 +67,14 @@ def describe(name: str, cols: int = 100) -> str:
         lines.append(fill("hyper-parameters (-m KEY=VALUE): " + ("; ".join(params) or "none"), "    "))
     sent = "; ".join(["its sample count", *(f"{r.name} ({r.learns})" for r in method.reports)])
     why = refusal(method)
+    # a weighting that reads the clients' reports releases them through their own Gaussian mechanism under DP
+    dp_note = " (docs/privacy.md)"
+    if method.reports:
+        dp_note = ", its reports released with --dp-report-noise" + dp_note
     form = batched_form(method.client)
     lines += [
         fill(f"what each client sends beside its model: {sent}"),
-        fill("user-level DP (--dp-clip): " + ("can run (docs/privacy.md)" if why is None else f"no: {why}")),
+        fill("user-level DP (--dp-clip): " + (f"no: {why}" if why is not None else "can run" + dp_note)),
         fill("--batched-clients: " + ("yes" if not isinstance(form, str) else f"no: {form}")),
         fill("personalized models: " + ("yes, evaluated in the personal views" if method.personalized else "no")),
     ]
