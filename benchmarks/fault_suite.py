@@ -295,6 +295,15 @@ def damaged_checkpoint(work: Path) -> None:
         ckpt.write_bytes(ckpt.read_bytes()[: len(ckpt.read_bytes()) // 2])
 
 
+def zeroed_checkpoint(work: Path) -> None:
+    """64 zero bytes inside the checkpoint: torch still reads it (the damaged tensors), the recorded CRC-32 does not."""
+    run = interrupted_run(work, "r", LONG)
+    for ckpt in run.glob("checkpoint*"):
+        data = bytearray(ckpt.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        ckpt.write_bytes(bytes(data))
+
+
 def deleted_metrics(work: Path) -> None:
     (interrupted_run(work, "r", LONG) / "metrics.jsonl").unlink()
 
@@ -344,6 +353,8 @@ CASES: tuple[Case, ...] = (
          prepare=foreign_file_in_client_state, check=old_run_kept, timeout=300),
     Case("resume_damaged_checkpoint", ["run", "--resume", "r", "--quiet"], says="checkpoint",
          prepare=damaged_checkpoint, timeout=300),
+    Case("resume_zeroed_checkpoint", ["run", "--resume", "r", "--quiet"], says="CRC-32",
+         prepare=zeroed_checkpoint, timeout=300),
     Case("resume_without_metrics", ["run", "--resume", "r", "--quiet"], says="metrics.jsonl",
          prepare=deleted_metrics, timeout=300),
     Case("resume_nothing", ["run", "--resume", "nowhere", "--quiet"], says="nowhere"),

@@ -214,6 +214,7 @@ ENGINE_MAY_IMPORT = {
     "fedskew.client.batched_form",  # the batched-step type a client part declares
     "fedskew.server.api",  # the upload checks and stack, the piece bases
     "fedskew.server.dispersion",  # the dispersion statistics the parameter-skew probe records
+    "fedskew.server.streaming",  # the running sums of streaming aggregation: the upload stack's sibling
 }
 
 

@@ -347,3 +347,30 @@ def test_a_damaged_lock_is_named_as_such(tmp_path):
     (tmp_path / "run" / ".lock").write_text("{garbage")
     with pytest.raises(RunDirError, match=r"its lock file .*\.lock is damaged \(it names no run holding it\)"):
         RunDirectory.prepare(tmp_path / "run")
+
+
+def test_a_checkpoint_damaged_on_disk_is_refused_by_its_crc_and_a_kill_between_its_two_writes_is_not(tmp_path):
+    """Issue 46: zeroed bytes inside checkpoint.pt loaded without a word (torch reads the damaged tensors) and the run
+    finished with other numbers; the CRC-32 recorded in status.json when it was written now names it. The record
+    keeps the previous checkpoint's CRC too, so a kill after the record but before the rename resumes."""
+    values = {"clients": 4, "rounds": 4, "checkpoint_every": 1, "skew_probes": 0, "db": None}
+    killed = {**values, "out": str(tmp_path / "run")}
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(killed, 2))
+    child.start()
+    child.join(120)
+    run = tmp_path / "run"
+    status = json.loads((run / "status.json").read_text())
+    assert len(status["checkpoint_crc32"]) == 2  # round 2's checkpoint and round 1's
+    good = (run / "checkpoint.pt").read_bytes()
+    damaged = bytearray(good)
+    damaged[len(good) // 2 : len(good) // 2 + 64] = bytes(64)
+    (run / "checkpoint.pt").write_bytes(bytes(damaged))
+    with pytest.raises(RunDirError, match=r"checkpoint of .* is damaged: its CRC-32 \(\w{8}\) is not the one recorded"):
+        RunDirectory(run).load_checkpoint()
+    # killed between recording a new CRC and renaming the new file into place: the old file's CRC is still listed
+    (run / "checkpoint.pt").write_bytes(good)
+    status["checkpoint_crc32"] = [12345, status["checkpoint_crc32"][0]]
+    (run / "status.json").write_text(json.dumps(status))
+    assert RunDirectory(run).load_checkpoint()["round"] == 2
+    out = run_experiment(make_config(None, killed))
+    assert out.summary["rounds"] == 4

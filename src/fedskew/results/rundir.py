@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 STATUS = "status.json"
 LOCK = ".lock"
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_CRC = "checkpoint_crc32"  # status.json: the CRC-32 of the latest checkpoint written, and of the one before
 ROUND_FILES = ("metrics.jsonl", "client_metrics.jsonl", "skew.jsonl")  # one JSON line per round, with "round"
 VOCAB = "vocab.txt"  # a text run's vocabulary (fedskew.data.readers.base.VOCAB_FILE; a test keeps the two equal)
 OWN_FILES = (STATUS, "config.yaml", "clients.json", *ROUND_FILES, CHECKPOINT, "summary.json", "skew.png", VOCAB, LOCK)
@@ -263,13 +265,32 @@ class RunDirectory:
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save_checkpoint(self, state: dict[str, Any]) -> None:
+        """Write ``state`` to a temporary file (its CRC-32 taken as it is written), record the CRC in status.json,
+        then rename the file into place: status.json keeps this checkpoint's CRC and the previous one's, so a kill
+        between the two steps leaves a checkpoint whose CRC is recorded."""
         tmp = self.path / f".{CHECKPOINT}.tmp-{os.getpid()}"
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            writer = _CrcWriter(f)
+            torch.save(state, writer)  # type: ignore[arg-type]
+        known = self.status().get(CHECKPOINT_CRC) or []
+        self.set_status(self.status().get("status", "running"), **{CHECKPOINT_CRC: [writer.crc, *known[:1]]})
         os.replace(tmp, self.path / CHECKPOINT)
 
     def load_checkpoint(self, device: str = "cpu") -> dict[str, Any]:
+        path = self.path / CHECKPOINT
+        known = self.status().get(CHECKPOINT_CRC)
+        if isinstance(known, list) and known:  # checkpoints written before CRCs were recorded are read as they are
+            crc = 0
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    crc = zlib.crc32(chunk, crc)
+            if crc not in known:
+                raise RunDirError(
+                    f"the checkpoint of {self.path} is damaged: its CRC-32 ({crc:08x}) is not the one recorded when it "
+                    "was written; start the run over (fedskew run --overwrite)"
+                )
         try:
-            return torch.load(self.path / CHECKPOINT, map_location=device, weights_only=False)
+            return torch.load(path, map_location=device, weights_only=False)
         except Exception as exc:  # a checkpoint is only ever replaced by a rename, so this is outside damage
             raise RunDirError(
                 f"the checkpoint of {self.path} is damaged and cannot be read ({type(exc).__name__}: {exc}); start "
@@ -295,6 +316,20 @@ class RunDirectory:
         if self.created:
             with contextlib.suppress(OSError):
                 self.path.rmdir()  # only if empty
+
+
+class _CrcWriter:
+    """A binary file that keeps the CRC-32 of what is written through it (no second read of the file)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.crc = f, 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def stale_runs(root: Path) -> Iterator[Path]:
