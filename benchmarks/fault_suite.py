@@ -308,6 +308,13 @@ def deleted_metrics(work: Path) -> None:
     (interrupted_run(work, "r", LONG) / "metrics.jsonl").unlink()
 
 
+def node_data_app(work: Path) -> None:
+    """A Flower app whose nodes read their own data directories (`fedskew flower new --node-data`)."""
+    code, _, err = fedskew(["flower", "new", "--node-data", "app"], work, 120)
+    if code != 0:
+        raise RuntimeError(err[-500:])
+
+
 # ---- the cases -------------------------------------------------------------------------------------------------------
 CASES: tuple[Case, ...] = (
     # configuration
@@ -366,6 +373,8 @@ CASES: tuple[Case, ...] = (
          prepare=write("s.yaml", "base: {rounds: 1}\nmethods: [fedavg]\nseeds: 100000000\n"), timeout=60),
     Case("sweep_bad_key", ["sweep", "s.yaml", "--dry-run"], says="roundz",
          prepare=write("s.yaml", "base: {roundz: 1}\nmethods: [fedavg]\n")),
+    Case("flower_loopback_node_data_app", ["flower", "loopback", "app"], says="each node's own data directory",
+         prepare=node_data_app),
     Case("flower_new_node_wait_zero", ["flower", "new", "--node-wait", "0", "app"], says="node-wait"),
     Case("skew_not_a_run", ["skew", "nowhere"], says="nowhere"),
     Case("methods_unknown", ["methods", "nope"], says="nope"),

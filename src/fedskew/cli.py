@@ -439,6 +439,7 @@ _ERRORS = (
     ("fedskew.results.rundir", "RunDirError"),
     ("fedskew.results.store", "DatabaseError"),
     ("fedskew.engine.state_files", "StoreDirError"),
+    ("fedskew.flower.loopback", "LoopbackError"),  # a loopback federation's run failed: Flower's report follows
 )
 
 

@@ -270,6 +270,17 @@ def cmd_loopback(args: argparse.Namespace) -> int:
     found = _app_config(app_dir, args.run_config)
     if found is None:
         return 2
+    flower = found.get("flower")
+    node_data = found.get("flower.data") or (flower.get("data") if isinstance(flower, dict) else None)
+    if node_data == "node":
+        print(
+            f"error: {app_dir} reads each node's own data directory (flower.data = node, `flower new --node-data`), "
+            "and the loopback starts its SuperNodes without one: run it on SuperNodes started with --node-config "
+            "\"cid=K data-dir='/path/to/its/data'\" (docs/flower.md), or make the app without --node-data to try it "
+            "here",
+            file=sys.stderr,
+        )
+        return 2
     clients = int(found["clients"])
     with tempfile.TemporaryDirectory(prefix="fedskew-flower-") as home:
         t0 = time.perf_counter()
