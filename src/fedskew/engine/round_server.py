@@ -260,10 +260,11 @@ class RoundServer:
         if plan.failed:
             record["failed"] = plan.failed
         rin, out = None, None
-        if isinstance(stack, RunningSum):  # the round's record says its uploads were summed as they arrived
+        streamed = isinstance(stack, RunningSum)
+        if streamed:  # the round's record says its uploads were summed as they arrived
             record["aggregation"] = "streaming"
-        if stack.count and isinstance(stack, RunningSum):
-            out = self._aggregate_sums(rnd, stack)
+        if stack.count and streamed:
+            out = self._aggregate_sums(rnd, stack)  # type: ignore[arg-type]
         elif stack.count:
             rows = {k: v[list(stack.cids)] for k, v in self.reports.items()}
             rin = stack.round_input(rnd=rnd, trainable=self.trainable, reports=rows)
