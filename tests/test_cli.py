@@ -40,7 +40,7 @@ def test_run_flags_come_from_the_configuration_schema():
     every = RUN_FLAGS["--checkpoint-every"][1]
     assert every("auto") == "auto" and every("5") == 5
     assert flag_type(fields["state_memory"].annotation) is str  # "2GB" or a number of bytes: the config parses it
-    assert RUN_FLAGS["--pat-scheme"][2].startswith("random | pfllib: ")  # a fixed set of choices is listed
+    assert RUN_FLAGS["--pat-scheme"][2].startswith("random | pfllib | niid-bench: ")  # a fixed set of choices is listed
     assert "%%" in flag_help(fields["domain_fraction"])  # argparse's % escaped
 
 

@@ -88,6 +88,7 @@ SETTING_KEYS = (
     "domain_fraction",
     "image_size",
     "imbalance_ratio",
+    "feature_noise",
     "clients",
     "train_ratio",
     "holdout",
@@ -120,7 +121,8 @@ class RunConfig(StrictSettings):
     protocol: str = Field(
         "fedskew",
         description="fedskew | pfllib: PFLlib's data split and evaluation semantics | fedcac: FedCAC's fixed-size "
-        "client train and test samples with shared class proportions (docs/protocols.md)",
+        "client train and test samples with shared class proportions | niid-bench: NIID-Bench's partitions, "
+        "settings and final-round accuracy (docs/protocols.md)",
     )
     partition: str = Field(
         "dir",
@@ -135,7 +137,9 @@ class RunConfig(StrictSettings):
     uniform_clients: int = Field(
         1, ge=0, description="biased: clients holding every class; the other clients are biased (FedDisco's AG News)"
     )
-    pat_scheme: Literal["random", "pfllib"] = Field("random", description="pat: random classes or PFLlib's blocks")
+    pat_scheme: Literal["random", "pfllib", "niid-bench"] = Field(
+        "random", description="pat: random classes, PFLlib's blocks, or NIID-Bench's #C=k (class i mod C + k-1 random)"
+    )
     min_size: int = Field(10, ge=1, description="minimum samples per client (dir)")
     samples_per_client: int = Field(500, ge=2, description="samples per client (dirfixed)")
     test_samples_per_client: int = Field(100, ge=1, description="local test samples per client (protocol fedcac)")
@@ -150,6 +154,12 @@ class RunConfig(StrictSettings):
         None,
         ge=1,
         description="global long-tail imbalance (largest/smallest class size) of the training pool",
+    )
+    feature_noise: float = Field(
+        0.0,
+        ge=0,
+        description="noise-based feature skew (protocol niid-bench): client i's images in [0, 1] get Gaussian noise "
+        "of std feature_noise * i / (clients - 1)",
     )
     clients: int = Field(10, ge=1, description="number of clients")
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")
@@ -420,7 +430,7 @@ class RunConfig(StrictSettings):
             )
         from fedskew.data.protocols import PROTOCOLS
 
-        refused = PROTOCOLS[self.protocol].refuse(self.partition, self.imbalance_ratio)
+        refused = PROTOCOLS[self.protocol].refuse(self.partition, self.imbalance_ratio, self.feature_noise)
         if refused is not None:
             raise ValueError(refused)
         # the name and its hyper-parameters are validated together: a composition may need an argument to be valid

@@ -27,6 +27,7 @@ FLAG_KEYS = (
     "pat_scheme",
     "min_size",
     "imbalance_ratio",
+    "feature_noise",
     "samples_per_client",
     "test_samples_per_client",
     "clients",

@@ -51,12 +51,12 @@ def add_parsers(sub: Any) -> None:
     rp = sub.add_parser(
         "reproduce",
         help="a paper's main tables as a sweep, printed with the paper's numbers beside ours",
-        description="Runs the tables of PAPER (fedsa, feddisco, fedcac, fedheal) over the settings whose data is "
-        "present, at a chosen scale, and writes the tables (ours beside the paper's), the orderings, the compute "
-        "against the paper's and the figures to --out. Methods or datasets this version lacks are listed, not "
+        description="Runs the tables of PAPER (fedsa, feddisco, fedcac, fedheal, niid-bench) over the settings whose "
+        "data is present, at a chosen scale, and writes the tables (ours beside the paper's), the orderings, the "
+        "compute against the paper's and the figures to --out. Methods or datasets this version lacks are listed, not "
         "dropped. Idempotent like `fedskew sweep`.",
     )
-    rp.add_argument("paper", help="fedsa (fedpake), feddisco, fedcac or fedheal")
+    rp.add_argument("paper", help="fedsa (fedpake), feddisco, fedcac, fedheal or niid-bench (a benchmark)")
     rp.add_argument("--scale", choices=SCALES, default="smoke", help=SCALE_HELP)
     rp.add_argument("--jobs", "-j", type=int, default=None, help=JOBS_HELP)
     rp.add_argument("--out", default=None, help="output folder (default runs/reproduce/PAPER-SCALE)")
@@ -65,6 +65,11 @@ def add_parsers(sub: Any) -> None:
     rp.add_argument("--seeds", default=None, help="comma-separated seeds (default: the scale's)")
     rp.add_argument(
         "--rows", default=None, help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco)"
+    )
+    rp.add_argument(
+        "--settings",
+        default=None,
+        help="only these settings (table columns), comma-separated ids, e.g. mnist_dir,mnist_c1 (--dry-run lists them)",
     )
     rp.add_argument(
         "--tuned",
@@ -334,7 +339,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         device = None  # on Ray, --device applies on the nodes
     rows = args.rows.split(",") if args.rows else None
     plan = make_plan(
-        paper, args.scale, out=args.out, data_dir=args.data_dir, device=device, seeds=seeds, rows=rows, tuned=args.tuned
+        paper,
+        args.scale,
+        out=args.out,
+        data_dir=args.data_dir,
+        device=device,
+        seeds=seeds,
+        rows=rows,
+        tuned=args.tuned,
+        settings=args.settings.split(",") if args.settings else None,
     )
     plan.against = args.against
     plan.log = args.log

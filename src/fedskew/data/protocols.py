@@ -3,7 +3,8 @@
 A protocol (``--protocol``) fixes the data split's semantics and its defaults, not the method: ``fedskew`` (the
 dataset's own test split is the global test set; any partition), ``pfllib`` (PFLlib's generator scripts: the splits
 merged, a per-client train/test split, no separate global test set; the FedSA/FedPake numbers) and ``fedcac``
-(FedCAC's fixed-size client train and test draws with shared class proportions). docs/protocols.md gives the
+(FedCAC's fixed-size client train and test draws with shared class proportions) and ``niid-bench`` (NIID-Bench's
+partitions, settings and final-round test accuracy; :mod:`fedskew.data.niid_bench`). docs/protocols.md gives the
 details. Each is one :class:`Protocol` in :data:`PROTOCOLS`; the configuration, the federation builder, the engine
 (which entries each client keeps) and the run recorder (the headline) read the record, never the protocol's name.
 """
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedskew.data.niid_bench import PARTITIONS as NIID_BENCH_PARTITIONS
+from fedskew.data.niid_bench import build_niid_bench
 from fedskew.data.partition import (
     PartitionError,
     client_class_proportions,
@@ -42,7 +45,8 @@ class Protocol:
     (``imbalance_ratio``) applies; ``defaults``: the settings it presets (a file or a flag still wins);
     ``local``: state-dict groups every client keeps for itself under it (PFLlib: BatchNorm buffers, as its clients
     never receive the server's); ``build``: the federation from one pool of samples; ``headline``: (personalized
-    method?) -> the metric its papers report, and ``statistic``: which of its summary statistics."""
+    method?) -> the metric its papers report, and ``statistic``: which of its summary statistics (``best``,
+    ``last_n_mean`` or ``final``)."""
 
     name: str
     summary: str
@@ -54,8 +58,9 @@ class Protocol:
     long_tail: bool = True
     defaults: Mapping[str, Any] = field(default_factory=dict)
     local: frozenset[str] = frozenset()
+    feature_noise: bool = False  # whether it builds NIID-Bench's noise-based feature skew (``feature_noise``)
 
-    def refuse(self, partition: str, imbalance_ratio: float | None) -> str | None:
+    def refuse(self, partition: str, imbalance_ratio: float | None, feature_noise: float = 0.0) -> str | None:
         """Why a configuration with these settings cannot run under this protocol (``None``: it can)."""
         if self.partitions is not None and partition not in (*self.partitions, *(("given",) if self.given else ())):
             extra = " (and given, for per-client files)" if self.given else ""
@@ -63,6 +68,12 @@ class Protocol:
         if partition == "given" and not self.given:
             runs = " or ".join(p.name for p in PROTOCOLS.values() if p.given)
             return f"partition 'given' runs under protocol {runs}, not {self.name!r}"
+        if feature_noise and not self.feature_noise:
+            runs = " or ".join(p.name for p in PROTOCOLS.values() if p.feature_noise)
+            return (
+                f"feature_noise is NIID-Bench's noise-based feature skew: run it under protocol {runs}, "
+                f"not {self.name!r}"
+            )
         if not self.long_tail and imbalance_ratio is not None:
             return (
                 f"protocol {self.name!r} draws fixed-size client samples and has no global long tail: "
@@ -284,6 +295,35 @@ PROTOCOLS: dict[str, Protocol] = {
             "momentum": 0.9,
             "partition": "dirfixed",
             "alpha": 0.1,
+        },
+    ),
+    # NIID-Bench's experiments (its scripts and README): 10 parties all sampled, 50 rounds of 10 local epochs,
+    # batch 64, SGD lr 0.01, momentum 0.9 (rho), weight decay 1e-5 (--reg), the simple CNN, Dir(0.5) with 10 per client
+    "niid-bench": Protocol(
+        "niid-bench",
+        "NIID-Bench's partitions on the official training split, pixels in [0, 1], the global model's final-round "
+        "accuracy on the official test split",
+        build_niid_bench,
+        headline=lambda personalized: "global_acc",
+        statistic="final",
+        partitions=NIID_BENCH_PARTITIONS,
+        given=False,
+        long_tail=False,
+        feature_noise=True,
+        defaults={
+            "clients": 10,
+            "join_ratio": 1.0,
+            "rounds": 50,
+            "local_epochs": 10,
+            "batch_size": 64,
+            "lr": 0.01,
+            "momentum": 0.9,
+            "weight_decay": 1e-5,
+            "model": "lenet",
+            "partition": "dir",
+            "alpha": 0.5,
+            "min_size": 10,
+            "pat_scheme": "niid-bench",
         },
     ),
 }

@@ -25,7 +25,7 @@ class DataSettings:
     resize: int | None  # image folders: every image resized to resize x resize
     image_size: int  # domain suites: the domains' common image side
     # the protocol, the partition and its parameters
-    protocol: str  # fedskew | pfllib | fedcac
+    protocol: str  # fedskew | pfllib | fedcac | niid-bench
     partition: str
     partition_args: dict[str, object]  # a registered scheme's own parameters (the built-in ones read the fields below)
     alpha: float  # dir, dirfixed, quantity (as beta)
@@ -37,6 +37,7 @@ class DataSettings:
     test_samples_per_client: int  # protocol fedcac
     domain_fraction: float  # domain
     imbalance_ratio: float | None  # global long tail of the training pool
+    feature_noise: float  # protocol niid-bench: the largest client's input noise std (pixels in [0, 1])
     # the clients and their splits
     clients: int
     train_ratio: float

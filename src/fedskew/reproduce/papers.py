@@ -39,7 +39,7 @@ class Source(StrictSettings):
 
 class Metric(StrictSettings):
     keys: list[str] = Field(min_length=1, description="summary metrics; a run's first one present is used")
-    statistic: Literal["best", "last_n_mean"]
+    statistic: Literal["best", "last_n_mean", "final"]
     description: str = ""
 
 
@@ -109,6 +109,7 @@ class Paper(StrictSettings):
     settings: dict[str, Setting]
     rows: list[Row]
     notes: list[str] = Field(default_factory=list)
+    verdicts: bool = Field(False, description="a verdict per cell: does the published number lie within our spread")
     tables: list[Table]
 
     @model_validator(mode="after")

@@ -155,9 +155,11 @@ def make_plan(
     seeds: list[int] | None = None,
     rows: list[str] | None = None,
     tuned: str | None = None,
+    settings: list[str] | None = None,
 ) -> Plan:
     """The runs of ``paper``'s tables at ``scale`` that can run here; everything else listed with the reason.
-    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``)."""
+    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``); ``settings``:
+    only these settings (the paper's setting ids, e.g. ``mnist_c1``; a stand-in runs for the setting it stands for)."""
     sc = paper.scales[scale]  # type: ignore[index]
     base: dict[str, Any] = {**paper.common, **sc.config}
     if data_dir:
@@ -183,7 +185,16 @@ def make_plan(
         (missing_rows.append((r, why)) if why else chosen.append(r))
     planned: list[PlannedSetting] = []
     missing: list[tuple[str, str]] = []
-    for pid in _referenced(paper):
+    referenced = _referenced(paper)
+    if settings:
+        wanted_s = [w.strip() for w in settings if w.strip()]
+        unknown_s = [w for w in wanted_s if w not in referenced]
+        if unknown_s:
+            raise ConfigError(
+                f"{paper.paper} has no setting {', '.join(map(repr, unknown_s))}; settings: {', '.join(referenced)}"
+            )
+        referenced = [pid for pid in referenced if pid in wanted_s]
+    for pid in referenced:
         candidates = [pid] + [sid for sid, s in paper.settings.items() if s.stands_for == pid]
         reps = 0
         for sid in candidates:

@@ -209,6 +209,25 @@ def _pair(bt: BuiltTable) -> None:
         bt.detectable.append({"difference": st.detectable_difference(sd, n), "sd": sd, "n": n})
 
 
+def verdict(cell: Cell) -> str:
+    """Whether our cell reproduces the published number: ``reproduces`` when the published mean lies inside our
+    95% t interval of the mean over seeds, or within the two spreads (|ours - theirs| <= our std + their std, a
+    missing std counting 0); ``does not reproduce`` otherwise; ``not resolved (1 seed)`` for one seed outside a
+    published spread; ``""`` without both numbers."""
+    if cell.ours is None or cell.paper is None:
+        return ""
+    vals = np.array([v for v in cell.values.values() if v == v], dtype=float)
+    gap = abs(cell.ours[0] - cell.paper[0])
+    if gap <= (cell.ours[1] or 0.0) + (cell.paper[1] or 0.0):
+        return "reproduces"
+    if len(vals) < 2:
+        return "not resolved (1 seed)"
+    from scipy import stats as sps
+
+    half = float(sps.t.ppf(0.5 + st.LEVEL / 2, len(vals) - 1) * vals.std(ddof=1) / np.sqrt(len(vals)))
+    return "reproduces" if gap <= half else "does not reproduce"
+
+
 def delta_text(cell: Cell) -> str:
     """The paired-difference cell: ``+0.52 [+0.10, +0.94]*`` (``*``: the interval excludes 0), ``(reference)``,
     ``unpaired``, ``+0.52 (1 seed, no interval)``, or ``-``."""
@@ -298,6 +317,13 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
         "number of common seeds (n).",
         "",
     ]
+    if paper.verdicts:
+        lines[-1:-1] = [
+            f"Verdict: reproduces when the published mean lies inside our {st.LEVEL:.0%} t interval of the mean "
+            "over seeds, or within the two spreads (|ours - published| <= our std + the published std, a missing "
+            "std counting 0); not resolved (1 seed) for a single seed outside them; else does not reproduce. A "
+            "reduced scale is not a verdict: only scale paper runs the benchmark's settings.",
+        ]
     for bt in tables:
         src = bt.table.source
         lines += [
@@ -308,7 +334,8 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
         ]
         if bt.columns:
             by_id = {r.id: r for r in bt.rows}
-            head = ["method", "vs"] + [x for c in bt.columns for x in (c.label, "paper", "Δ")]
+            per = ("paper", "Δ", "verdict") if paper.verdicts else ("paper", "Δ")
+            head = ["method", "vs"] + [x for c in bt.columns for x in (c.label, *per)]
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for r in bt.rows:
@@ -318,13 +345,13 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
                 for j in range(len(bt.columns)):
                     c = bt.cells[(r.id, j)]
                     ours = (show(c.ours) + (f" ({c.note})" if c.note else "")) if c.ours else c.note
-                    cells += [ours, show(c.paper), delta_text(c)]
+                    cells += [ours, show(c.paper), delta_text(c)] + ([verdict(c) or "-"] if paper.verdicts else [])
                 lines.append("| " + " | ".join([r.label, vs, *cells]).replace("\n", " ") + " |")
             if any(d is not None for d in bt.detectable):
                 foot = [f"detectable Δ (α={st.ALPHA:g}, power {st.POWER:g})", ""]
                 for d in bt.detectable:
                     shown = "-" if d is None else f"{d['difference']:.2f} (n={d['n']}, sd {d['sd']:.2f})"
-                    foot += ["", "", shown]
+                    foot += ["", "", shown] + ([""] if paper.verdicts else [])
                 lines.append("| " + " | ".join(foot) + " |")
             lines.append("")
         if bt.not_run:
@@ -449,5 +476,6 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
 
 def _cell_json(cell: Cell) -> dict[str, Any]:
     out = dict(cell.__dict__)
+    out["verdict"] = verdict(cell)
     out["values"] = {str(k): (None if v != v else v) for k, v in cell.values.items()}  # NaN (diverged) as null
     return out

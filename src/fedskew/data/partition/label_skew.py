@@ -35,7 +35,7 @@ def pathological(
     classes_per_client: int,
     rng: np.random.Generator,
     *,
-    scheme: Literal["random", "pfllib"] = "random",
+    scheme: Literal["random", "pfllib", "niid-bench"] = "random",
     balanced: bool = True,
     least_samples: int | None = None,
 ) -> list[np.ndarray]:
@@ -53,6 +53,9 @@ def pathological(
     distinct classes held by the fewest clients so far (random tie-breaks), so every class gets a holder and
     holder counts differ by at most one. Each class's shuffled samples are split among its holders, equally
     (``balanced=True``) or with Dir(1) proportions (``balanced=False``); every holder gets >= 1 sample.
+
+    ``scheme="niid-bench"`` is NIID-Bench's quantity-based label imbalance ``#C=k`` (``noniid-#labelk``, its
+    ``utils.partition_data``): see :func:`_pat_niid_bench`.
     """
     y = _as_labels(labels)
     n = len(y)
@@ -65,8 +68,10 @@ def pathological(
         raise PartitionError(f"classes_per_client={k} exceeds the number of classes present in the labels ({n_cls})")
     if scheme == "pfllib":
         return _pat_pfllib(pools, n, k_clients, k, rng, balanced, least_samples)
+    if scheme == "niid-bench":
+        return _pat_niid_bench(pools, classes, k_clients, k, rng)
     if scheme != "random":
-        raise PartitionError(f"unknown pathological scheme {scheme!r}; use 'random' or 'pfllib'")
+        raise PartitionError(f"unknown pathological scheme {scheme!r}; use 'random', 'pfllib' or 'niid-bench'")
     if k_clients * k < n_cls:
         raise PartitionError(
             "pathological (random): not every class can get a holder "
@@ -148,6 +153,44 @@ def _pat_pfllib(
             f"{_fmt(n_samples=n, n_clients=num_clients, classes_per_client=k, num_classes=n_cls)}"
         )
     return out
+
+
+def _pat_niid_bench(
+    pools: list[np.ndarray], classes: np.ndarray, num_clients: int, k: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """NIID-Bench's ``#C=k``: client i holds class index ``i mod C`` and k - 1 more distinct classes, each drawn
+    uniformly at random (redrawn while already held); then every class's samples, shuffled, are cut into as many
+    near-equal pieces as it has holders (``np.array_split``: the first ``n_c mod h`` pieces one larger), the pieces
+    going to the holders in client order. A class no client drew has no holder: NIID-Bench fails on it
+    (``array_split`` into 0 pieces), here it is a :class:`PartitionError` naming the classes (fewer clients than
+    classes; another seed may cover them)."""
+    n_cls = len(pools)
+    held: list[list[int]] = []
+    for i in range(num_clients):
+        current = [i % n_cls]
+        while len(current) < k:
+            c = int(rng.integers(n_cls))
+            if c not in current:
+                current.append(c)
+        held.append(current)
+    counts = np.bincount([c for h in held for c in h], minlength=n_cls)
+    if (counts == 0).any():
+        lost = [int(classes[c]) for c in np.flatnonzero(counts == 0)]
+        raise PartitionError(
+            f"niid-bench pat: no client drew classes {lost}, so their samples would be lost "
+            f"{_fmt(n_clients=num_clients, classes_per_client=k, num_classes=n_cls)}; NIID-Bench fails here too: "
+            "use more clients, more classes per client or another seed"
+        )
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c, pool in enumerate(pools):
+        holders = [i for i in range(num_clients) if c in held[i]]
+        if len(pool) < len(holders):
+            raise PartitionError(
+                f"niid-bench pat: class {int(classes[c])} has {len(pool)} samples but {len(holders)} holders"
+            )
+        for i, piece in zip(holders, np.array_split(rng.permutation(pool), len(holders)), strict=True):
+            parts[i].append(piece)
+    return _finish([np.concatenate(p) for p in parts])
 
 
 def dirichlet(

@@ -58,7 +58,7 @@ def _p_pat(
     rng: np.random.Generator,
     *,
     classes_per_client: int = 2,
-    scheme: Literal["random", "pfllib"] = "random",
+    scheme: Literal["random", "pfllib", "niid-bench"] = "random",
     balanced: bool = True,
     least_samples: int | None = None,
 ) -> list[np.ndarray]:
@@ -120,9 +120,16 @@ def _p_biased(
 
 
 def _p_quantity(
-    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, beta: float, min_size: int = 1
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    beta: float,
+    min_size: int = 1,
+    rule: Literal["shift", "niid-bench"] = "shift",
+    max_retries: int = 1000,
 ) -> list[np.ndarray]:
-    return quantity_skew(labels, num_clients, rng, beta=beta, min_size=min_size)
+    return quantity_skew(labels, num_clients, rng, beta=beta, min_size=min_size, rule=rule, max_retries=max_retries)
 
 
 #: name -> partitioner(labels, num_clients, rng, **params); see :func:`make_partition`.

@@ -4,6 +4,7 @@ the global long tail, and FedHEAL's domain skew."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -57,11 +58,15 @@ def quantity_skew(
     *,
     beta: float,
     min_size: int = 1,
+    rule: Literal["shift", "niid-bench"] = "shift",
+    max_retries: int = 1000,
 ) -> list[np.ndarray]:
     """Quantity skew (NIID-Bench): label-IID shards whose sizes follow Dir(beta); covers every sample.
 
-    Each client first gets ``min_size`` samples, the rest is apportioned by q ~ Dir(beta * 1_K) (so it never
-    retries, unlike NIID-Bench's redraw-until-min-size loop, and cannot hang).
+    ``rule="shift"``: each client first gets ``min_size`` samples, the rest is apportioned by q ~ Dir(beta * 1_K)
+    (it never retries and cannot fail). ``rule="niid-bench"``: NIID-Bench's ``iid-diff-quantity``: q ~ Dir(beta)
+    is redrawn until every ``q_j * N >= min_size`` (NIID-Bench: 10), then a permutation of the samples is cut at
+    ``int(cumsum(q) * N)``; at most ``max_retries`` draws (NIID-Bench loops forever), then :class:`PartitionError`.
     """
     y = _as_labels(labels)
     n = len(y)
@@ -70,6 +75,19 @@ def quantity_skew(
     k = _check_clients(n, num_clients, max(m, 1))
     _check_rng(rng)
     perm = rng.permutation(n)
+    if rule == "niid-bench":
+        retries = _check_int("max_retries", max_retries, 1)
+        for _ in range(retries):
+            q = _dirichlet(rng, b, k)
+            q = q / q.sum()
+            if np.min(q * n) >= m:
+                return _split_sizes(perm, np.diff((np.cumsum(q) * n).astype(np.int64)[:-1], prepend=0, append=n))
+        raise PartitionError(
+            f"quantity (niid-bench): no Dir(beta) draw gave every client >= min_size samples "
+            f"{_fmt(n_samples=n, n_clients=k, beta=b, min_size=m, retries=retries)}; raise beta or lower min_size"
+        )
+    if rule != "shift":
+        raise PartitionError(f"unknown quantity rule {rule!r}; use 'shift' or 'niid-bench'")
     sizes = m + _apportion(_dirichlet(rng, b, k), n - k * m)
     if m == 0:  # still never hand out an empty client: move one sample from the largest
         for i in np.flatnonzero(sizes == 0):

@@ -1,0 +1,271 @@
+"""NIID-Bench's partitions and protocol (``--protocol niid-bench``) against a port of its own code.
+
+The ports below follow NIID-Bench's ``utils.partition_data`` line by line (Xtra-Computing/NIID-Bench), with its global
+``np.random`` / ``random`` calls replaced by calls on one numpy ``Generator`` in the same order (``random.randint(0,
+K-1)`` -> ``rng.integers(0, K)``, ``np.random.shuffle`` -> ``rng.shuffle``, ...): fedskew's partitioners consume their
+generator in the benchmark's order, so the same seed gives the very same clients.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.config import make_config
+from fedskew.data.federated import build_federated
+from fedskew.data.niid_bench import noise_levels
+from fedskew.data.partition import PartitionError, make_partition
+
+
+def _labels(seed: int = 5, n: int = 3000, k: int = 10) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, k, size=n)
+
+
+def port_label_count(y: np.ndarray, n_parties: int, num: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """NIID-Bench ``noniid-#label{num}`` (K = 10)."""
+    K = 10
+    times = [0 for _ in range(K)]
+    contain = []
+    for i in range(n_parties):
+        current = [i % K]
+        times[i % K] += 1
+        j = 1
+        while j < num:
+            ind = int(rng.integers(0, K))  # random.randint(0, K - 1)
+            if ind not in current:
+                j = j + 1
+                current.append(ind)
+                times[ind] += 1
+        contain.append(current)
+    net = {i: np.ndarray(0, dtype=np.int64) for i in range(n_parties)}
+    for i in range(K):
+        idx_k = np.where(y == i)[0]
+        rng.shuffle(idx_k)
+        split = np.array_split(idx_k, times[i])
+        ids = 0
+        for j in range(n_parties):
+            if i in contain[j]:
+                net[j] = np.append(net[j], split[ids])
+                ids += 1
+    return net
+
+
+def port_labeldir(y: np.ndarray, n_parties: int, beta: float, rng: np.random.Generator) -> dict[int, list[int]]:
+    """NIID-Bench ``noniid-labeldir`` (min_require_size 10, K = 10)."""
+    min_size, K, N = 0, 10, y.shape[0]
+    while min_size < 10:
+        idx_batch: list[list[int]] = [[] for _ in range(n_parties)]
+        for k in range(K):
+            idx_k = np.where(y == k)[0]
+            rng.shuffle(idx_k)
+            proportions = rng.dirichlet(np.repeat(beta, n_parties))
+            proportions = np.array(
+                [p * (len(idx_j) < N / n_parties) for p, idx_j in zip(proportions, idx_batch, strict=True)]
+            )
+            proportions = proportions / proportions.sum()
+            proportions = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+            idx_batch = [
+                idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, proportions), strict=True)
+            ]
+            min_size = min([len(idx_j) for idx_j in idx_batch])
+    return dict(enumerate(idx_batch))
+
+
+def port_quantity(n_train: int, n_parties: int, beta: float, rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """NIID-Bench ``iid-diff-quantity``."""
+    idxs = rng.permutation(n_train)
+    min_size = 0
+    while min_size < 10:
+        proportions = rng.dirichlet(np.repeat(beta, n_parties))
+        proportions = proportions / proportions.sum()
+        min_size = np.min(proportions * len(idxs))
+    proportions = (np.cumsum(proportions) * len(idxs)).astype(int)[:-1]
+    return dict(enumerate(np.split(idxs, proportions)))
+
+
+def _same(ours: list[np.ndarray], theirs: dict) -> None:
+    assert len(ours) == len(theirs)
+    for i, part in enumerate(ours):
+        np.testing.assert_array_equal(part, np.sort(np.asarray(theirs[i], dtype=np.int64)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_label_count_is_niid_bench_partitioner(k: int, seed: int) -> None:
+    y = _labels()
+    ours = make_partition("pat", y, 10, np.random.default_rng(seed), classes_per_client=k, scheme="niid-bench")
+    _same(ours, port_label_count(y, 10, k, np.random.default_rng(seed)))
+    counts = np.array([[np.sum(y[p] == c) for c in range(10)] for p in ours])
+    assert ((counts > 0).sum(axis=1) == k).all()  # exactly k labels per client
+    assert (counts[np.arange(10), np.arange(10)] > 0).all()  # client i holds label i mod 10
+    # a label's samples are cut into near-equal pieces among its holders (array_split)
+    for c in range(10):
+        held = counts[:, c][counts[:, c] > 0]
+        assert held.max() - held.min() <= 1 and held.sum() == np.sum(y == c)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_labeldir_is_niid_bench_partitioner(seed: int) -> None:
+    y = _labels()
+    ours = make_partition("dir", y, 10, np.random.default_rng(seed), alpha=0.5, min_size=10)
+    _same(ours, port_labeldir(y, 10, 0.5, np.random.default_rng(seed)))
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_quantity_is_niid_bench_partitioner(seed: int) -> None:
+    y = _labels()
+    ours = make_partition("quantity", y, 10, np.random.default_rng(seed), beta=0.5, min_size=10, rule="niid-bench")
+    _same(ours, port_quantity(len(y), 10, 0.5, np.random.default_rng(seed)))
+    assert min(len(p) for p in ours) >= 10
+
+
+def test_homo_is_a_permutation_array_split() -> None:
+    y = _labels(n=1003)
+    ours = make_partition("iid", y, 10, np.random.default_rng(4))
+    _same(ours, dict(enumerate(np.array_split(np.random.default_rng(4).permutation(len(y)), 10))))
+
+
+def test_label_count_refuses_an_uncovered_label_and_quantity_a_hopeless_minimum() -> None:
+    y = _labels()
+    with pytest.raises(PartitionError, match=r"no client drew classes \[.*\]"):
+        make_partition("pat", y, 3, np.random.default_rng(0), classes_per_client=1, scheme="niid-bench")
+    with pytest.raises(PartitionError, match="min_size"):
+        make_partition(
+            "quantity", y, 10, np.random.default_rng(0), beta=0.01, min_size=290, rule="niid-bench", max_retries=20
+        )
+
+
+def test_noise_levels_are_niid_benchs() -> None:
+    np.testing.assert_allclose(noise_levels(0.1, 10), 0.1 * np.arange(10) / 9)
+    assert noise_levels(0.1, 10)[0] == 0.0 and noise_levels(0.1, 10)[-1] == pytest.approx(0.1)
+    assert noise_levels(0.1, 1).tolist() == [0.0]
+
+
+def _cfg(**kw: object):
+    return make_config({"protocol": "niid-bench", "dataset": "digits", "model": "mlp", "db": None, **kw})
+
+
+def test_protocol_presets_and_refusals() -> None:
+    cfg = _cfg()
+    assert (cfg.clients, cfg.rounds, cfg.local_epochs, cfg.batch_size, cfg.lr) == (10, 50, 10, 64, 0.01)
+    assert (cfg.momentum, cfg.weight_decay, cfg.partition, cfg.alpha, cfg.pat_scheme) == (
+        0.9,
+        1e-5,
+        "dir",
+        0.5,
+        "niid-bench",
+    )
+    assert make_config({"protocol": "niid-bench", "db": None}).model == "lenet"
+    with pytest.raises(Exception, match="protocol 'niid-bench' supports partitions"):
+        _cfg(partition="niid2")
+    with pytest.raises(Exception, match="feature_noise is NIID-Bench's"):
+        make_config({"dataset": "digits", "feature_noise": 0.1, "db": None})
+
+
+def test_clients_train_on_all_of_their_part_with_unit_pixels() -> None:
+    data = build_federated(_cfg(partition="pat", classes_per_client=2))
+    n_train = sum(len(c.y_train) for c in data.clients)
+    n_test = len(data.y_test)
+    assert n_train + n_test == 1797  # digits: every sample is either a client's training sample or a test sample
+    assert sum(len(c.y_test) for c in data.clients) == n_test  # the clients' local tests: disjoint shares of it
+    x = torch.cat([c.x_train for c in data.clients])
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0  # ToTensor's [0, 1], not fedskew's [-1, 1]
+    assert all(len(torch.unique(c.y_train)) == 2 for c in data.clients)
+    tr = np.concatenate([c.train_index for c in data.clients])
+    assert len(np.intersect1d(tr, data.test_index)) == 0 and len(np.unique(tr)) == len(tr)
+
+
+def test_feature_noise_per_client_and_the_noisy_test_copies() -> None:
+    clean = build_federated(_cfg(partition="iid"))
+    noisy = build_federated(_cfg(partition="iid", feature_noise=0.5))
+    levels = noise_levels(0.5, 10)
+    for c0, c1, s in zip(clean.clients, noisy.clients, levels, strict=True):
+        np.testing.assert_array_equal(c0.train_index, c1.train_index)
+        diff = (c1.x_train - c0.x_train).flatten()
+        assert float(diff.std()) == pytest.approx(s, abs=0.02 + 0.05 * s)
+    n = len(clean.y_test)
+    assert len(noisy.y_test) == 10 * n  # NIID-Bench's global test: the test split once per client noise level
+    copies = noisy.x_test.reshape(10, n, *clean.x_test.shape[1:])
+    torch.testing.assert_close(copies[0], clean.x_test)  # client 0's level is 0
+    for i in (1, 9):
+        assert float((copies[i] - clean.x_test).std()) == pytest.approx(levels[i], rel=0.05)
+    # the same seed gives the same noise
+    again = build_federated(_cfg(partition="iid", feature_noise=0.5))
+    torch.testing.assert_close(again.clients[3].x_train, noisy.clients[3].x_train)
+
+
+def test_published_numbers_and_their_sources() -> None:
+    from fedskew.reproduce.papers import load_paper, parse_value
+
+    paper = load_paper("niidbench")
+    assert paper.paper == "niid-bench" and paper.metric.statistic == "final" and paper.verdicts
+    tables = {t.id: t for t in paper.tables}
+    assert parse_value(tables["flower"].values["fedprox"]["mnist_c1"]) == (81.3, None)
+    assert parse_value(tables["flower"].values["scaffold"]["fmnist_c2"]) == (10.0, None)
+    assert parse_value(tables["flower"].values["fednova"]["c10_c3"]) == (57.7, None)
+    assert parse_value(tables["leaderboard"].values["fednova"]["c10_qty"]) == (10.0, None)
+    assert parse_value(tables["leaderboard"].values["fedprox_mu0001"]["c10_dir"]) == (67.9, None)
+    assert sum(len(v) for v in tables["flower"].values.values()) == 4 * 15
+    assert all(
+        paper.settings[c.setting].dataset in ("mnist", "fmnist", "cifar10") for c in tables["flower"].column_list()
+    )
+    # the paper scale is the benchmark's own settings (no reduction)
+    assert paper.scales["paper"].config == {
+        "rounds": 50,
+        "local_epochs": 10,
+        "batch_size": 64,
+        "lr": 0.01,
+        "model": "lenet",
+    }
+
+
+def test_verdicts() -> None:
+    from fedskew.reproduce.table import Cell, verdict
+
+    def cell(vals: list[float], paper: tuple[float, float | None]) -> Cell:
+        a = np.array(vals)
+        return Cell(
+            ours=(float(a.mean()), float(a.std()) if len(a) > 1 else None),
+            seeds=len(a),
+            paper=paper,
+            values=dict(enumerate(vals)),
+        )
+
+    assert verdict(cell([98.8, 99.0, 98.9], (98.9, None))) == "reproduces"  # inside our spread
+    assert verdict(cell([90.0, 91.0], (89.0, 1.0))) == "reproduces"  # within the two spreads (0.5 + 1.0)
+    # outside both spreads but inside the t interval of the mean (3 seeds, wide)
+    assert verdict(cell([80.0, 90.0, 100.0], (99.0, None))) == "reproduces"
+    assert verdict(cell([98.8, 99.0, 98.9], (96.6, None))) == "does not reproduce"
+    assert verdict(cell([55.0], (10.0, None))) == "not resolved (1 seed)"
+    assert verdict(cell([55.0], (50.0, 6.0))) == "reproduces"
+    assert verdict(Cell(ours=None, paper=(10.0, None))) == ""
+
+
+def test_reproduce_smoke_and_dry_run(tmp_path, capsys, monkeypatch) -> None:
+    """`fedskew reproduce niid-bench --scale smoke` (CI's pipeline check) writes the tables with a verdict column;
+    `--dry-run` at scale paper lists every run and every setting that cannot run here with the reason."""
+    from fedskew.cli import main
+
+    monkeypatch.delenv("FEDSKEW_DATA", raising=False)
+    out = tmp_path / "nb"
+    argv = ["reproduce", "niid-bench", "--scale", "smoke", "--rows", "fedavg,scaffold", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    text = (out / "table.md").read_text()
+    assert "| paper | Δ | verdict |" in text
+    assert "Verdict: reproduces when the published mean lies inside" in text
+    data = json.loads((out / "table.json").read_text())
+    cells = [c for t in data["tables"] for r in t["rows"] for c in r["cells"]]
+    assert cells and all("verdict" in c for c in cells)
+    assert any(c["ours"] for c in cells)  # the digits stand-ins ran
+    capsys.readouterr()
+    data_dir = tmp_path / "empty"
+    data_dir.mkdir()
+    assert main(["reproduce", "niid-bench", "--scale", "paper", "--dry-run", "--data-dir", str(data_dir)]) == 2
+    got = capsys.readouterr()
+    plan = got.out + got.err  # nothing can run without the files: every setting listed with its reason
+    assert "setting MNIST #C=1: dataset mnist not found" in plan and "setting CIFAR-10 x~Gau(0.1)" in plan
+    assert main(["reproduce", "niid-bench", "--scale", "smoke", "--settings", "nope", "--dry-run"]) == 2
+    assert "has no setting 'nope'" in capsys.readouterr().err
