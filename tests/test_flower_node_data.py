@@ -68,7 +68,7 @@ def test_node_local_data_equals_the_simulator_on_the_same_client_files(tmp_path,
     server_cfg = (tmp_path / "fl" / "config.yaml").read_text()
     assert f"data_dir: {NODE_DATA}" in server_cfg and not any(str(n) in server_cfg for n in nodes)
     summary = json.loads((tmp_path / "fl" / "summary.json").read_text())
-    assert summary["evaluation"].startswith(
+    assert summary["evaluation"]["where"].startswith(
         "the global model on the server's test_data" if server_test else "federated"
     )
     assert summary["flower"]["data"] == "node"

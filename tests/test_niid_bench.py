@@ -258,8 +258,10 @@ def test_reproduce_smoke_and_dry_run(tmp_path, capsys, monkeypatch) -> None:
     assert "Verdict: reproduces when the published mean lies inside" in text
     data = json.loads((out / "table.json").read_text())
     cells = [c for t in data["tables"] for r in t["rows"] for c in r["cells"]]
-    assert cells and all("verdict" in c for c in cells)
+    assert cells and all(c["verdict"] == "" for c in cells)  # the digits stand-ins get no verdict
     assert any(c["ours"] for c in cells)  # the digits stand-ins ran
+    assert "stand-in: no verdict" in text
+    assert "Evaluation protocol (niid-bench): global_acc, the final round: global model on the global test set" in text
     capsys.readouterr()
     data_dir = tmp_path / "empty"
     data_dir.mkdir()

@@ -236,6 +236,9 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     # the mean covers at most the evaluated rounds (a 3-round run averages 3, not the configured 10)
     n = min(summary["last_n"], summary.get("evaluated_rounds", summary["last_n"]))
     table.add_column(f"last {n} mean ± std", justify="right")
+    selected = any(isinstance(v, dict) and "validation_selected" in v for v in summary.values())
+    if selected:  # validation splits: the round chosen on them, reported on the test data
+        table.add_column("val-selected (round)", justify="right")
     labels = {
         "global_acc": "global model, global test",
         "global_local_acc": "global model, clients' tests (weighted)",
@@ -247,6 +250,12 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         "trained_acc": "personal, after training (weighted)",
         "trained_acc_mean": "personal, after training (mean)",
         "trained_acc_worst10": "personal, after training, worst-10%",
+        "heldout_acc": "held-out clients, global model (weighted)",
+        "heldout_acc_mean": "held-out clients, global model (mean)",
+        "heldout_adapted_acc": "held-out clients, adapted (weighted)",
+        "heldout_adapted_acc_mean": "held-out clients, adapted (mean)",
+        "val_global_acc": "global model, clients' validation splits",
+        "val_personal_acc": "personal, clients' validation splits",
     }
     # domain skew: one row per domain (``domain_acc/<name>``), then AVG and STD across them
     labels.update({k: f"global model, domain {k.split('/', 1)[1]}" for k in summary if k.startswith("domain_acc/")})
@@ -256,15 +265,26 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
         if key not in summary:
             continue
         s = summary[key]
-        table.add_row(
+        cells = [
             label,
             f"{100 * s['final']:.2f}%",
             f"{100 * s['best']:.2f}% ({s['best_round']})",
             f"{100 * s['last_n_mean']:.2f} ± {100 * s['last_n_std']:.2f}%",
-        )
+        ]
+        if selected:
+            v = s.get("validation_selected")
+            cells.append("-" if v is None else f"{100 * v:.2f}% ({s['validation_round']})")
+        table.add_row(*cells)
     console = make_console()
     if summary["rounds"]:
         console.print(table)
+        head, ev = summary.get("headline") or {}, summary.get("evaluation") or {}
+        if head and ev:
+            console.print(
+                f"headline ({head.get('protocol', cfg.protocol)} protocol): {100 * head['value']:.2f}% = "
+                f"{ev['metric']}, {ev['round']}; {ev['model']} on {ev['data']}, {ev['mean']}; clients: {ev['clients']}",
+                highlight=False,
+            )
         console.print(
             f"wall time {summary['wall_time']:.1f}s; per round: train {summary['mean_time_train']:.3f}s, "
             f"aggregate {summary['mean_time_aggregate']:.4f}s, eval {summary['mean_time_eval']:.3f}s"

@@ -94,6 +94,7 @@ SETTING_KEYS = (
     "holdout",
     "join_ratio",
     "client_dropout",
+    "heldout_clients",
 )
 # the local training and the model: with the setting, what tuned hyper-parameters are specific to (fedskew tune)
 TRAINING_KEYS = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "drop_last", "model", "norm")
@@ -261,6 +262,13 @@ class RunConfig(StrictSettings):
         ge=1,
         description="views of per-client models (personalized, trained, local entries): score a seeded sample of "
         "this many clients per evaluated round, every client at the last round (default: all, every time)",
+    )
+    heldout_clients: int = Field(
+        0,
+        ge=0,
+        description="the last K of the clients never train (PFLlib's num_new_clients): every evaluation scores the "
+        "global model on their test splits and, for a personalized method, the model its client part makes from "
+        "the global one in one local round",
     )
     last_n: int = Field(10, ge=1, description="summaries average the last N evaluated rounds")
     skew_probes: int = Field(
@@ -430,6 +438,10 @@ class RunConfig(StrictSettings):
             )
         from fedskew.data.protocols import PROTOCOLS
 
+        if self.heldout_clients >= self.clients:
+            raise ValueError(
+                f"heldout_clients={self.heldout_clients} must leave clients that train (clients={self.clients})"
+            )
         refused = PROTOCOLS[self.protocol].refuse(self.partition, self.imbalance_ratio, self.feature_noise)
         if refused is not None:
             raise ValueError(refused)

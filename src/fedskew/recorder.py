@@ -45,7 +45,20 @@ def headline(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
 
     protocol = PROTOCOLS[cfg.protocol]
     key, stat = protocol.headline("personal_acc_mean" in summary), protocol.statistic  # personal views: personalized
-    return {"metric": key, "statistic": stat, "value": summary[key][stat]} if key in summary else {}
+    if key not in summary:
+        return {}
+    return {"metric": key, "statistic": stat, "value": summary[key][stat], "protocol": protocol.name}
+
+
+def evaluation_record(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation protocol of the run's headline (:mod:`fedskew.results.evaluation`): which round, clients,
+    model, data and mean; ``{}`` when the run has no headline (no evaluated round)."""
+    from fedskew.results.evaluation import of_run
+
+    head = summary.get("headline") or {}
+    if not head:
+        return {}
+    return {"protocol": cfg.protocol, **of_run(head["metric"], head["statistic"], cfg, summary).as_dict()}
 
 
 def domain_fields(cfg: RunConfig, domains: tuple[str, ...]) -> dict[str, Any]:
@@ -142,6 +155,8 @@ class RunRecorder:
         """Write the summary (with the protocol's headline) and end the run directory (``finished`` or
         ``diverged``)."""
         summary["headline"] = headline(self.cfg, summary)
+        where = summary.get("evaluation")  # a deployment's (Flower's) word on where the views were scored
+        summary["evaluation"] = evaluation_record(self.cfg, summary) | ({"where": where} if where else {})
         self.rd.finish("diverged" if summary["diverged"] else "finished", summary)
         return summary
 

@@ -44,6 +44,7 @@ FLAG_KEYS = (
     "evaluate_on",
     "eval_every",
     "eval_clients",
+    "heldout_clients",
     "last_n",
     "skew_probes",
     "domain_fraction",

@@ -188,10 +188,35 @@ def validation_as_test(data: FederatedData) -> FederatedData:
 
 
 def with_validation(data: FederatedData, cfg: DataSettings) -> FederatedData:
-    """The run's federation with its validation splits (``cfg.validation``) and evaluation set (``cfg.evaluate_on``)."""
+    """The run's federation with its validation splits (``cfg.validation``) and evaluation set (``cfg.evaluate_on``),
+    then its held-out clients set apart (``cfg.heldout_clients``, :func:`hold_out`)."""
     if cfg.validation:
         data = carve_validation(data, cfg.validation, cfg.seed)
-    return validation_as_test(data) if cfg.evaluate_on == "validation" else data
+    data = validation_as_test(data) if cfg.evaluate_on == "validation" else data
+    return hold_out(data, cfg.heldout_clients) if cfg.heldout_clients else data
+
+
+def hold_out(data: FederatedData, k: int) -> FederatedData:
+    """The federation whose last ``k`` clients never train (PFLlib's ``num_new_clients``): they move to
+    ``heldout`` (evaluated only), the others keep their ids 0..N-k-1 and are the federation's clients; the per-client
+    tables (histograms, the clients' test samples in one tensor, domains) cover the training clients only, the global
+    test set is unchanged."""
+    n = data.num_clients - k
+    if k < 0 or n < 1:
+        raise ConfigError(f"heldout_clients={k} must leave clients that train ({data.num_clients} clients)")
+    clients, heldout = data.clients[:n], tuple(data.clients[n:])
+    keep = data.local_owner < n
+    return replace(
+        data,
+        clients=clients,
+        heldout=heldout,
+        train_hists=data.train_hists[:n],
+        test_hists=data.test_hists[:n],
+        local_x=data.local_x[keep],
+        local_y=data.local_y[keep],
+        local_owner=data.local_owner[keep],
+        client_domain=None if data.client_domain is None else data.client_domain[:n],
+    )
 
 
 def reader_options(cfg: DataSettings) -> dict[str, object]:

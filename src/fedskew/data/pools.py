@@ -64,6 +64,8 @@ class FederatedData:
     test_index: np.ndarray | None = None  # source index of every global test sample (module docstring)
     # text: the word of every token id (the reader's, built from the training split); written to RUN_DIR/vocab.txt
     vocabulary: tuple[str, ...] = ()
+    # clients that never train (``heldout_clients``): evaluated only; ``clients`` are the ones that train
+    heldout: tuple[ClientData, ...] = ()
 
     @property
     def num_clients(self) -> int:

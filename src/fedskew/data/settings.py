@@ -40,6 +40,7 @@ class DataSettings:
     feature_noise: float  # protocol niid-bench: the largest client's input noise std (pixels in [0, 1])
     # the clients and their splits
     clients: int
+    heldout_clients: int  # the last K clients never train (evaluated only)
     train_ratio: float
     holdout: float
     validation: float

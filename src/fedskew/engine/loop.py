@@ -128,6 +128,16 @@ def global_views(server: Any, global_params: Params) -> dict[str, float]:
     return rec
 
 
+def _validation_union(data: FederatedData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every client's validation split together, with the owner of each sample; None without validation splits."""
+    if not data.clients or any(c.x_val is None or c.y_val is None for c in data.clients):
+        return None
+    xs = [c.x_val for c in data.clients]
+    ys = [c.y_val for c in data.clients]
+    owner = torch.cat([torch.full((len(y),), c.cid, dtype=torch.long) for c, y in zip(data.clients, ys, strict=True)])
+    return torch.cat(xs), torch.cat(ys), owner.to(ys[0].device)  # type: ignore[arg-type]
+
+
 def _test_pass(server: Any, global_params: Params) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global model's batch scores on the global test set: through the server's ``batch_scores_of`` (the
     simulator's worker processes) where it has one, else with ``server.model``, which holds ``global_params``."""
@@ -163,6 +173,7 @@ class Simulation:
         self.local_names = kept_local(cfg, self.method, self.model, trainable)
         # a client that has not trained yet holds the initial model's entries, not the average
         initial = {k: template[k] for k in self.local_names}
+        self._initial_local = initial  # what a held-out client holds of its own before it ever trains
         # the per-client maps, in RAM or on disk (engine/state_store.py): client_states (each client's persistent
         # state), personal (the models the server sent: personalized strategies), trained (personalized methods:
         # each client's model after its latest training)
@@ -180,6 +191,9 @@ class Simulation:
         self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, data.x_test)
         # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
         self.global_is_local_union = _same_samples(data)
+        # the clients' validation splits, scored beside the test data at every evaluated round (validation > 0 with
+        # evaluate_on test): the round a validation-selected statistic picks (results/store.py summarize_run)
+        self.validation = _validation_union(data) if cfg.evaluate_on == "test" else None
         # user-level DP: each client's update clipped over every floating entry that travels
         self.dp_clip = (
             UpdateClip(cfg.dp_clip, noised_entries(template, self.local_names), cfg.dp_extras_scale)
@@ -339,7 +353,13 @@ class Simulation:
             return self.data.local_x, self.data.local_y
         if source == "test":
             return self.data.x_test, self.data.y_test
+        if source == "val":
+            assert self.validation is not None
+            return self.validation[0], self.validation[1]
         c = self.data.clients[source[1]]
+        if source[0] == "val":
+            assert c.x_val is not None and c.y_val is not None
+            return c.x_val, c.y_val
         return c.x_test, c.y_test
 
     def batch_scores_of(self, passes: list[tuple[Params, EvalSource]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -353,17 +373,21 @@ class Simulation:
             out.append(batch_scores(self.model, *self.eval_tensors(source), self.eval_batch))
         return out
 
-    def _per_client_scores(self, params_of: Callable[[int], Params], cids: list[int] | None = None) -> ClientScores:
+    def _per_client_scores(
+        self, params_of: Callable[[int], Params], cids: list[int] | None = None, split: str = "client"
+    ) -> ClientScores:
         """Each client's model (of ``cids``, default all; the others count 0 samples, so no statistic sees them) on
-        its test split, ``EVAL_CHUNK`` clients' models in RAM at a time (a disk store reads them one by one)."""
+        its test split (``split="val"``: its validation split), ``EVAL_CHUNK`` clients' models in RAM at a time (a
+        disk store reads them one by one)."""
         data = self.data
         correct, loss, count = (np.zeros(data.num_clients) for _ in range(3))
         clients = data.clients if cids is None else [data.clients[c] for c in cids]
         for i in range(0, len(clients), EVAL_CHUNK):
             chunk = clients[i : i + EVAL_CHUNK]
-            passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), ("client", c.cid)) for c in chunk]
+            passes: list[tuple[Params, EvalSource]] = [(params_of(c.cid), (split, c.cid)) for c in chunk]
             for c, batches in zip(chunk, self.batch_scores_of(passes), strict=True):
-                owner = torch.zeros(c.x_test.shape[0], dtype=torch.long, device=c.x_test.device)
+                n = self.eval_tensors((split, c.cid))[1].shape[0]
+                owner = torch.zeros(n, dtype=torch.long, device=c.y_train.device)
                 s = accumulate(batches, owner, 1)
                 correct[c.cid], loss[c.cid], count[c.cid] = s.correct[0], s.loss_sum[0], s.count[0]
         return ClientScores(correct, loss, count)
@@ -392,7 +416,45 @@ class Simulation:
             scores["trained"] = self._per_client_scores(self.trained_params, sample)
             rec.update(summarize("personal", scores["personal"]))
             rec.update(summarize("trained", scores["trained"]))
+        if data.heldout:  # clients that never train: the global model, and what their client part makes of it
+            rec.update(self._heldout_views(rnd))
+        if self.validation is not None:  # the same models on the validation splits: what selects a round
+            (batches,) = self.batch_scores_of([(glob, "val")])
+            rec.update(pooled("val_global", accumulate(batches, self.validation[2], data.num_clients)))
+            if self.method.personalized:
+                val = self._per_client_scores(lambda cid: self.personal_params(cid, rnd), sample, "val")
+                rec.update(pooled("val_personal", val))
         return rec, scores
+
+    def _heldout_views(self, rnd: int | None) -> dict[str, float]:
+        """The held-out clients (``heldout_clients``; PFLlib's new clients), each on its test split: the global model
+        (``heldout_*``) and, for a personalized method, the personalized model its client part makes in one local
+        round from the global model with a fresh client state (``heldout_adapted_*``; discarded after scoring, so
+        nothing of a held-out client ever reaches the federation)."""
+        data, rnd = self.data, rnd or self.current_round
+        n = len(data.heldout)
+        views = ("heldout", "heldout_adapted") if self.method.personalized else ("heldout",)
+        sums = {v: (np.zeros(n), np.zeros(n), np.zeros(n)) for v in views}
+        for j, c in enumerate(data.heldout):
+            models = {"heldout": self.global_params}
+            if self.method.personalized:
+                state: dict[str, Any] = {LOCAL_PARAMS: dict(self._initial_local)} if self._initial_local else {}
+                args = (self.method, self.model, self.settings, self.cfg.seed, c.cid, rnd)
+                upload = train_client(*args, self.global_params, self.server.broadcast(), state, c.x_train, c.y_train)
+                own = self.method.client.personal_model(state)
+                models["heldout_adapted"] = (
+                    own if own is not None else personalized(*args, upload.params, state, c.x_train, c.y_train)
+                )
+            for view, params in models.items():
+                self.model.load_state_dict(params)
+                owner = torch.zeros(c.y_test.shape[0], dtype=torch.long, device=c.y_test.device)
+                s = accumulate(batch_scores(self.model, c.x_test, c.y_test, self.eval_batch), owner, 1)
+                for arr, v in zip(sums[view], (s.correct, s.loss_sum, s.count), strict=True):
+                    arr[j] = v[0]
+        out: dict[str, float] = {}
+        for view, (correct, loss, count) in sums.items():
+            out.update(summarize(view, ClientScores(correct, loss, count)))
+        return out
 
     def evaluated_model(self, rnd: int | None) -> Params:
         """The model the global views score: the global one, or the method's post-hoc calibration of it (CCVR),

@@ -131,6 +131,10 @@ def parse_run_config(
     if settings.data == "node" and not values.get("data_dir") and "data_dir" not in overrides:
         values["data_dir"] = NODE_DATA  # the server (and a node started without its data-dir) reads no client data
     cfg = make_config(values, overrides)
+    if cfg.heldout_clients:
+        raise ConfigError(
+            "heldout_clients runs in the simulation (fedskew run): in a Flower federation every node that joins trains"
+        )
     return cfg, settings
 
 

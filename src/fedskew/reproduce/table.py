@@ -289,6 +289,23 @@ def orderings(bt: BuiltTable) -> list[str]:
     return lines
 
 
+def evaluation_line(plan: Plan) -> str:
+    """The table's evaluation protocol (:mod:`fedskew.results.evaluation`): the protocol preset the runs use and,
+    for the metric the cells report, which round, clients, model, data and mean."""
+    from fedskew.results.evaluation import of_run
+
+    paper = plan.paper
+    protocol = plan.base.get("protocol", "fedskew")
+    try:
+        ev = of_run(paper.metric.keys[0], paper.metric.statistic, plan.base)
+    except ValueError:
+        return f"Evaluation protocol ({protocol}): {paper.metric.keys[0]}, {paper.metric.statistic}."
+    return (
+        f"Evaluation protocol ({protocol}): {ev.metric}, {ev.round}: {ev.model} on {ev.data}, {ev.mean}; "
+        f"clients: {ev.clients}."
+    )
+
+
 def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, str, str]]) -> str:
     paper = plan.paper
     sc = paper.scales[plan.scale]  # type: ignore[index]
@@ -306,6 +323,8 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
         f"(population, ddof=0) over seeds {', '.join(map(str, plan.seeds))}; a single seed shows its value alone. "
         "Paper: as published. A column marked (paper: X) runs the paper's protocol on an offline dataset and is set "
         "beside the paper's number for X, a different dataset: compare orderings, not values.",
+        "",
+        evaluation_line(plan),
         "",
         "Δ: our paired difference against the row's reference (column vs: "
         + (f"the row {plan.against!r}" if plan.against else "FedAvg; a host+plug-in row against its host")
@@ -345,7 +364,9 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
                 for j in range(len(bt.columns)):
                     c = bt.cells[(r.id, j)]
                     ours = (show(c.ours) + (f" ({c.note})" if c.note else "")) if c.ours else c.note
-                    cells += [ours, show(c.paper), delta_text(c)] + ([verdict(c) or "-"] if paper.verdicts else [])
+                    stand_in = paper.settings[bt.columns[j].setting].stands_for is not None
+                    shown = ("stand-in: no verdict" if stand_in and c.paper else verdict(c)) or "-"
+                    cells += [ours, show(c.paper), delta_text(c)] + ([shown] if paper.verdicts else [])
                 lines.append("| " + " | ".join([r.label, vs, *cells]).replace("\n", " ") + " |")
             if any(d is not None for d in bt.detectable):
                 foot = [f"detectable Δ (α={st.ALPHA:g}, power {st.POWER:g})", ""]
@@ -458,7 +479,10 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
                         "method": r.method,
                         "args": r.args,
                         "reference": bt.references.get(r.id),
-                        "cells": [_cell_json(bt.cells[(r.id, j)]) for j in range(len(bt.columns))],
+                        "cells": [
+                            _cell_json(bt.cells[(r.id, j)], plan.paper.settings[c.setting].stands_for is not None)
+                            for j, c in enumerate(bt.columns)
+                        ],
                     }
                     for r in bt.rows
                 ],
@@ -474,8 +498,8 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
     }
 
 
-def _cell_json(cell: Cell) -> dict[str, Any]:
+def _cell_json(cell: Cell, stand_in: bool = False) -> dict[str, Any]:
     out = dict(cell.__dict__)
-    out["verdict"] = verdict(cell)
+    out["verdict"] = "" if stand_in else verdict(cell)  # a stand-in ran another dataset than the published number
     out["values"] = {str(k): (None if v != v else v) for k, v in cell.values.items()}  # NaN (diverged) as null
     return out

@@ -45,7 +45,8 @@ def _wrapped(text: str, indent: str = "") -> str:
 
 
 def markdown_text(rep: Report) -> str:
-    lines = [_wrapped(f"settings common to every row: {'; '.join(rep.common) or '-'}"), ""]
+    lines = [_wrapped(f"settings common to every row: {'; '.join(rep.common) or '-'}")]
+    lines += [_wrapped(f"evaluation protocol: {line}") for line in rep.evaluation] + [""]
     lines.append("| " + " | ".join(rep.columns) + " |")
     lines.append("|" + "---|" * len(rep.columns))
     for i, row in enumerate(rep.rows):
@@ -149,6 +150,7 @@ def latex_text(rep: Report) -> str:
     """A booktabs tabular (a significant paired difference in bold); the common settings and the notes as LaTeX
     comments above it, the detectable differences as a last line below a rule."""
     lines = [f"% settings common to every row: {'; '.join(rep.common) or '-'}"]
+    lines += [f"% evaluation protocol: {line}" for line in rep.evaluation]
     lines += [f"% {n}" for n in rep.notes]
     align = {"stat": "r", "seeds": "r"}
     lines.append("\\begin{tabular}{" + "".join(align.get(rep.kind(j), "l") for j in range(len(rep.columns))) + "}")

@@ -98,6 +98,7 @@ class Report:
     kinds: list[str] = field(default_factory=list)
     footer: list[Any] | None = None
     seeds: list[int] = field(default_factory=list)
+    evaluation: list[str] = field(default_factory=list)  # the evaluation protocol of each metric and statistic
 
     def kind(self, j: int) -> str:
         return self.kinds[j] if j < len(self.kinds) else "text"
@@ -259,7 +260,37 @@ def build_report(
             f"{repeated} run(s) repeated a seed of their experiment: each seed counts once, with its latest run"
         )
     notes += paired_notes(labels, refs, paired, against, seeds_needed, footer is not None)
-    return Report(metrics, columns, rows, common, notes, kinds, footer, row_seeds)
+    evaluation = evaluation_lines(metrics, idents, ns)
+    return Report(metrics, columns, rows, common, notes, kinds, footer, row_seeds, evaluation)
+
+
+def evaluation_lines(metrics: list[str], idents: list[dict[str, Any]], ns: dict[str, list[int]]) -> list[str]:
+    """The table's evaluation protocol (:mod:`fedskew.results.evaluation`): per metric which model, data, mean and
+    clients, then what its two statistics (best round, last-N mean) are; settings that change a view
+    (``evaluate_on``, ``eval_clients``, ``heldout_clients``) read from the rows when they all share them."""
+    from fedskew.results.evaluation import describe, statistics_line
+
+    def shared(key: str) -> Any:
+        vals = {identity_key({"v": i.get(key)}) for i in idents}
+        return idents[0].get(key) if len(vals) == 1 else None
+
+    out = []
+    for m in metrics:
+        try:
+            ev = describe(
+                m,
+                "best",
+                eval_clients=shared("eval_clients") if isinstance(shared("eval_clients"), int) else None,
+                evaluate_on=shared("evaluate_on") or "test",
+                heldout_clients=int(shared("heldout_clients") or 0),
+            )
+        except ValueError:
+            out.append(f"{m}: a metric without a known evaluation protocol")
+            continue
+        out.append(f"{m}: {ev.model} on {ev.data}, {ev.mean}; clients: {ev.clients}")
+    n = {x for m in metrics for x in ns.get(m, [])}
+    out.append(statistics_line(["best", "last_n_mean"], next(iter(n)) if len(n) == 1 else None))
+    return out
 
 
 def report_from_db(

@@ -39,6 +39,16 @@ SUMMARY_KEYS = (
     "proto_acc",
     "proto_domain_acc_avg",
     "proto_domain_acc_std",
+    # held-out clients (heldout_clients > 0): the global model, and their client part's adaptation of it
+    "heldout_acc",
+    "heldout_acc_mean",
+    "heldout_acc_worst10",
+    "heldout_adapted_acc",
+    "heldout_adapted_acc_mean",
+    "heldout_adapted_acc_worst10",
+    # the validation splits (validation > 0): what the validation-selected statistic selects on (loop.py evaluate)
+    "val_global_acc",
+    "val_personal_acc",
 )
 LOWER_IS_BETTER = frozenset({"domain_acc_std", "proto_domain_acc_std"})
 
@@ -93,6 +103,21 @@ CREATE TABLE IF NOT EXISTS trials (
 """
 
 
+def validation_selected(evaluated: list[dict[str, Any]], key: str) -> tuple[float, int] | None:
+    """``key``'s value at the evaluated round whose validation score is best (the earliest on a tie), and that round:
+    the round is selected on the clients' validation splits, the value reported on the test data
+    (:func:`fedskew.results.evaluation.selection_key` names the validation score of each metric). None without
+    validation scores."""
+    from fedskew.results.evaluation import selection_key
+
+    sel = selection_key(key)
+    rounds = [(r["round"], r[sel], r[key]) for r in evaluated if sel and sel in r and key in r]
+    if not rounds:
+        return None
+    rnd, _, value = max(rounds, key=lambda t: (t[1], -t[0]))
+    return float(value), int(rnd)
+
+
 def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
     """Best round and mean/std of the last ``last_n`` evaluated rounds (all of them when fewer), for every accuracy
     key present, per-domain accuracies (``domain_acc/<name>``) included."""
@@ -114,6 +139,9 @@ def summarize_run(records: list[dict[str, Any]], last_n: int) -> dict[str, Any]:
             "last_n_std": float(tail.std()),
             "final": vals[-1][1],
         }
+        chosen = validation_selected(evaluated, key)
+        if chosen is not None:
+            out[key]["validation_selected"], out[key]["validation_round"] = chosen
 
     def mean(key: str) -> float | None:  # None when no round finished (a run that diverged in round 1)
         return float(np.mean([r[key] for r in records])) if records else None
