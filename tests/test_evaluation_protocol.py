@@ -83,6 +83,11 @@ def test_validation_selected_round_selects_on_validation_and_reports_test() -> N
 def test_a_run_with_validation_splits_records_the_validation_selected_round(tmp_path, capsys) -> None:
     db = str(tmp_path / "v.db")
     argv = ["run", "--rounds", "3", "--local-epochs", "1", "--clients", "4", "--validation", "0.2", "--db", db]
+    assert main([*argv, "--out", str(tmp_path / "plain")]) == 0  # without the switch: no validation views
+    assert "val_global_acc" not in json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert main(["run", "--validation-select", "--db", db, "--out", str(tmp_path / "x")]) == 2  # needs validation
+    assert "validation_select chooses a round" in capsys.readouterr().err
+    argv.append("--validation-select")
     assert main([*argv, "--out", str(tmp_path / "v")]) == 0
     assert "val-selected" in capsys.readouterr().out
     s = json.loads((tmp_path / "v" / "summary.json").read_text())

@@ -180,9 +180,11 @@ def test_headline_best_personal_mean_else_global_local_mean(tmp_path):
     cfg = make_config(None, {"protocol": "fedcac"})
     stats = {"best": 0.9, "best_round": 3, "last_n_mean": 0.8, "last_n_std": 0.01, "final": 0.8}
     summary = {"personal_acc_mean": stats, "global_local_acc_mean": {**stats, "best": 0.5}, "global_acc": stats}
-    assert headline(cfg, summary) == {"metric": "personal_acc_mean", "statistic": "best", "value": 0.9}
+    head = {"metric": "personal_acc_mean", "statistic": "best", "value": 0.9, "protocol": "fedcac"}
+    assert headline(cfg, summary) == head
     del summary["personal_acc_mean"]
-    assert headline(cfg, summary) == {"metric": "global_local_acc_mean", "statistic": "best", "value": 0.5}
+    head = {"metric": "global_local_acc_mean", "statistic": "best", "value": 0.5, "protocol": "fedcac"}
+    assert headline(cfg, summary) == head
     # end to end with FedAvg on the embedded digits (no official test split: the holdout is the test pool)
     cfg = make_config(
         None,

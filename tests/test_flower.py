@@ -147,7 +147,8 @@ def test_flower_path_gives_fedskew_runs_metrics(tmp_path, one_thread, method):
         assert known["reports"] == {}
     summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (fl_dir, sim_dir))
     assert summary["engine"] == "flower" and "engine" not in sim_summary
-    assert set(summary) - set(sim_summary) == {"engine", "evaluation", "flower"} and summary["flower"]["failures"] == []
+    assert set(summary) - set(sim_summary) == {"engine", "flower"} and summary["flower"]["failures"] == []
+    assert summary["evaluation"] == {**sim_summary["evaluation"], "where": summary["evaluation"]["where"]}
     assert summary["headline"] == pytest.approx(sim_summary["headline"]) and summary["rounds"] == 3
     # the database rows: one run each, round rows equal but for the timings
     rows = {}

@@ -271,3 +271,31 @@ def test_reproduce_smoke_and_dry_run(tmp_path, capsys, monkeypatch) -> None:
     assert "setting MNIST #C=1: dataset mnist not found" in plan and "setting CIFAR-10 x~Gau(0.1)" in plan
     assert main(["reproduce", "niid-bench", "--scale", "smoke", "--settings", "nope", "--dry-run"]) == 2
     assert "has no setting 'nope'" in capsys.readouterr().err
+
+
+def test_cost_benchmark_counts_the_simple_cnns_work_and_runs() -> None:
+    """benchmarks/niid_bench_cost.py: the multiply-adds it counts are the simple CNN's (conv 6x24x24x25 +
+    16x8x8x150, FC 256x120 + 120x84 + 84x10), and its CI-sized call prints the run estimate (no time asserted)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "niid_bench_cost.py"
+    sys.path.insert(0, str(bench.parent))
+    try:
+        from niid_bench_cost import macs_per_sample
+    finally:
+        sys.path.pop(0)
+    from fedskew.models import build_model
+
+    model = build_model("lenet", in_channels=1, image_size=28, num_classes=10)
+    expected = 6 * 24 * 24 * 25 + 16 * 8 * 8 * 150 + 256 * 120 + 120 * 84 + 84 * 10
+    assert macs_per_sample(model, torch.zeros(2, 1, 28, 28)) == expected
+    out = subprocess.run(
+        [sys.executable, str(bench), "--samples", "256", "--repeats", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    assert "a run at the published settings" in out and "of the" in out and "matmul rate" in out

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="channels-last memory order for convolutions (faster on CPU; equal up to float rounding)",
     )
+    run.add_argument(
+        "--validation-select",
+        action="store_true",
+        help="score the validation splits (--validation S) every evaluated round and record each metric's "
+        "validation-selected round (chosen on them, reported on the test data; docs/protocols.md)",
+    )
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -263,6 +263,11 @@ class RunConfig(StrictSettings):
         description="views of per-client models (personalized, trained, local entries): score a seeded sample of "
         "this many clients per evaluated round, every client at the last round (default: all, every time)",
     )
+    validation_select: bool = Field(
+        False,
+        description="score the clients' validation splits (validation > 0) at every evaluated round and record each "
+        "metric's validation-selected round: chosen on them, reported on the test data",
+    )
     heldout_clients: int = Field(
         0,
         ge=0,
@@ -438,6 +443,11 @@ class RunConfig(StrictSettings):
             )
         from fedskew.data.protocols import PROTOCOLS
 
+        if self.validation_select and (not self.validation or self.evaluate_on != "test"):
+            raise ValueError(
+                "validation_select chooses a round on the clients' validation splits and reports the test data: set "
+                "validation to a share in (0, 1) (e.g. 0.1) and keep evaluate_on test"
+            )
         if self.heldout_clients >= self.clients:
             raise ValueError(
                 f"heldout_clients={self.heldout_clients} must leave clients that train (clients={self.clients})"

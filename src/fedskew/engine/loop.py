@@ -191,9 +191,9 @@ class Simulation:
         self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, data.x_test)
         # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
         self.global_is_local_union = _same_samples(data)
-        # the clients' validation splits, scored beside the test data at every evaluated round (validation > 0 with
-        # evaluate_on test): the round a validation-selected statistic picks (results/store.py summarize_run)
-        self.validation = _validation_union(data) if cfg.evaluate_on == "test" else None
+        # the clients' validation splits, scored beside the test data at every evaluated round (validation_select):
+        # the round a validation-selected statistic picks (results/store.py summarize_run)
+        self.validation = _validation_union(data) if cfg.validation_select else None
         # user-level DP: each client's update clipped over every floating entry that travels
         self.dp_clip = (
             UpdateClip(cfg.dp_clip, noised_entries(template, self.local_names), cfg.dp_extras_scale)

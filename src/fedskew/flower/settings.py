@@ -135,6 +135,8 @@ def parse_run_config(
         raise ConfigError(
             "heldout_clients runs in the simulation (fedskew run): in a Flower federation every node that joins trains"
         )
+    if cfg.validation_select:
+        raise ConfigError("validation_select runs in the simulation (fedskew run), not in a Flower federation")
     return cfg, settings
 
 
