@@ -180,7 +180,7 @@ def test_clients_train_on_all_of_their_part_with_unit_pixels() -> None:
 
 def test_feature_noise_per_client_and_the_noisy_test_copies() -> None:
     clean = build_federated(_cfg(partition="iid"))
-    noisy = build_federated(_cfg(partition="iid", feature_noise=0.5))
+    noisy = build_federated(_cfg(partition="iid", feature_noise=0.5, noise_draw="once"))
     levels = noise_levels(0.5, 10)
     for c0, c1, s in zip(clean.clients, noisy.clients, levels, strict=True):
         np.testing.assert_array_equal(c0.train_index, c1.train_index)
@@ -193,8 +193,56 @@ def test_feature_noise_per_client_and_the_noisy_test_copies() -> None:
     for i in (1, 9):
         assert float((copies[i] - clean.x_test).std()) == pytest.approx(levels[i], rel=0.05)
     # the same seed gives the same noise
-    again = build_federated(_cfg(partition="iid", feature_noise=0.5))
+    again = build_federated(_cfg(partition="iid", feature_noise=0.5, noise_draw="once"))
     torch.testing.assert_close(again.clients[3].x_train, noisy.clients[3].x_train)
+    # noise_draw access (the default, NIID-Bench's data loader): the training data stay clean and carry the level
+    access = build_federated(_cfg(partition="iid", feature_noise=0.5))
+    for c0, c1, s in zip(clean.clients, access.clients, levels, strict=True):
+        torch.testing.assert_close(c1.x_train, c0.x_train)
+        assert c1.input_noise == pytest.approx(s) and c0.input_noise == 0.0
+    torch.testing.assert_close(access.x_test, noisy.x_test)  # the test copies are the same either way
+
+
+def test_access_noise_is_a_fresh_draw_for_every_batch() -> None:
+    """local_train adds the client's noise to each batch as it draws it: a zero-lr pass sees noisy inputs (its loss
+    differs from the clean one), two epochs see different draws, and the same generator seed repeats them exactly."""
+    from fedskew.client.local import LocalContext, TrainSettings, local_train
+    from fedskew.methods import resolve_method
+    from fedskew.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+    x, y = torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss(noise: float, seed: int, epochs: int = 1) -> float:
+        ctx = LocalContext(0, 1, model, params, {}, {}, TrainSettings(epochs=epochs, batch_size=64, lr=0.0))
+        up = local_train(resolve_method("fedavg", {}).client, ctx, x, y, torch.Generator().manual_seed(seed), (), noise)
+        return up.metrics["train_loss"]
+
+    assert loss(0.0, 1) != loss(0.5, 1)
+    assert loss(0.5, 1) == loss(0.5, 1)  # seeded
+    assert loss(0.5, 1) != loss(0.5, 2)
+    two = loss(0.5, 1, epochs=2)  # the mean of two different draws, not the first one twice
+    assert two != loss(0.5, 1)
+
+
+def test_access_noise_refuses_batching_and_flower_and_runs(tmp_path) -> None:
+    import warnings
+
+    from fedskew.flower.settings import parse_run_config
+    from fedskew.runner import run_experiment
+    from fedskew.schema import ConfigError
+
+    cfg = _cfg(partition="iid", feature_noise=0.1, rounds=1, local_epochs=1, batched_clients=True, out=str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run_experiment(cfg)
+    assert any("drawn at every access" in str(w.message) for w in caught)
+    assert 0 <= out.summary["global_acc"]["final"] <= 1
+    assert len(out.data.y_test) == 10 * 359  # the digits holdout (20% of 1,797), once per client noise level
+    with pytest.raises(ConfigError, match="noise_draw once"):
+        parse_run_config({"protocol": "niid-bench", "dataset": "digits", "feature_noise": 0.1})
 
 
 def test_published_numbers_and_their_sources() -> None:

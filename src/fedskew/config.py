@@ -89,6 +89,7 @@ SETTING_KEYS = (
     "image_size",
     "imbalance_ratio",
     "feature_noise",
+    "noise_draw",
     "clients",
     "train_ratio",
     "holdout",
@@ -161,6 +162,11 @@ class RunConfig(StrictSettings):
         ge=0,
         description="noise-based feature skew (protocol niid-bench): client i's images in [0, 1] get Gaussian noise "
         "of std feature_noise * i / (clients - 1)",
+    )
+    noise_draw: Literal["access", "once"] = Field(
+        "access",
+        description="feature_noise: drawn afresh for every training batch (access, NIID-Bench's data loader) or once "
+        "per sample (once)",
     )
     clients: int = Field(10, ge=1, description="number of clients")
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share; the rest is its local test")

@@ -454,10 +454,13 @@ def local_train(
     y: Tensor,
     generator: torch.Generator,
     upload_extras: Sequence[UploadExtras] = (),
+    input_noise: float = 0.0,
 ) -> Upload:
     """Load ``ctx.received`` into ``ctx.model``, train on the resident tensors ``x, y``, return the upload.
 
     Batches are index slices of a seeded permutation per epoch (no DataLoader); ``generator`` fixes the order.
+    ``input_noise``: Gaussian noise of this std added to every batch as it is drawn (NIID-Bench's feature noise, a
+    fresh draw at every access, from ``generator``).
     The algorithm's phases run in sequence on the same model; ``upload_extras`` add tensors computed from the
     received and the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
     """
@@ -490,6 +493,9 @@ def local_train(
                 for b in range(n_batches):
                     idx = perm[b * bs : (b + 1) * bs]
                     xb, yb = x[idx], y[idx]
+                    if input_noise:
+                        noise = torch.randn(xb.shape, generator=generator, device=generator.device)
+                        xb = xb + input_noise * noise.to(xb.device)
                     opt.zero_grad()
                     feats = model.body(xb)
                     logits = model.head(feats)

@@ -28,6 +28,7 @@ FLAG_KEYS = (
     "min_size",
     "imbalance_ratio",
     "feature_noise",
+    "noise_draw",
     "samples_per_client",
     "test_samples_per_client",
     "clients",

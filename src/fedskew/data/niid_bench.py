@@ -15,10 +15,12 @@ What the benchmark does, and :func:`build_niid_bench` with it:
   is the N copies of the test split, copy i with client i's noise (NIID-Bench concatenates the clients' noisy test
   loaders).
 
-One departure, named: NIID-Bench adds the noise in the data loader, so a fresh draw at every access (every epoch,
-every evaluation); fedskew draws it **once** per sample (per client, per test copy), seeded by ``--seed``, because
-its clients' data are resident tensors. Each client also gets a disjoint share of the (noisy) test split as its local
-test split, so that fedskew's per-client views exist; the benchmark reports none of them.
+NIID-Bench adds the noise in its data loader, a fresh draw at every access. fedskew does the same for training
+(``--noise-draw access``, the default: the local loop adds the client's noise to every batch it draws, from the
+client's seeded stream) or bakes one draw per sample into the client's data (``--noise-draw once``; then
+``--batched-clients`` can batch the clients). The test copies are drawn once, seeded (a fresh draw per evaluation only
+adds sampling noise to the score: the one departure, named). Each client also gets a disjoint share of the (noisy)
+test split as its local test split, so that fedskew's per-client views exist; the benchmark reports none of them.
 """
 
 from __future__ import annotations
@@ -95,15 +97,17 @@ def build_niid_bench(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
         idx = torch.from_numpy(part).to(dev)
         sh = torch.from_numpy(np.sort(share)).to(dev)
         copy = copies[cid] if cfg.feature_noise else x_test
+        once = cfg.noise_draw == "once"
         clients.append(
             ClientData(
                 cid,
-                _noisy(x_pool[idx], levels[cid], noise_rng),
+                _noisy(x_pool[idx], levels[cid], noise_rng) if once else x_pool[idx],
                 y_pool[idx],
                 copy[sh],
                 y_test[sh],
                 tr.index[part],
                 te.index[np.sort(share)],
+                input_noise=0.0 if once else float(levels[cid]),
             )
         )
     owner = torch.cat([torch.full((len(s),), cid, dtype=torch.long) for cid, s in enumerate(shares)]).to(dev)

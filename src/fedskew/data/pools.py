@@ -40,6 +40,9 @@ class ClientData:
     x_val: Tensor | None = None
     y_val: Tensor | None = None
     val_index: np.ndarray | None = None
+    # NIID-Bench's feature noise drawn at every access: the std of the Gaussian noise the local loop adds to every
+    # training batch of this client (0: none; ``noise_draw: once`` bakes it into x_train instead)
+    input_noise: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class DataSettings:
     domain_fraction: float  # domain
     imbalance_ratio: float | None  # global long tail of the training pool
     feature_noise: float  # protocol niid-bench: the largest client's input noise std (pixels in [0, 1])
+    noise_draw: str  # access (a fresh draw for every training batch) | once (drawn once per sample)
     # the clients and their splits
     clients: int
     heldout_clients: int  # the last K clients never train (evaluated only)

@@ -305,7 +305,8 @@ class Simulation:
         client = self.data.clients[cid]
         state = self.client_states[cid]
         args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
-        return train_client(*args, client.x_train, client.y_train, client.x_val, client.y_val, self.dp_clip)
+        x, y = client.x_train, client.y_train
+        return train_client(*args, x, y, client.x_val, client.y_val, self.dp_clip, client.input_noise)
 
     def _keep_trained(self, cid: int, upload: Upload) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the

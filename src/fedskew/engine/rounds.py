@@ -134,12 +134,14 @@ def train_client(
     x_val: torch.Tensor | None = None,
     y_val: torch.Tensor | None = None,
     clip: UpdateClip | None = None,
+    input_noise: float = 0.0,
 ) -> Upload:
     """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
     ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
     split, if the run has one (hooks may score it; it is never trained on). ``clip``: under user-level DP, the
-    update it uploads, with its extras, is clipped (:func:`fedskew.privacy.mechanism.clip_update`)."""
+    update it uploads, with its extras, is clipped (:func:`fedskew.privacy.mechanism.clip_update`). ``input_noise``:
+    the std of the noise added to every training batch (NIID-Bench's feature noise drawn at every access)."""
     ctx = LocalContext(
         cid=cid,
         round=rnd,
@@ -152,7 +154,7 @@ def train_client(
         y_val=y_val,
     )
     gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
-    upload = local_train(method.client, ctx, x, y, gen, method.upload_extras)
+    upload = local_train(method.client, ctx, x, y, gen, method.upload_extras, input_noise)
     if clip is None:
         return upload
     norm = float(broadcast[DP_CLIP]) if DP_CLIP in broadcast else clip.norm  # adaptive clipping: the round's

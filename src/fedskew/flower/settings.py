@@ -137,6 +137,11 @@ def parse_run_config(
         )
     if cfg.validation_select:
         raise ConfigError("validation_select runs in the simulation (fedskew run), not in a Flower federation")
+    if cfg.feature_noise and (settings.data == "node" or cfg.noise_draw == "access"):
+        raise ConfigError(
+            "feature_noise on Flower: node-local data is used as it is, and the simulated federation's noise must be "
+            "drawn once per sample (noise_draw once), not in the simulation's local loop"
+        )
     return cfg, settings
 
 
