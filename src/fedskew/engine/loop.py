@@ -441,7 +441,8 @@ class Simulation:
             if self.method.personalized:
                 state: dict[str, Any] = {LOCAL_PARAMS: dict(self._initial_local)} if self._initial_local else {}
                 args = (self.method, self.model, self.settings, self.cfg.seed, c.cid, rnd)
-                upload = train_client(*args, self.global_params, self.server.broadcast(), state, c.x_train, c.y_train)
+                received, sent = self.global_params, self.server.broadcast()
+                upload = train_client(*args, received, sent, state, c.x_train, c.y_train, input_noise=c.input_noise)
                 own = self.method.client.personal_model(state)
                 models["heldout_adapted"] = (
                     own if own is not None else personalized(*args, upload.params, state, c.x_train, c.y_train)
