@@ -195,7 +195,9 @@ class RunConfig(StrictSettings):
     momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
     drop_last: bool = False
-    model: str = Field("auto", description="mlp, cnn, lenet, resnet8/10/18/34, textcnn (token ids), or auto")
+    model: str = Field(
+        "auto", description="mlp, cnn, lenet, resnet8/10/18/34, textcnn or charlstm (token ids), or auto"
+    )
     norm: Literal["bn", "gn"] = "bn"
     divergence_factor: float = Field(
         100.0,
@@ -421,7 +423,7 @@ class RunConfig(StrictSettings):
         from fedskew.data.partition.registry import BUILTIN, PartitionError, check_partition_params
         from fedskew.methods import resolve_method
 
-        if self.partition in BUILTIN or self.partition in ("domain", "given"):
+        if self.partition in BUILTIN or self.partition in ("domain", "given", "natural"):
             if self.partition_args:
                 raise ValueError(
                     f"partition {self.partition!r} takes its parameters from its own settings (alpha, "
@@ -540,15 +542,16 @@ def _check_dataset(cfg: RunConfig) -> None:
         )
     if cfg.resize is not None and (spec is None or "resize" not in spec.options):
         raise ValueError(f"resize applies to image-folder datasets (folder), not to dataset {cfg.dataset!r}")
-    if cfg.partition == "given":
+    if cfg.partition in ("given", "natural"):
         if spec is not None and not spec.per_client:  # unknown names: user data given through fedskew.api
             raise ValueError(
-                f"partition 'given' uses the clients of per-client data files (dataset npz with train/0.npz, ...); "
-                f"dataset {cfg.dataset!r} has none: choose a partition such as dir or iid"
+                f"partition {cfg.partition!r} uses the clients of per-client data (dataset npz with train/0.npz, "
+                f"LEAF's femnist, shakespeare, sent140, ...); dataset {cfg.dataset!r} has none: choose a partition "
+                "such as dir or iid"
             )
         if cfg.imbalance_ratio is not None:
             raise ValueError(
-                f"partition 'given' keeps the clients' data as given: imbalance_ratio must be unset, got "
+                f"partition {cfg.partition!r} keeps the clients' data as given: imbalance_ratio must be unset, got "
                 f"{cfg.imbalance_ratio!r}"
             )
 

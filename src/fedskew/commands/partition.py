@@ -15,6 +15,7 @@ FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff"
 RESERVED_SUMMARIES = {
     "domain": "domain skew: clients of a multi-domain suite, each from one domain",
     "given": "the clients of per-client data files, as given",
+    "natural": "the data's own clients (writers, speakers, users): --clients N samples N of them, seeded",
 }
 
 

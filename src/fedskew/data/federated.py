@@ -87,23 +87,50 @@ def build_domain_federated(cfg: DataSettings) -> FederatedData:
     )
 
 
+def natural_clients(src: ClientDatasets, n: int, seed: int) -> ClientDatasets:
+    """``n`` of the data's own clients, drawn without replacement from the seed's partition stream, in the data's
+    order (every one when ``n`` is their number)."""
+    if n >= src.num_clients:
+        return src
+    keep = np.sort(numpy_rng(seed, Purpose.PARTITION).choice(src.num_clients, size=n, replace=False))
+
+    def pick(arrays: list[np.ndarray] | None) -> list[np.ndarray] | None:
+        return None if arrays is None else [arrays[i] for i in keep]
+
+    return ClientDatasets(
+        src.name,
+        src.num_classes,
+        pick(src.x_train) or [],
+        pick(src.y_train) or [],
+        pick(src.x_test),
+        pick(src.y_test),
+        [src.sources[i] for i in keep],
+        {**src.meta, "natural_clients": [src.sources[i] for i in keep]},
+    )
+
+
 def build_given_federated(cfg: DataSettings, src: ClientDatasets) -> FederatedData:
     """The clients of per-client data files as they are (``--partition given``): client ``i`` trains on its training
     file and is tested on its test file (without test files, its data is split with ``train_ratio``, seeded as every
     partition). There is no separate global test set (as in PFLlib): the global test set is the union of the clients'
-    test splits. The number of clients is the data's: ``cfg.clients`` must match it."""
-    if cfg.partition != "given":
+    test splits. The number of clients is the data's: ``cfg.clients`` must match it. ``--partition natural`` (a
+    writer, speaker or user is a client, as the data defines them): ``cfg.clients`` of them, drawn without replacement
+    from the partition stream of the seed (all of them when it equals their number), in the data's order."""
+    if cfg.partition not in ("given", "natural"):
         raise ConfigError(
-            f"{cfg.data_dir}: holds per-client files ({src.num_clients} clients), whose partition is given: set "
-            f"partition: given (--partition given) instead of {cfg.partition!r}"
+            f"{cfg.data_dir}: holds per-client data ({src.num_clients} clients), whose partition is given: set "
+            f"partition: given (--partition given), or natural to sample some of them, instead of {cfg.partition!r}"
         )
-    refused = PROTOCOLS[cfg.protocol].refuse("given", None)
+    refused = PROTOCOLS[cfg.protocol].refuse(cfg.partition, None)
     if refused is not None:
         raise ConfigError(refused)
+    if cfg.partition == "natural" and cfg.clients <= src.num_clients:
+        src = natural_clients(src, cfg.clients, cfg.seed)
     if cfg.clients != src.num_clients:
+        hint = "" if cfg.partition == "natural" else ", or --partition natural to sample fewer"
         raise ConfigError(
             f"{cfg.data_dir}: holds {src.num_clients} clients but clients={cfg.clients}: set clients: "
-            f"{src.num_clients} (--clients {src.num_clients})"
+            f"{src.num_clients} (--clients {src.num_clients}){hint}"
         )
     xs = list(src.x_train) + list(src.x_test or [])
     ys = list(src.y_train) + list(src.y_test or [])
@@ -117,7 +144,9 @@ def build_given_federated(cfg: DataSettings, src: ClientDatasets) -> FederatedDa
         train_parts, test_parts = train_test_split_clients(ranges, cfg.train_ratio, split_rng)
     pool = Pool(np.concatenate(xs), np.concatenate(ys), np.arange(int(offsets[-1]), dtype=np.int64))
     gtest = pool.take(np.concatenate(test_parts))
-    return assemble(src.name, src.num_classes, pool, train_parts, test_parts, gtest, torch.device(cfg.device))
+    vocabulary = tuple(str(w) for w in src.meta.get("vocabulary", ()))  # token data: the word or letter of each id
+    dev = torch.device(cfg.device)
+    return assemble(src.name, src.num_classes, pool, train_parts, test_parts, gtest, dev, vocabulary)
 
 
 def carve_validation(data: FederatedData, share: float, seed: int) -> FederatedData:
@@ -248,9 +277,10 @@ def _build_split(cfg: DataSettings, dataset: ImageDataset | ClientDatasets | Non
     if isinstance(ds, ClientDatasets):
         return build_given_federated(cfg, ds)
     check_task(ds.name, ds.num_classes, [ds.y_train])  # the whole dataset: one node's own data may hold one class
-    if cfg.partition == "given":
+    if cfg.partition in ("given", "natural"):
         raise ConfigError(
-            f"dataset {ds.name!r} is one pool of samples without a client assignment, so partition 'given' has no "
+            f"dataset {ds.name!r} is one pool of samples without a client assignment, so partition {cfg.partition!r} "
+            "has no "
             f"clients to use: choose a partition such as dir or iid, or give per-client files (train/0.npz, ...)"
         )
     return PROTOCOLS[cfg.protocol].build(cfg, ds)

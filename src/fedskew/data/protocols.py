@@ -62,12 +62,13 @@ class Protocol:
 
     def refuse(self, partition: str, imbalance_ratio: float | None, feature_noise: float = 0.0) -> str | None:
         """Why a configuration with these settings cannot run under this protocol (``None``: it can)."""
-        if self.partitions is not None and partition not in (*self.partitions, *(("given",) if self.given else ())):
+        own = ("given", "natural")  # the data's own clients
+        if self.partitions is not None and partition not in (*self.partitions, *(own if self.given else ())):
             extra = " (and given, for per-client files)" if self.given else ""
             return f"protocol {self.name!r} supports partitions {', '.join(self.partitions)}{extra}, not {partition!r}"
-        if partition == "given" and not self.given:
+        if partition in own and not self.given:
             runs = " or ".join(p.name for p in PROTOCOLS.values() if p.given)
-            return f"partition 'given' runs under protocol {runs}, not {self.name!r}"
+            return f"partition {partition!r} runs under protocol {runs}, not {self.name!r}"
         if feature_noise and not self.feature_noise:
             runs = " or ".join(p.name for p in PROTOCOLS.values() if p.feature_noise)
             return (

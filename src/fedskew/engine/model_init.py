@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fedskew.data.protocols import PROTOCOLS
-from fedskew.models import build_model, head_keys, norm_keys
+from fedskew.models import TOKEN_MODELS, build_model, head_keys, norm_keys
 from fedskew.schema import ConfigError
 from fedskew.seeding import Purpose, torch_seed
 
@@ -34,7 +34,7 @@ def resolve_model_name(cfg: RunConfig, data: FederatedData, method: Method | Non
 
 
 UserModel = nn.Module | Callable[[], nn.Module]
-TEXT_MODEL = "textcnn"  # the zoo's model of token ids
+TEXT_MODEL = "textcnn"  # the zoo's default model of token ids (TOKEN_MODELS: every one)
 
 
 def user_model_name(model: UserModel) -> str:
@@ -72,11 +72,11 @@ def init_model(
             f"model {cfg.model!r} was a user's model; pass it again: fedskew.run(..., model=...) (docs/extending.md)"
         )
     name = resolve_model_name(cfg, data, method)
-    if (name == TEXT_MODEL) != data.holds_tokens:
+    if (name in TOKEN_MODELS) != data.holds_tokens:
         raise ConfigError(
             f"dataset {data.name!r} holds token ids (text): use --model {TEXT_MODEL} (or auto)"
             if data.holds_tokens
-            else f"model {TEXT_MODEL!r} reads token ids (a text dataset such as ag_news); dataset {data.name!r} holds "
+            else f"model {name!r} reads token ids (a text dataset such as ag_news); dataset {data.name!r} holds "
             f"images or features: choose another model (or auto)"
         )
     with torch.random.fork_rng(devices=[]):

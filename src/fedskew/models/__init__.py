@@ -36,7 +36,9 @@ MODELS: dict[str, str] = {
     "resnet18": "CIFAR ResNet-18: 3x3 stem 64, no max-pool, basic blocks [2,2,2,2]",
     "resnet34": "CIFAR ResNet-34: 3x3 stem 64, no max-pool, basic blocks [3,4,6,3]",
     "textcnn": "TextCNN on token ids (FedDisco's AG News model): embedding 128, convs 3/4/5 x 100, max over time",
+    "charlstm": "LEAF's Shakespeare model on token ids: embedding 8, 2-layer LSTM 256, the last step's output",
 }
+TOKEN_MODELS = ("textcnn", "charlstm")  # the zoo's models of token ids (text)
 
 
 class FedModel(nn.Module):
@@ -171,6 +173,26 @@ def textcnn(vocab_size: int, seq_len: int, num_classes: int) -> FedModel:
     return FedModel(body, nn.Linear(TEXTCNN_FILTERS * len(TEXTCNN_WIDTHS), num_classes))
 
 
+class LastStepLSTM(nn.Module):
+    """LEAF's character model body (its ``stacked_lstm``): token ids ``[B, L]`` -> embedding ``[B, L, E]`` -> a
+    ``layers``-layer LSTM of ``hidden`` units -> the last time step's output ``[B, hidden]``."""
+
+    def __init__(self, vocab_size: int, embed_dim: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_dim)
+        self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(self.embedding(x))
+        return out[:, -1]
+
+
+def charlstm(vocab_size: int, seq_len: int, num_classes: int) -> FedModel:
+    """LEAF's Shakespeare next-character model (Caldas et al. 2018, ``models/shakespeare/stacked_lstm.py``):
+    embedding 8, two LSTM layers of 256 units, a linear classifier over the last step's output."""
+    return FedModel(nn.Sequential(LastStepLSTM(vocab_size, 8, 256, 2)), nn.Linear(256, num_classes))
+
+
 PROJECTION = "body.proj."  # state-dict prefix of MOON's projection head
 
 
@@ -245,6 +267,8 @@ def build_model(
         model = lenet(in_channels, image_size, num_classes, bn=name == "lenet_bn")
     elif name == "textcnn":
         model = textcnn(in_channels, image_size, num_classes)
+    elif name == "charlstm":
+        model = charlstm(in_channels, image_size, num_classes)
     elif name in RESNETS:
         blocks, widths = RESNETS[name]
         model = resnet(blocks, widths, in_channels, num_classes, norm)

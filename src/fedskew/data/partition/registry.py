@@ -154,7 +154,7 @@ SUMMARIES: dict[str, str] = {
 }
 ENTRY_POINT_GROUP = "fedskew.partitions"
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-RESERVED = ("domain", "given")  # partitions the federation builder implements itself (not label schemes)
+RESERVED = ("domain", "given", "natural")  # partitions the federation builder implements itself (not label schemes)
 
 
 def register_partition(name: str, fn: Partitioner, summary: str = "") -> Partitioner:
