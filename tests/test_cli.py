@@ -15,6 +15,7 @@ def test_the_consoles_print_colon_words_as_written(capsys):
 NOT_FLAGS = {
     "method_args",  # -m KEY=VALUE
     "partition_args",  # -P KEY=VALUE
+    "dataset_args",  # -D KEY=VALUE
     "download",  # --download (a switch on every data command)
     "divergence_factor",
     "drop_last",

@@ -12,6 +12,7 @@ from typing import Any
 from fedskew import __version__
 from fedskew.commands.flags import (
     RUN_FLAGS,
+    add_dataset_arg,
     add_download_flag,
     add_partition_arg,
     config_from_args,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="method hyper-parameter, repeatable (e.g. -m weights=uniform)",
     )
     add_partition_arg(run)
+    add_dataset_arg(run)
     add_download_flag(run)
     run.add_argument("--no-db", action="store_true", help="do not record the run in the SQLite database")
     run.add_argument(

@@ -78,6 +78,7 @@ SETTING_KEYS = (
     "protocol",
     "partition",
     "partition_args",
+    "dataset_args",
     "alpha",
     "classes_per_client",
     "uniform_clients",
@@ -133,6 +134,10 @@ class RunConfig(StrictSettings):
     )
     partition_args: dict[str, Any] = Field(
         default_factory=dict, description="a registered partition scheme's own parameters (-P KEY=VALUE)"
+    )
+    dataset_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the dataset reader's own options (-D KEY=VALUE), e.g. hf: image=img label=character",
     )
     alpha: float = Field(0.1, gt=0, description="Dirichlet concentration (dir, dirfixed, quantity)")
     classes_per_client: int = Field(2, ge=1, description="classes per client (pat), per biased client (biased)")
@@ -542,6 +547,10 @@ def _check_dataset(cfg: RunConfig) -> None:
         )
     if cfg.resize is not None and (spec is None or "resize" not in spec.options):
         raise ValueError(f"resize applies to image-folder datasets (folder), not to dataset {cfg.dataset!r}")
+    unknown = sorted(set(cfg.dataset_args) - set(spec.options if spec is not None else ()))
+    if unknown and spec is not None:
+        takes = ", ".join(spec.options) or "none"
+        raise ValueError(f"dataset {cfg.dataset!r} does not take option(s) {unknown} (-D); its options: {takes}")
     if cfg.partition in ("given", "natural"):
         if spec is not None and not spec.per_client:  # unknown names: user data given through fedskew.api
             raise ValueError(
@@ -578,7 +587,7 @@ def make_config(file_values: dict[str, Any] | None = None, overrides: dict[str, 
     for k, v in (overrides or {}).items():
         if v is None:
             continue
-        if k in ("method_args", "partition_args"):
+        if k in ("method_args", "partition_args", "dataset_args"):
             values[k] = {**values.get(k, {}), **v}
         else:
             values[k] = v

@@ -144,6 +144,17 @@ def add_partition_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dataset_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dataset-arg",
+        "-D",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the dataset's reader, repeatable (e.g. -D label=character for --dataset hf)",
+    )
+
+
 def add_download_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--download",
@@ -184,6 +195,8 @@ def config_from_args(args: argparse.Namespace):
         overrides["method_args"] = parse_kv(args.method_arg)
     if getattr(args, "partition_arg", None):
         overrides["partition_args"] = parse_kv(args.partition_arg, "-P/--partition-arg")
+    if getattr(args, "dataset_arg", None):
+        overrides["dataset_args"] = parse_kv(args.dataset_arg, "-D/--dataset-arg")
     if args.no_db:
         file_values["db"] = None
         overrides.pop("db", None)

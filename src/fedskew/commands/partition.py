@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedskew.commands.flags import RUN_FLAGS, add_download_flag, add_partition_arg, parse_kv
+from fedskew.commands.flags import RUN_FLAGS, add_dataset_arg, add_download_flag, add_partition_arg, parse_kv
 
 # the figure files matplotlib writes (checked before the partition is built; a .txt was a traceback after it)
 FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
@@ -46,6 +46,7 @@ def add_parsers(sub: Any) -> None:
         pa.add_argument(flag, type=typ, default=None, help=help_)
     add_download_flag(pa)
     add_partition_arg(pa)
+    add_dataset_arg(pa)
     pa.add_argument("--plot", default=None, help="write the bubble plot to this PNG")
     pa.add_argument("--list", action="store_true", help="list the partition schemes (registered ones included)")
 
@@ -73,6 +74,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     overrides["download"] = args.download
     if args.partition_arg:
         overrides["partition_args"] = parse_kv(args.partition_arg, "-P/--partition-arg")
+    if args.dataset_arg:
+        overrides["dataset_args"] = parse_kv(args.dataset_arg, "-D/--dataset-arg")
     cfg = make_config({**file_values, "db": None}, overrides)
     data = build_federated(cfg)
     print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")

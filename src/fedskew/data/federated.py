@@ -249,8 +249,9 @@ def hold_out(data: FederatedData, k: int) -> FederatedData:
 
 
 def reader_options(cfg: DataSettings) -> dict[str, object]:
-    """The options of the dataset's reader set in the configuration (``resize`` for image folders)."""
-    return {"resize": cfg.resize} if cfg.resize is not None else {}
+    """The options of the dataset's reader set in the configuration (``resize`` for image folders, and the reader's
+    own ``dataset_args``, ``-D KEY=VALUE``)."""
+    return {**({"resize": cfg.resize} if cfg.resize is not None else {}), **cfg.dataset_args}
 
 
 def build_federated(

@@ -28,6 +28,7 @@ class DataSettings:
     protocol: str  # fedskew | pfllib | fedcac | niid-bench
     partition: str
     partition_args: dict[str, object]  # a registered scheme's own parameters (the built-in ones read the fields below)
+    dataset_args: dict[str, object]  # the reader's own options (-D KEY=VALUE)
     alpha: float  # dir, dirfixed, quantity (as beta)
     min_size: int  # dir
     classes_per_client: int  # pat; biased (a biased client's classes)

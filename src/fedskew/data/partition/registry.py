@@ -282,3 +282,35 @@ def _check_parts(name: str, parts: object, n: int, num_clients: int) -> None:
         if seen[a].any() or len(np.unique(a)) != a.size:
             raise PartitionError(f"partition {name!r}: a sample is given to more than one client (client {cid})")
         seen[a] = True
+
+
+def _p_flwr(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    partitioner: str,
+    alpha: float | None = None,
+    num_classes_per_partition: int | None = None,
+    min_partition_size: int | None = None,
+    self_balancing: bool | None = None,
+    class_assignment_mode: str | None = None,
+) -> list[np.ndarray]:
+    from fedskew.data.flwr_interop import flwr_partition
+
+    return flwr_partition(
+        labels,
+        num_clients,
+        rng,
+        partitioner=partitioner,
+        alpha=alpha,
+        num_classes_per_partition=num_classes_per_partition,
+        min_partition_size=min_partition_size,
+        self_balancing=self_balancing,
+        class_assignment_mode=class_assignment_mode,
+    )
+
+
+# not a built-in (its parameters come from partition_args, -P partitioner=DirichletPartitioner -P alpha=0.5)
+register_partition("flwr", _p_flwr, "a flwr-datasets partitioner by name (-P partitioner=..., extra [hf])")
+

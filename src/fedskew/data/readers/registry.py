@@ -220,9 +220,9 @@ def load_source(
     if unknown:
         takes = f"takes only {', '.join(spec.options)}" if spec.options else "takes no options"
         raise DataError(f"dataset {key!r} {takes}; got {', '.join(unknown)}")
-    if not spec.uses_files:
-        found: Path | None = None
-        cache_key: tuple[object, ...] = (key, "", tuple(sorted(options.items())))
+    if not spec.uses_files:  # nothing to locate: the loader gets data_dir as it is (None without one)
+        found: Path | None = Path(data_dir) if data_dir is not None else None
+        cache_key: tuple[object, ...] = (key, str(found or ""), tuple(sorted(options.items())))
     else:
         if spec.needs_data_dir and data_dir is None:
             raise DataError(f"dataset {key!r} reads the folder given as data_dir (--data-dir DIR): {spec.expected}")
