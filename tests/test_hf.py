@@ -20,6 +20,12 @@ from fedskew.data.readers.base import DataError  # noqa: E402
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _hf_cache_in_tmp(tmp_path, monkeypatch):
+    """datasets caches what it converts (parquet -> arrow) under HF_DATASETS_CACHE: inside the test's folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / ".hf-datasets")
+
+
 def _images(n: int) -> list[np.ndarray]:
     return [RNG.integers(0, 256, size=(8, 8), dtype=np.uint8) for _ in range(n)]
 

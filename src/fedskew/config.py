@@ -21,7 +21,8 @@ MAX_SEED = 2**53 - 1
 # given: the data's own client assignment (per-client files, e.g. PFLlib's dataset folder with --dataset npz)
 
 
-DOMAIN_DATASETS = ("digits_domains", "office_caltech")  # the domain suites (fedskew.data.readers.domains)
+# the domain suites (fedskew.data.readers.domains, .office, .domain_suites)
+DOMAIN_DATASETS = ("digits_domains", "office_caltech", "pacs", "office_home", "domainnet")
 DOMAIN_ONLY = ("digits_domains",)  # read only as domains; office_caltech also reads pooled for the other partitions
 
 

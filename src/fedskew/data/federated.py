@@ -44,7 +44,7 @@ def build_domain_federated(cfg: DataSettings) -> FederatedData:
 
         warnings.warn(
             f"{cfg.dataset}: no files for {', '.join(missing)} (searched {cfg.data_dir or '$FEDSKEW_DATA'}); "
-            f"running on {len(names)} domains ({', '.join(names)}) instead of FedHEAL's {len(suite.domains)}",
+            f"running on {len(names)} domains ({', '.join(names)}) instead of the suite's {len(suite.domains)}",
             UserWarning,
             stacklevel=2,
         )
