@@ -80,6 +80,7 @@ CASES = {
     ),
 }
 
+
 @needs_flwr
 @pytest.mark.parametrize(
     "method",
@@ -328,7 +329,11 @@ def test_app_config_holds_every_run_config_key_and_reads_back_to_the_same_config
     )
     flat = run_config(cfg, FlowerSettings(round_timeout=42))
     assert flat["method_args.heal.tau"] == 0.25 and flat["db"] == "" and flat["flower.round_timeout"] == 42.0
-    assert {k for k in flat if "." not in k} == set(cfg.model_dump()) - {"method_args", "partition_args"}
+    assert {k for k in flat if "." not in k} == set(cfg.model_dump()) - {
+        "method_args",
+        "partition_args",
+        "dataset_args",
+    }
     back, settings = parse_run_config(flat)
     assert back == cfg and settings.round_timeout == 42
     # --run-config overrides are plain keys of the same table

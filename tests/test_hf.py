@@ -151,3 +151,49 @@ def test_a_flwr_partitioner_as_a_fedskew_partition(tmp_path, capsys) -> None:
     bad = ["run", "--partition", "flwr", "-P", "partitioner=NoSuchPartitioner", "--out", str(tmp_path / "x"), "--no-db"]
     assert main(bad) == 2
     assert "no partitioner 'NoSuchPartitioner'" in capsys.readouterr().err
+
+
+def test_a_flower_federation_loads_its_node_data_through_datasets(tmp_path) -> None:
+    """`fedskew flower new` writes the reader's options as a table of the app's run config, and the in-process
+    Flower federation's nodes draw their natural clients from the saved dataset with the simulator's numbers."""
+    pytest.importorskip("flwr")
+    from fedskew.flower.inprocess import make_grid, run_in_process
+    from fedskew.flower.settings import parse_run_config, run_config
+
+    d = _image_dict(tmp_path / "hfimg", writers=3)
+    values = {
+        "dataset": "hf",
+        "data_dir": d,
+        "dataset_args": {"label": "character", "partition_by": "writer_id"},
+        "partition": "natural",
+        "clients": 3,
+        "rounds": 2,
+        "local_epochs": 1,
+        "model": "mlp",
+        "skew_probes": 0,
+    }
+    cfg = make_config(values, {"out": str(tmp_path / "fl"), "db": None})
+    flat = run_config(cfg)
+    assert flat["dataset_args.partition_by"] == "writer_id" and parse_run_config(flat)[0] == cfg
+    run_in_process(cfg, grid=make_grid(cfg))
+    sim = tmp_path / "sim"
+    assert (
+        main(
+            [
+                "run",
+                "--no-db",
+                "--quiet",
+                "--out",
+                str(sim),
+                *sum((["--" + k.replace("_", "-"), str(v)] for k, v in values.items() if k != "dataset_args"), []),
+                "-D",
+                "label=character",
+                "-D",
+                "partition_by=writer_id",
+            ]
+        )
+        == 0
+    )
+    fl = [json.loads(x)["global_acc"] for x in (tmp_path / "fl" / "metrics.jsonl").read_text().splitlines()]
+    si = [json.loads(x)["global_acc"] for x in (sim / "metrics.jsonl").read_text().splitlines()]
+    assert fl == pytest.approx(si, abs=1e-6)

@@ -36,7 +36,8 @@ SERVER_APP = "fedskew.flower.server_app:app"
 CLIENT_APP = "fedskew.flower.client_app:app"
 METHOD_ARGS = "method_args"
 PARTITION_ARGS = "partition_args"
-ARG_TABLES = (METHOD_ARGS, PARTITION_ARGS)  # the run config's mappings, each a table of its own
+DATASET_ARGS = "dataset_args"
+ARG_TABLES = (METHOD_ARGS, PARTITION_ARGS, DATASET_ARGS)  # the run config's mappings, each a table of its own
 ENGINE = "flower"
 
 
