@@ -155,9 +155,17 @@ def test_malformed_leaf_files_are_refused_by_name(tmp_path) -> None:
     refused({"all_data/x.json": {**ok, "user_data": {"a": {"x": [[0.5] * 700], "y": [3]}}}}, "784 pixel values")
     refused({"all_data/x.json": {**ok, "user_data": {"a": {"x": [[0.5] * 784], "y": [62]}}}}, "labels must be")
     refused({"all_data/x.json": {**ok, "user_data": {"a": {"x": [[0.5] * 783 + ["w"]], "y": [1]}}}}, "784 numbers")
+    two = {"users": ["a", "b"], "num_samples": [1, 1], "user_data": {u: ok["user_data"]["a"] for u in "ab"}}
     refused(
-        {"train/x.json": ok, "test/y.json": {**ok, "users": ["b"], "user_data": {"b": ok["user_data"]["a"]}}},
-        "split by user",
+        {
+            "train/x.json": two,
+            "test/y.json": {
+                **two,
+                "users": ["b", "c"],
+                "user_data": {"b": ok["user_data"]["a"], "c": ok["user_data"]["a"]},
+            },
+        },
+        "share some users",
     )
     refused({"train/x.json": ok}, "need both train/ and test/")
     refused({"all_data/x.json": ok, "all_data/y.json": ok}, "appears in two files")
@@ -167,3 +175,24 @@ def test_malformed_leaf_files_are_refused_by_name(tmp_path) -> None:
     (root / "all_data" / "x.json").write_text(json.dumps(bad_char))
     with pytest.raises(DataError, match="not in LEAF's 80-letter alphabet"):
         load_source("shakespeare", str(root))
+
+
+def test_a_split_by_user_runs_its_test_users_as_heldout_clients(tmp_path, capsys) -> None:
+    """LEAF's split by user (-t user): the test users never train; fedskew runs them as held-out clients after the
+    training users, and says how when the settings do not."""
+    users = {f"f{k}": _femnist_user(12, [k, k + 1]) for k in range(5)}
+    root = tmp_path / "byuser"
+    _write(root / "train" / "t.json", {u: users[u] for u in ("f0", "f1", "f2")})
+    _write(root / "test" / "t.json", {u: users[u] for u in ("f3", "f4")})
+    src = load_source("femnist", str(root))
+    assert src.sources == ["f0", "f1", "f2", "f3", "f4"] and src.meta["heldout_users"] == 2 and src.x_test is None
+    base = {"dataset": "femnist", "data_dir": str(root), "partition": "given", "clients": 5, "db": None}
+    with pytest.raises(Exception, match="--partition given --clients 5 --heldout-clients 2"):
+        build_federated(make_config(base))
+    data = build_federated(make_config({**base, "heldout_clients": 2}))
+    assert [c.cid for c in data.clients] == [0, 1, 2] and [c.cid for c in data.heldout] == [3, 4]
+    argv = ["run", "--dataset", "femnist", "--data-dir", str(root), "--partition", "given", "--clients", "5"]
+    argv += ["--heldout-clients", "2", "--rounds", "1", "--local-epochs", "1", "--model", "mlp", "--no-db"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["heldout_acc"]["final"] <= 1.0

@@ -124,6 +124,13 @@ def build_given_federated(cfg: DataSettings, src: ClientDatasets) -> FederatedDa
     refused = PROTOCOLS[cfg.protocol].refuse(cfg.partition, None)
     if refused is not None:
         raise ConfigError(refused)
+    held = int(src.meta.get("heldout_users", 0) or 0)  # LEAF split by user: its test users, last, never train
+    if held and (cfg.heldout_clients != held or cfg.partition != "given"):
+        raise ConfigError(
+            f"{cfg.data_dir}: split by user, its last {held} of {src.num_clients} users are test users who never "
+            f"train: run them as held-out clients with --partition given --clients {src.num_clients} "
+            f"--heldout-clients {held}"
+        )
     if cfg.partition == "natural" and cfg.clients <= src.num_clients:
         src = natural_clients(src, cfg.clients, cfg.seed)
     if cfg.clients != src.num_clients:

@@ -3,14 +3,16 @@ clients, a writer or a speaker or a user each.
 
 ``--dataset femnist | shakespeare | sent140 --data-dir DIR`` reads what LEAF's preparation scripts write:
 
-- ``DIR/train/*.json`` and ``DIR/test/*.json`` (``preprocess.sh -t sample``: every user's samples split between the
-  two; a user's training and test samples are that client's), or
+- ``DIR/train/*.json`` and ``DIR/test/*.json`` split by sample (``preprocess.sh -t sample``: every user in both; a
+  user's training and test samples are that client's),
+- the same folders split by user (``-t user``: the test users are other users, who never train): the training users
+  are the clients and the test users come after them as **held-out clients** (``--heldout-clients K`` with K the
+  test users, ``--partition given``; every user's samples are split with ``train_ratio``: a held-out user adapts on
+  the first part and is scored on the rest), or
 - ``DIR/all_data/*.json`` or ``DIR/*.json`` (unsplit: each client's samples are split with ``train_ratio``, seeded).
 
 Each file holds ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}`` (an
-optional ``"hierarchies"`` is ignored); users are taken in file order, files in name order. A LEAF split by user
-(``-t user``: the test users hold no training samples) is refused with the users named: its test users are not
-clients of the training federation (held-out clients, ``--heldout-clients``, are the fedskew way to score such users).
+optional ``"hierarchies"`` is ignored); users are taken in file order, files in name order.
 
 Tasks, told apart by the samples (or by the dataset name):
 
@@ -164,18 +166,25 @@ def load_leaf(folder: Path, name: str = "leaf") -> ClientDatasets:
     train_files, test_files = layout(folder)
     train = read_users(train_files)
     test = read_users(test_files) if test_files else None
+    heldout: list[str] = []
     if test is not None and set(test) != set(train):
-        only = sorted(set(test) - set(train))[:3] or sorted(set(train) - set(test))[:3]
-        raise DataError(
-            f"{folder}: train/ and test/ hold different users (e.g. {only}): a LEAF split by user (-t user); fedskew "
-            "reads LEAF's split by sample (-t sample) or the unsplit all_data/"
-        )
+        if set(test) & set(train):
+            both = sorted(set(test) & set(train))[:3]
+            raise DataError(
+                f"{folder}: train/ and test/ share some users (e.g. {both}) but not all: neither LEAF's split by "
+                "sample (every user in both) nor by user (no user in both)"
+            )
+        heldout = list(test)  # split by user: the test users are held-out clients after the training users
+        train = {**train, **test}
+        test = None
     users = list(train)
     first_x = next(iter(train.values()))[0]
     task = task_of(name, first_x[0] if first_x else None)
     where_tr, where_te = str(train_files[0].parent), str(test_files[0].parent) if test_files else ""
     if task == "sent140":
-        return _load_sent140(folder, users, train, test, where_tr, where_te)
+        out = _load_sent140(folder, users, train, test, where_tr, where_te)
+        out.meta["heldout_users"] = len(heldout)
+        return out
     decode = _femnist if task == "femnist" else _shakespeare
     xs, ys = zip(*(decode(u, *train[u], where_tr) for u in users), strict=True)
     x_test = y_test = None
@@ -183,7 +192,7 @@ def load_leaf(folder: Path, name: str = "leaf") -> ClientDatasets:
         xt, yt = zip(*(decode(u, *test[u], where_te) for u in users), strict=True)
         x_test, y_test = list(xt), list(yt)
     classes = FEMNIST_CLASSES if task == "femnist" else len(LEAF_LETTERS)
-    meta: dict[str, Any] = {"users": users, "task": task}
+    meta: dict[str, Any] = {"users": users, "task": task, "heldout_users": len(heldout)}
     if task == "shakespeare":
         meta["vocabulary"] = list(LEAF_LETTERS)
     return ClientDatasets(task, classes, list(xs), list(ys), x_test, y_test, users, meta)
