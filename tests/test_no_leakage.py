@@ -13,13 +13,17 @@ import torch
 import fedskew.data.federated as fed
 import fedskew.data.pools as pools
 from fedskew.config import ConfigError, make_config
+from fedskew.data.niid_bench import unit_float
 from fedskew.data.partition import PartitionError
 from fedskew.data.protocols import PROTOCOLS as PROTOCOL_RECORDS
 from fedskew.data.readers import ImageDataset, digits_domains, load_dataset
 
 PARTITIONS = ["iid", "dir", "pat", "dirfixed", "niid2", "biased", "quantity"]  # on digits; domain needs digits_domains
-PROTOCOLS = ["fedskew", "pfllib", "fedcac"]
-VALID = {"fedskew": PARTITIONS, **{p: PROTOCOL_RECORDS[p].partitions for p in ("pfllib", "fedcac")}}  # others refused
+PROTOCOLS = ["fedskew", "pfllib", "fedcac", "niid-bench"]
+VALID = {
+    "fedskew": PARTITIONS,
+    **{p: PROTOCOL_RECORDS[p].partitions for p in ("pfllib", "fedcac", "niid-bench")},  # the others refused
+}
 COMBOS = [(p, proto) for proto in PROTOCOLS for p in VALID[proto]]
 
 
@@ -34,7 +38,10 @@ def _source(parts: list[ImageDataset]) -> tuple[np.ndarray, np.ndarray]:
 def _check_indices(x: torch.Tensor, y: torch.Tensor, index: np.ndarray | None, source: tuple) -> None:
     assert index is not None and index.dtype == np.int64 and index.shape == (len(y),)
     sx, sy = source
-    assert torch.equal(x.cpu(), pools.to_float(sx[index], "cpu"))
+    # pixels as fedskew stores them ([-1, 1]) or as NIID-Bench's protocol does (ToTensor's [0, 1])
+    assert torch.equal(x.cpu(), pools.to_float(sx[index], "cpu")) or torch.equal(
+        x.cpu(), unit_float(sx[index], torch.device("cpu"))
+    )
     assert np.array_equal(y.cpu().numpy(), sy[index])
 
 
@@ -90,7 +97,7 @@ def test_every_valid_combination_is_covered():
                 assert (partition, proto) in covered, f"{partition} × {proto} is valid but not checked"
 
 
-@pytest.mark.parametrize("protocol", ["pfllib", "fedcac"])
+@pytest.mark.parametrize("protocol", ["pfllib", "fedcac", "niid-bench"])
 def test_the_combinations_left_out_are_refused(protocol):
     for partition in sorted(set(PARTITIONS) - set(VALID[protocol])):
         with pytest.raises(ConfigError, match=f"protocol '{protocol}' supports"):
@@ -212,3 +219,31 @@ def test_evaluate_on_validation_needs_a_validation_share():
         make_config(None, {"evaluate_on": "validation", "db": None})
     with pytest.raises(ConfigError, match="validation"):
         make_config(None, {"validation": 1.0, "db": None})
+
+
+def test_natural_clients_have_no_leak(tmp_path):
+    """--partition natural on per-client files (LEAF's users): a sampled user's samples stay on its client, and no
+    test sample is in any training split."""
+    from fedskew.data.federated import natural_clients
+    from fedskew.data.readers import load_source
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        for k in range(6):
+            n = 8 if split == "train" else 3
+            np.savez(
+                tmp_path / split / f"{k}.npz",
+                x=rng.integers(0, 256, (n, 1, 8, 8), dtype=np.uint8),
+                y=rng.integers(0, 10, n),
+            )
+    cfg = make_config(
+        None, {"dataset": "npz", "data_dir": str(tmp_path), "partition": "natural", "clients": 4, "seed": 3, "db": None}
+    )
+    data = fed.build_federated(cfg)
+    src = natural_clients(load_source("npz", str(tmp_path)), 4, 3)
+    source = (
+        np.concatenate(list(src.x_train) + list(src.x_test)),
+        np.concatenate(list(src.y_train) + list(src.y_test)),
+    )
+    assert_no_leak(data, source)
