@@ -197,3 +197,14 @@ def test_a_flower_federation_loads_its_node_data_through_datasets(tmp_path) -> N
     fl = [json.loads(x)["global_acc"] for x in (tmp_path / "fl" / "metrics.jsonl").read_text().splitlines()]
     si = [json.loads(x)["global_acc"] for x in (sim / "metrics.jsonl").read_text().splitlines()]
     assert fl == pytest.approx(si, abs=1e-6)
+
+
+def test_hf_name_reads_the_local_cache_offline(tmp_path, monkeypatch) -> None:
+    """`--dataset hf:NAME` is `--dataset hf -D hub=NAME`: read from the local Hugging Face cache with the network off;
+    a dataset not in it is a one-line error, never a download."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = make_config({"dataset": "hf:someone/not-cached", "dataset_args": {"label": "y"}, "db": None})
+    assert cfg.dataset == "hf" and cfg.dataset_args == {"label": "y", "hub": "someone/not-cached"}
+    with pytest.raises(DataError, match="'someone/not-cached' is not in the local Hugging Face cache"):
+        build_federated(cfg)

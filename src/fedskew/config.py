@@ -423,6 +423,17 @@ class RunConfig(StrictSettings):
             raise ValueError(f"unknown partition {v!r}; choose one of {', '.join([*PARTITIONS, *RESERVED])}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_name(cls, values: Any) -> Any:
+        """``dataset: hf:NAME`` is ``dataset: hf`` reading NAME from the local Hugging Face cache (``-D hub=NAME``)."""
+        if isinstance(values, dict) and isinstance(values.get("dataset"), str) and values["dataset"].startswith("hf:"):
+            hub = values["dataset"][3:].strip()
+            if not hub:
+                raise ValueError("dataset 'hf:NAME' needs the dataset's name after 'hf:' (e.g. hf:flwrlabs/femnist)")
+            values = {**values, "dataset": "hf", "dataset_args": {**(values.get("dataset_args") or {}), "hub": hub}}
+        return values
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         from fedskew.client.local import unwrapped
