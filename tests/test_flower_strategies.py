@@ -56,8 +56,10 @@ def load_partition(pid: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(x[idx] / 16.0, dtype=torch.float32), torch.tensor(y[idx])
 
 
-def make_client_app(label_info: str, log: list[dict], bad_pid: int | None = None) -> ClientApp:
-    app = ClientApp()
+def make_client_app(
+    label_info: str, log: list[dict], bad_pid: int | None = None, mods: list | None = None
+) -> ClientApp:
+    app = ClientApp(mods=mods or [])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -298,7 +300,6 @@ def test_generic_adapter_with_fedavg_equals_flowers_fedavg(one_thread):
             FedskewStrategy(bad, on_bad_update="x" if match == "on_bad_update" else "fail")
 
 
-
 def test_a_non_integer_weight_is_taken_as_flowers_fedavg_takes_it(one_thread):
     """Issue 45: a non-integer ``num-examples`` was refused where Flower's FedAvg weighs by it."""
     log: list[dict] = []
@@ -319,3 +320,49 @@ def test_a_non_integer_weight_is_taken_as_flowers_fedavg_takes_it(one_thread):
         replies[0].content["metrics"]["num-examples"] = bad
         with pytest.raises(UploadError, match="expected a positive finite number"):
             ours.aggregate_train(1, replies)
+
+
+# ---- user-level DP on the Flower-native strategies ---------------------------------------------------------------
+def test_dp_clips_on_the_node_and_noises_once_on_the_server(one_thread):
+    """FedskewStrategy(dp=FlowerDP(...)) with the nodes' dp_clip_mod: the new model is the received one plus the mean
+    of the clipped updates (uniform weights, full participation: D = 3) plus noise of std z*C/D; ε per round is the
+    accountant's for (z, full participation, round)."""
+    from fedskew.flower.native_dp import FlowerDP, dp_clip_mod
+    from fedskew.privacy.accountant import Sampling, epsilon
+    from fedskew.privacy.mechanism import clip_update
+
+    clip, z = 0.2, 1e-3
+    log: list[dict] = []
+    app = make_client_app("none", log, mods=[dp_clip_mod(clip)])
+    strategy = FedskewStrategy(
+        "fedavg", method_args={"weights": "uniform"}, dp=FlowerDP(clip=clip, rounds=ROUNDS, noise_multiplier=z)
+    )
+    result, _ = run_flower(strategy, app)
+    for rnd in range(1, ROUNDS + 1):
+        recs = [r for r in log if r["round"] == rnd]
+        received = recs[0]["received"]
+        names = [n for n, t in received.items() if t.is_floating_point()]
+        clipped = [clip_update(received, r["sent"], names, clip)[0] for r in recs]
+        norms = [math.sqrt(sum(float(((r["sent"][n] - received[n]) ** 2).sum()) for n in names)) for r in recs]
+        assert max(norms) > clip  # the clip bites: the updates were longer than C
+        want = {n: received[n] + sum(c[n] - received[n] for c in clipped) / len(recs) for n in received}
+        assert_close(model_after(log, result, rnd), want, atol=10 * z * clip)
+        eps = strategy.history[rnd - 1].diagnostics["epsilon"]
+        assert eps == pytest.approx(epsilon(z, Sampling("full", CLIENTS), rnd, 1e-5, "rdp"), rel=1e-9)
+    assert strategy.privacy is not None and strategy.privacy.denominator == pytest.approx(CLIENTS)
+
+
+def test_dp_refuses_what_cannot_be_private_on_flower(one_thread):
+    from fedskew.flower.native_dp import FlowerDP, dp_clip_mod
+
+    dp = FlowerDP(clip=1.0, rounds=2, noise_multiplier=1.0)
+    for name in ("heal", "fedsa"):
+        with pytest.raises(ValueError, match="cannot run under differential privacy"):
+            FedskewStrategy(name, dp=dp)
+    with pytest.raises(ValueError, match="give exactly one of noise_multiplier and target_epsilon"):
+        FlowerDP(clip=1.0, rounds=2)
+    with pytest.raises(ValueError, match="clip must be positive"):
+        dp_clip_mod(0.0)
+    log: list[dict] = []
+    with pytest.raises(ValueError, match="use method_args=\\{'weights': 'uniform'\\}"):
+        run_flower(FedskewStrategy("fedavg", dp=dp), make_client_app("none", log, mods=[dp_clip_mod(1.0)]))

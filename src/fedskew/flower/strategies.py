@@ -30,6 +30,9 @@ scalar, computed by the client). FedHEAL and FedSA need nothing more. :class:`Fe
 fedskew server composition by name (``"fedavg+disco"``, ``"heal"``, ``"fedsa"``, ``"fedavg+fedavgm"`` ...); the
 reply's scalar metrics reach the pieces as ``RoundInput.metrics`` and ``label-counts`` as ``label_hists``.
 
+User-level DP: ``dp=FlowerDP(clip=..., rounds=..., noise_multiplier=... | target_epsilon=...)`` with the nodes clipping
+through :func:`fedskew.flower.native_dp.dp_clip_mod` (docs/privacy.md).
+
 Client ids: fedskew's pieces key their state on a client index in ``[0, N)``. Flower node ids are mapped to indices in
 the order the nodes are first seen; ``N`` is ``num_clients`` or the number of nodes connected at the first round.
 """
@@ -56,6 +59,7 @@ from fedskew.catalog.disco import DISCREPANCY, DiscoParams, DiscoWeights
 from fedskew.catalog.fedsa import FedSACombine, FedSAParams
 from fedskew.catalog.heal import HealParams, heal_aggregation
 from fedskew.flower.codec import from_record, to_record
+from fedskew.flower.native_dp import FlowerDP
 from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
 from fedskew.schema import StrictSettings, describe_errors
 from fedskew.server.api import (
@@ -127,6 +131,7 @@ class FedskewStrategy(FedAvg):
         on_bad_update: str = "fail",
         label_counts_key: str | None = "label-counts",
         seed: int = 0,
+        dp: FlowerDP | None = None,
         **fedavg_kwargs: Any,
     ) -> None:
         super().__init__(**fedavg_kwargs)
@@ -137,6 +142,15 @@ class FedskewStrategy(FedAvg):
         if label_counts_key is not None and (not isinstance(label_counts_key, str) or not label_counts_key):
             raise ValueError(f"label_counts_key must be a non-empty string or None, got {label_counts_key!r}")
         self.name = server if isinstance(server, str) else type(server).__name__
+        self.dp, self.privacy, self._method = dp, None, None
+        if dp is not None:  # user-level DP (fedskew.flower.native_dp): the composition by name, private by its rules
+            from fedskew.flower.native_dp import check_private
+            from fedskew.methods import resolve_method
+
+            if not isinstance(server, str):
+                raise ValueError("dp needs the composition by name (its private form is the method's)")
+            self._method = resolve_method(server, method_args or {})
+            check_private(self._method)
         if isinstance(server, str):
             server = _resolve(server, method_args or {})
         elif method_args:
@@ -234,7 +248,10 @@ class FedskewStrategy(FedAvg):
         if out.personal is not None:
             raise TypeError(f"{where}: {self.name} returns one model per client; a Flower strategy needs one model")
         weights = tuple(float(w) for w in out.diagnostics.get("weights", [math.nan] * len(nodes)))
-        self.history.append(RoundRecord(server_round, nodes, weights, tuple(dropped), dict(out.diagnostics)))
+        diagnostics = dict(out.diagnostics)
+        if self.privacy is not None:  # the ε spent after this round (the accountant, docs/privacy.md)
+            diagnostics["epsilon"] = self.privacy.epsilon(server_round)
+        self.history.append(RoundRecord(server_round, nodes, weights, tuple(dropped), diagnostics))
         arrays = to_record({n: out.global_params[n] for n in self._global})
         contents = [self._without_reports(m.content) for m, _, _ in kept]
         return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
@@ -297,6 +314,11 @@ class FedskewStrategy(FedAvg):
         # the clients' sizes and histograms are unknown before they train: pieces that need them say so
         hists = np.zeros((n, num_classes))
         ctx = ServerContext(n, num_classes, self._global, self._trainable(), np.zeros(n), hists, seed=self.seed)
+        if self.dp is not None:  # the weighted mean becomes DP-FedAvg's noised one (fedskew.privacy.server)
+            from fedskew.flower.native_dp import flower_sampling, private_mean
+
+            sampling = flower_sampling(n, self.fraction_train, self.min_train_nodes)
+            self.server, self.privacy = private_mean(self._method, self.dp, ctx, sampling)  # type: ignore[arg-type]
         self._state = self.server.init(ctx)
         self._ready = True
 
