@@ -13,13 +13,16 @@ on the pixels), every variant against the references of the same run:
   momentum 0.9, weight decay 1e-5, one epoch of one client's 6,000 samples) in samples/s, per thread count and memory
   format, and the same steps split into forward, backward and optimizer step (a separately timed loop);
 - **a plain PyTorch loop** over the same batches (``torch.optim.SGD``): fedskew's overhead over it;
-- **the evaluation** of 10,000 images.
+- **the evaluation** of 10,000 images;
+- **whole rounds** (``--round-workers``): one NIID-Bench round (10 clients, Dir(0.5), 1 local epoch, evaluation) of
+  ``fedskew``'s simulation on MNIST-shaped random data, with the clients trained in 1 process and in ``--workers``
+  processes (``fedskew run --workers N``: the clients of a round spread over N forked processes, identical numbers).
 
 It prints the estimated time of one run at the published settings, the training's fraction of the matmul rate, and
 every variant's speed relative to the default (1 thread, contiguous).
 
     python benchmarks/niid_bench_cost.py                # threads 1 and all cores, contiguous and channels-last
-    python benchmarks/niid_bench_cost.py --samples 640 --repeats 1   # the CI-sized check
+    python benchmarks/niid_bench_cost.py --samples 640 --repeats 1 --round-workers 0   # the CI-sized check
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed epochs per variant (the median is kept)")
     p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="thread counts, comma-separated")
+    p.add_argument(
+        "--round-workers", type=int, default=os.cpu_count() or 1, help="whole rounds with this many processes too"
+    )
     args = p.parse_args()
     threads = sorted({max(1, int(t)) for t in args.threads.split(",")})
     g = torch.Generator().manual_seed(0)
@@ -164,6 +170,50 @@ def main() -> None:
         f"\nfastest: threads {best[0]}, {'channels-last' if best[1] else 'contiguous'}: a run at the published "
         f"settings ~{best[4] / 60:.0f} min on this machine, {best[5]:.0%} of its matmul rate"
     )
+    if args.round_workers > 1:
+        rounds(args.round_workers)
+
+
+def rounds(workers: int) -> None:
+    """One NIID-Bench round (1 local epoch) with the clients in one process and in ``workers`` processes."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from fedskew.config import make_config
+    from fedskew.data.federated import build_federated
+    from fedskew.engine.loop import Simulation
+
+    g = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "mnist_shaped.npz"
+        x, xt = (g.integers(0, 256, (n, 1, 28, 28), dtype=np.uint8) for n in (TRAIN, TEST))
+        np.savez(path, x=x, y=g.integers(0, 10, TRAIN), x_test=xt, y_test=g.integers(0, 10, TEST))
+        times = {}
+        for w in (1, workers):
+            cfg = make_config(
+                {"protocol": "niid-bench", "dataset": "npz", "data_dir": str(path), "local_epochs": 1, "rounds": 4}
+                | {"workers": w, "threads": 1, "skew_probes": 0, "db": None}
+            )
+            sim = Simulation(cfg, build_federated(cfg))
+            try:
+                sim.round(1)  # warm-up (forks the workers)
+                spent = []
+                for rnd in (2, 3, 4):
+                    t0 = time.perf_counter()
+                    sim.round(rnd)
+                    spent.append(time.perf_counter() - t0)
+                times[w] = statistics.median(spent)
+            finally:
+                sim.close()
+        one, many = times[1], times[workers]
+        print(
+            f"\na NIID-Bench round of 1 local epoch (10 clients, {TRAIN:,} images, evaluation included; median of 3): "
+            f"{one:.1f} s in "
+            f"one process, {many:.1f} s with --workers {workers} ({one / many:.2f}x); a run at the published settings "
+            f"(10 epochs x 50 rounds) ~{50 * (10 * many) / 60:.0f} min with --workers {workers}"
+        )
 
 
 if __name__ == "__main__":
