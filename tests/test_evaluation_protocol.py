@@ -133,3 +133,11 @@ def test_heldout_clients_never_train_and_are_scored(tmp_path) -> None:
     assert 0 <= a["heldout_acc"]["final"] <= 1
     assert a["heldout_adapted_acc_mean"]["final"] > a["heldout_acc_mean"]["final"]  # Ditto's local round helps
     assert "held-out" in a["evaluation"]["clients"]
+
+
+def test_the_tuning_table_names_its_protocol(tmp_path, capsys) -> None:
+    argv = ["tune", "--methods", "fedavg", "--trials", "1", "--rounds", "2", "--clients", "4", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "t")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "evaluation protocol: global_acc, the mean of the last" in out and "validation splits" in out
+    assert "the test data is never read" in out

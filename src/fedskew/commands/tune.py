@@ -201,12 +201,33 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not out.is_terminal:  # a log file: no wrapping at 80 columns
         out = make_console(width=200)
     out.print(table)
+    for line in evaluation_lines(results, spec.statistic):
+        print(line)
     print(f"tuned: {spec.tuned_path}   trials: {spec.db_path} (table trials)   figures: {spec.root / 'figures'}/")
     missing = [r.entry.display() for r in results if r.best is None]
     if missing:
         print(f"no complete trial for: {', '.join(missing)} (see the trials above)", file=sys.stderr)
         return 1
     return 0
+
+
+def evaluation_lines(results: list, statistic: str) -> list[str]:
+    """The tuning table's evaluation protocol: each objective's view on the validation splits, the statistic, the mean
+    over seeds (:mod:`fedskew.results.evaluation`)."""
+    from fedskew.results.evaluation import describe
+
+    out = []
+    for metric in dict.fromkeys(r.metric for r in results):
+        try:
+            ev = describe(metric, statistic, evaluate_on="validation")
+        except ValueError:
+            out.append(f"evaluation protocol: {metric}, {statistic} on the validation splits, mean over seeds")
+            continue
+        out.append(
+            f"evaluation protocol: {metric}, {ev.round}: {ev.model} on {ev.data}, {ev.mean}; the mean over the "
+            "study's seeds (the test data is never read)"
+        )
+    return out
 
 
 HANDLERS = {"tune": cmd_tune}
