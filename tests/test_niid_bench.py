@@ -271,7 +271,7 @@ def test_published_numbers_and_their_sources() -> None:
 
 
 def test_verdicts() -> None:
-    from fedskew.reproduce.table import Cell, verdict
+    from fedskew.reproduce.table import Cell, rounding, verdict
 
     def cell(vals: list[float], paper: tuple[float, float | None]) -> Cell:
         a = np.array(vals)
@@ -288,6 +288,11 @@ def test_verdicts() -> None:
     assert verdict(cell([80.0, 90.0, 100.0], (99.0, None))) == "reproduces"
     assert verdict(cell([98.8, 99.0, 98.9], (96.6, None))) == "does not reproduce"
     assert verdict(cell([55.0], (10.0, None))) == "not resolved (1 seed)"
+    one = cell([98.89], (98.9, None))
+    assert verdict(one) == "not resolved (1 seed)"  # no rounding given: an exact published number
+    one.paper_rounding = rounding("98.9")
+    assert one.paper_rounding == pytest.approx(0.05) and verdict(one) == "reproduces"  # within 98.9's rounding
+    assert rounding("90.79±0.08") == pytest.approx(0.005) and rounding(10) == pytest.approx(0.5)
     assert verdict(cell([55.0], (50.0, 6.0))) == "reproduces"
     assert verdict(Cell(ours=None, paper=(10.0, None))) == ""
 

@@ -6,6 +6,7 @@ difference its seeds could detect; which orderings of methods agree, and the com
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class Cell:
     ours: tuple[float, float | None] | None = None  # mean, std (None for one seed), in %
     seeds: int = 0
     paper: tuple[float, float | None] | None = None
+    paper_rounding: float = 0.0  # half a unit of the published number's last digit (98.9: 0.05)
     note: str = ""  # why there is no number of ours
     role: str = ""  # "reference" (the row is the reference), "compared" (``delta`` holds it), "" (no comparison)
     delta: dict[str, Any] | None = None  # the paired difference against the reference row (Comparison.as_dict())
@@ -142,7 +144,7 @@ def build_tables(
         for r in rows:
             for j, col in enumerate(columns):
                 raw = t.values.get(r.id, {}).get(col.id)
-                cell = Cell(paper=parse_value(raw) if raw is not None else None)
+                cell = Cell(paper=parse_value(raw) if raw is not None else None, paper_rounding=rounding(raw))
                 keys = [col.metric] if col.metric else (r.metric or paper.metric.keys)
                 if r.id in missing_rows:
                     cell.note = missing_rows[r.id]
@@ -209,16 +211,26 @@ def _pair(bt: BuiltTable) -> None:
         bt.detectable.append({"difference": st.detectable_difference(sd, n), "sd": sd, "n": n})
 
 
+def rounding(raw: str | float | None) -> float:
+    """Half a unit of the last digit a published number is printed with (``98.9``: 0.05, ``90.79±0.08``: 0.005): the
+    least spread a number printed that way has."""
+    if raw is None:
+        return 0.0
+    head = re.split(r"±|\+-|\+/-", str(raw))[0].strip()
+    decimals = len(head.split(".", 1)[1]) if "." in head else 0
+    return 0.5 * 10.0**-decimals
+
+
 def verdict(cell: Cell) -> str:
     """Whether our cell reproduces the published number: ``reproduces`` when the published mean lies inside our
     95% t interval of the mean over seeds, or within the two spreads (|ours - theirs| <= our std + their std, a
-    missing std counting 0); ``does not reproduce`` otherwise; ``not resolved (1 seed)`` for one seed outside a
-    published spread; ``""`` without both numbers."""
+    missing std counting as the published number's rounding, half a unit of its last digit); ``does not reproduce``
+    otherwise; ``not resolved (1 seed)`` for one seed outside the spreads; ``""`` without both numbers."""
     if cell.ours is None or cell.paper is None:
         return ""
     vals = np.array([v for v in cell.values.values() if v == v], dtype=float)
     gap = abs(cell.ours[0] - cell.paper[0])
-    if gap <= (cell.ours[1] or 0.0) + (cell.paper[1] or 0.0):
+    if gap <= (cell.ours[1] or 0.0) + max(cell.paper[1] or 0.0, cell.paper_rounding) + 1e-9:
         return "reproduces"
     if len(vals) < 2:
         return "not resolved (1 seed)"
@@ -340,7 +352,8 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
         lines[-1:-1] = [
             f"Verdict: reproduces when the published mean lies inside our {st.LEVEL:.0%} t interval of the mean "
             "over seeds, or within the two spreads (|ours - published| <= our std + the published std, a missing "
-            "std counting 0); not resolved (1 seed) for a single seed outside them; else does not reproduce. A "
+            "std counting as the published number's rounding, half a unit of its last digit); not resolved (1 seed) "
+            "for a single seed outside them; else does not reproduce. A "
             "reduced scale is not a verdict: only scale paper runs the benchmark's settings.",
         ]
     for bt in tables:
