@@ -97,3 +97,29 @@ def test_a_seed_beyond_two_to_the_53_is_refused_and_the_largest_one_runs(tmp_pat
         make_config(None, {"seed": 2**53})
     result = run("fedavg", seed=2**53 - 1, rounds=1, clients=3, skew_probes=2, out=str(tmp_path / "r"), db=None)
     assert result.records[-1]["round"] == 1
+
+
+# the experiment-identity keys of the schema before 2026-12-02; a key added since is left out of the identity at its
+# default (ADDED_AT_DEFAULT), so that every recorded experiment keeps its group key and sweep folder name
+IDENTITY_KEYS_2026_12_01 = {
+    "alpha", "batch_size", "classes_per_client", "client_dropout", "client_sampling", "clients", "dataset",
+    "domain_fraction", "dp_accountant", "dp_clip", "dp_clip_lr", "dp_clip_quantile", "dp_count_noise", "dp_delta",
+    "dp_epsilon", "dp_extras_scale", "dp_noise", "dp_report_noise", "dp_weight_cap", "drop_last", "eval_clients",
+    "eval_every", "evaluate_on", "holdout", "image_size", "imbalance_ratio", "join_ratio", "last_n", "local_epochs",
+    "lr", "method", "method_args", "min_size", "model", "momentum", "norm", "on_bad_update", "partition",
+    "partition_args", "pat_scheme", "protocol", "resize", "rounds", "samples_per_client", "skew_probes",
+    "test_samples_per_client", "train_ratio", "uniform_clients", "validation", "weight_decay",
+}  # fmt: skip
+
+
+def test_a_new_setting_keeps_recorded_experiments_identity():
+    """A setting added to the schema must not change the identity of experiments recorded before it existed: it is
+    left out of the identity at its default (ADDED_AT_DEFAULT). Fails for a key added without that."""
+    from fedskew.config import ADDED_AT_DEFAULT, NOT_IDENTITY, RunConfig
+
+    new = {k for k in RunConfig.model_fields if k not in NOT_IDENTITY} - IDENTITY_KEYS_2026_12_01
+    assert new <= set(ADDED_AT_DEFAULT), f"add {sorted(new - set(ADDED_AT_DEFAULT))} to ADDED_AT_DEFAULT"
+    cfg = make_config(None, {"db": None})
+    for key, default in ADDED_AT_DEFAULT.items():
+        assert getattr(cfg, key) == default, key  # the entry is the setting's real default
+    assert not set(cfg.identity()) - IDENTITY_KEYS_2026_12_01

@@ -69,6 +69,11 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "dp_count_noise": None,
     "dp_report_noise": None,
     "dp_extras_scale": 1.0,
+    "feature_noise": 0.0,
+    "noise_draw": "access",
+    "dataset_args": {},
+    "heldout_clients": 0,
+    "validation_select": False,
 }
 
 
