@@ -84,6 +84,14 @@ def test_a_round_starts_from_the_aligned_global_body_and_the_clients_own_head():
     fresh.x, fresh.y, fresh.generator = x, y, torch.Generator()
     FedAS().begin(fresh)
     assert fresh.prep(AsRound).start is None  # never trained: the received model
+    # first_align (PFLlib): a client that never trained aligns the received body to its own (received) model's
+    # prototypes, which still moves it (a within-class contraction), and keeps the received head
+    first = LocalContext(1, 1, model, received, {}, {}, settings)
+    first.x, first.y, first.generator = x, y, torch.Generator().manual_seed(0)
+    FedAS(first_align=True).begin(first)
+    start = first.prep(AsRound).start
+    assert start is not None and torch.equal(start["head.weight"], received["head.weight"])
+    assert not torch.equal(start["body.weight"], received["body.weight"])
 
 
 def test_fisher_weighting_is_refused_without_fedas():

@@ -17,7 +17,10 @@ Read against PFLlib's ``clientas.py`` / ``serveras.py`` (the official FedAS code
 learning rate (0.01), batch (16) and single epoch as hard-coded there; the Fisher trace over the training batches of
 the run's size. Departures, named: clients that are not sampled do not compute a Fisher trace (PFLlib computes one
 for every client every round and uses only the participants'); the alignment and the trace read the training tensors
-in a seeded order (PFLlib: its shuffled loaders). A client that has never trained starts from the received model.
+in a seeded order (PFLlib: its shuffled loaders). A client that has never trained starts from the received model
+(``first_align=False``, the default); PFLlib aligns it too, against the prototypes of its own model, which is then the
+initial model (``first_align=True`` does so with the received model as its own: PFLlib's computation when the client's
+first participation is the first round, as under full participation).
 """
 
 from __future__ import annotations
@@ -121,9 +124,12 @@ class FedAS(LocalAlgorithm):
     align_lr: float = 0.01
     align_epochs: int = 1
     align_batch: int = 16
+    first_align: bool = False
 
     def begin(self, ctx: LocalContext) -> None:
         own = ctx.kept(PERSONAL)
+        if own is None and self.first_align:  # PFLlib: aligned against its own (the initial, here received) model
+            own = dict(ctx.received)
         if own is None:  # never trained: the received model as it is
             ctx.prepared = AsRound(None)
             return
@@ -169,6 +175,7 @@ class FedASParams(StrictSettings):
     align_lr: float = Field(0.01, gt=0)  # the alignment's SGD step (PFLlib: 0.01, hard-coded)
     align_epochs: int = Field(1, ge=0)  # passes of the alignment (PFLlib: 1; 0 turns it off)
     align_batch: int = Field(16, ge=1)  # the alignment's batch (PFLlib: 16)
+    first_align: bool = False  # align at the first participation too, against the received model's prototypes
 
 
 CLIENTS: dict[str, ClientPart] = {
@@ -178,7 +185,9 @@ CLIENTS: dict[str, ClientPart] = {
         "Fisher trace sent (implies fisher)",
         "Yang, Huang, Ye, FedAS: Bridging Inconsistency in Personalized Federated Learning, CVPR 2024",
         FedASParams,
-        lambda p: FedAS(align_lr=p.align_lr, align_epochs=p.align_epochs, align_batch=p.align_batch),
+        lambda p: FedAS(
+            align_lr=p.align_lr, align_epochs=p.align_epochs, align_batch=p.align_batch, first_align=p.first_align
+        ),
         implies=("fisher",),
         personalized=True,
         tunable={"align_lr": LogFloat(1e-3, 0.1)},
