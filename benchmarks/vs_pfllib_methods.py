@@ -13,7 +13,8 @@ and for pFedMe, whose PFLlib evaluation reads the global model: docs/methods.md)
 
 Pairs (fedskew arguments ↔ PFLlib arguments) follow each method's defaults in fedskew's docs/methods.md; where PFLlib's
 defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50``, FedCP ``-lam 5``, GPFL ``-lam 0.01
--mu 0.1``: the official scripts'; APFL ``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's), and
+-mu 0.1``: the official scripts'; APFL ``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's, and the
+fedskew side ``mu=0.001``, the value PFLlib's pFedMeOptimizer always applies), and
 Per-FedAvg's fedskew side takes PFLlib's layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice
 a round: ``--local-epochs 2``).
 
@@ -58,8 +59,8 @@ PAIRS: dict[str, tuple[list[str], str, list[str]]] = {
         "personal_acc",
         ["-algo", "PerAvg"],
     ),
-    "pfedme": (
-        ["--method", "pfedme"],
+    "pfedme": (  # mu 0.001: PFLlib's pFedMeOptimizer default, which its client always uses (args.mu is not passed)
+        ["--method", "pfedme", "-m", "mu=0.001"],
         "global_local_acc",
         ["-algo", "pFedMe", "-lam", "15", "-K", "5", "-lrp", "0.01", "-bt", "1"],
     ),
