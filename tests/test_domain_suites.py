@@ -85,3 +85,16 @@ def test_a_suite_needs_two_domains_and_says_where_it_looked(tmp_path) -> None:
         suite_domains(_suite("pacs"), tmp_path, 8)
     with pytest.raises(Exception, match="dataset 'domainnet' not found. Searched"):
         suite_domains(_suite("domainnet"), tmp_path / "nothing", 8)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "root", "domains"),
+    [("pacs", "PACS", ["cartoon", "photo"]), ("domainnet", "domainnet", ["painting", "sketch"])],
+)
+def test_each_suite_runs_under_domain_skew(tmp_path, capsys, dataset, root, domains) -> None:
+    _folders(tmp_path / root, domains, ["a", "b"], per=10)
+    argv = ["run", "--dataset", dataset, "--data-dir", str(tmp_path), "--partition", "domain", "--clients", "2"]
+    argv += ["--domain-fraction", "0.5", "--image-size", "8", "--rounds", "1", "--local-epochs", "1", "--model", "mlp"]
+    assert main([*argv, "--out", str(tmp_path / "run"), "--no-db"]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["domains"] == domains and all(f"domain_acc/{d}" in summary for d in domains)
