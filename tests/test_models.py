@@ -23,12 +23,13 @@ SHAPES = {
     "resnet18": [(3, 32)],
     "resnet34": [(3, 32)],
     "textcnn": [(50, 12), (1000, 64)],  # (vocabulary size, tokens per sample)
+    "charlstm": [(80, 10), (80, 80)],  # LEAF's Shakespeare: 80 letters, 80 characters per sample
 }
 
 
 def _input(name: str, cin: int, size: int) -> torch.Tensor:
     """A batch of two: token ids ``[2, size]`` below ``cin`` for textcnn, images ``[2, cin, size, size]`` otherwise."""
-    if name == "textcnn":
+    if name in ("textcnn", "charlstm"):
         return torch.randint(0, cin, (2, size))
     return torch.randn(2, cin, size, size)
 

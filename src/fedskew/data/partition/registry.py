@@ -195,7 +195,7 @@ def partition(name: str, summary: str = "") -> Callable[[Partitioner], Partition
 
 def unregister_partition(name: str) -> None:
     """Remove a registered scheme (the built-in ones stay)."""
-    if name in BUILTIN:
+    if name in BUILTIN or name in SHIPPED:
         raise PartitionError(f"{name!r} is a built-in partition and cannot be removed")
     PARTITIONS.pop(name, None)
     SUMMARIES.pop(name, None)
@@ -296,7 +296,7 @@ def _p_flwr(
     self_balancing: bool | None = None,
     class_assignment_mode: str | None = None,
 ) -> list[np.ndarray]:
-    from fedskew.data.flwr_interop import flwr_partition
+    from fedskew.data.partition.flwr import flwr_partition
 
     return flwr_partition(
         labels,
@@ -313,4 +313,5 @@ def _p_flwr(
 
 # not a built-in (its parameters come from partition_args, -P partitioner=DirichletPartitioner -P alpha=0.5)
 register_partition("flwr", _p_flwr, "a flwr-datasets partitioner by name (-P partitioner=..., extra [hf])")
+SHIPPED = frozenset({"flwr"})  # the registered schemes fedskew ships (kept, like the built-in ones)
 
