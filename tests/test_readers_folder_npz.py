@@ -468,7 +468,11 @@ def test_given_partition_config_and_build_checks(tmp_path):
     write_pfllib(tmp_path / "pf")
     _pool(tmp_path / "pool.npz")
     pf, pool = str(tmp_path / "pf"), str(tmp_path / "pool.npz")
-    with pytest.raises(ConfigError, match=r"partition: given \(--partition given\), or natural to sample some of them, instead of 'dir'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"partition: given \(--partition given\), or natural to sample some of them, "
+        r"instead of 'dir'",
+    ):
         build_federated(make_config(None, {"dataset": "npz", "data_dir": pf, "clients": 3}))
     with pytest.raises(ConfigError, match=r"holds 3 clients but clients=10: set clients: 3"):
         build_federated(make_config(None, {"dataset": "npz", "data_dir": pf, "partition": "given"}))
