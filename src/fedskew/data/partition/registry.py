@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 
 from fedskew.data.partition.base import PartitionError, _check_int
+from fedskew.data.partition.flwr import flwr_partition
 from fedskew.data.partition.label_skew import biased_uniform, dirichlet, dirichlet_fixed, niid2, pathological
 from fedskew.data.partition.sizes import iid, quantity_skew
 
@@ -284,34 +285,7 @@ def _check_parts(name: str, parts: object, n: int, num_clients: int) -> None:
         seen[a] = True
 
 
-def _p_flwr(
-    labels: np.ndarray,
-    num_clients: int,
-    rng: np.random.Generator,
-    *,
-    partitioner: str,
-    alpha: float | None = None,
-    num_classes_per_partition: int | None = None,
-    min_partition_size: int | None = None,
-    self_balancing: bool | None = None,
-    class_assignment_mode: str | None = None,
-) -> list[np.ndarray]:
-    from fedskew.data.partition.flwr import flwr_partition
-
-    return flwr_partition(
-        labels,
-        num_clients,
-        rng,
-        partitioner=partitioner,
-        alpha=alpha,
-        num_classes_per_partition=num_classes_per_partition,
-        min_partition_size=min_partition_size,
-        self_balancing=self_balancing,
-        class_assignment_mode=class_assignment_mode,
-    )
-
-
 # not a built-in (its parameters come from partition_args, -P partitioner=DirichletPartitioner -P alpha=0.5)
-register_partition("flwr", _p_flwr, "a flwr-datasets partitioner by name (-P partitioner=..., extra [hf])")
+register_partition("flwr", flwr_partition, "a flwr-datasets partitioner by name (-P partitioner=..., extra [hf])")
 SHIPPED = frozenset({"flwr"})  # the registered schemes fedskew ships (kept, like the built-in ones)
 
