@@ -4,7 +4,7 @@ training.
 For each model (the small CNN on MNIST-shaped input, ResNet-18 on CIFAR-10-shaped input) the script builds the
 uploads of 20 clients as "global model + small client-specific noise" (the scale of one local epoch's drift,
 with log-normal spread across clients and positions; BatchNorm buffers perturbed too, ``num_batches_tracked``
-advanced), stacks them once with :func:`fedskew.server.api.stack_uploads`, and times the server step
+advanced), stacks them once with :func:`fedskew.server.uploads.stack_uploads`, and times the server step
 
 - FedAvg: ``Aggregation(SampleWeights(), WeightedMean())``
 - FedSA:  ``Aggregation(SampleWeights(), FedSACombine())`` (paper defaults lam = delta = 0.2, C = S = 4)
@@ -41,8 +41,9 @@ from fedskew.catalog.fedcac import CriticalMasks, FedCAC
 from fedskew.catalog.fedsa import FedSACombine
 from fedskew.models import build_model
 from fedskew.protocol import RoundInput, Upload
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights
 
 

@@ -10,10 +10,10 @@ ratio peak / upload. The minimum is about 1.0: the uploads have to be somewhere.
 Paths (``--path``):
 
 - ``engine`` (default): what ``Simulation.round`` does. Each upload is validated and copied into preallocated
-  ``[K, ...]`` buffers (:class:`fedskew.server.api.UploadStack`) as soon as it is produced and then dropped. On a
+  ``[K, ...]`` buffers (:class:`fedskew.server.uploads.UploadStack`) as soon as it is produced and then dropped. On a
   checkout without ``UploadStack`` (before the change) the engine kept the K per-client uploads in a list and
   stacked them afterwards, which is what this path then measures.
-- ``list``: :func:`fedskew.server.api.stack_uploads` over a list of K uploads that stays alive (an API caller).
+- ``list``: :func:`fedskew.server.uploads.stack_uploads` over a list of K uploads that stays alive (an API caller).
 
 FedHEAL's server state (one int32 sign-count table per client, the size of its model in float32) is part of the
 round's output; it is built beforehand for the K clients (as after an earlier round) and the ``state`` column gives

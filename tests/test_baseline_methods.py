@@ -34,7 +34,7 @@ from fedskew.methods import describe_methods, resolve_method
 from fedskew.models.generator import Generator, draw
 from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 F64 = torch.float64

@@ -212,7 +212,8 @@ def test_the_engine_loop_knows_workers_and_batching_only_through_its_interface()
 ENGINE_MAY_IMPORT = {
     "fedskew.client.local",  # the one local loop, LocalAlgorithm, LocalContext
     "fedskew.client.batched_form",  # the batched-step type a client part declares
-    "fedskew.server.api",  # the upload checks and stack, the piece bases
+    "fedskew.server.api",  # the piece bases
+    "fedskew.server.uploads",  # the upload checks and stack
     "fedskew.server.dispersion",  # the dispersion statistics the parameter-skew probe records
     "fedskew.server.streaming",  # the running sums of streaming aggregation: the upload stack's sibling
 }

@@ -3,7 +3,7 @@
 import torch
 
 from fedskew.engine.buffers import BufferPool
-from fedskew.server.api import nonfinite
+from fedskew.server.uploads import nonfinite
 
 
 def test_nonfinite_is_exact():

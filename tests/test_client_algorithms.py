@@ -13,7 +13,7 @@ from fedskew.catalog.moon import Moon
 from fedskew.catalog.scaffold import Scaffold, ScaffoldServer
 from fedskew.client.local import LocalAlgorithm, LocalContext, TrainSettings, local_train, snapshot
 from fedskew.protocol import ServerContext
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 
 
 def _setup(seed=0):

@@ -8,8 +8,9 @@ import torch
 
 from fedskew.catalog.disco import DiscoWeights, disco_terms, disco_weights, discrepancy
 from fedskew.protocol import ServerContext, Upload
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 
 TOL = 1e-5
 E1_HISTS = np.array([[10, 10, 10], [20, 0, 0], [30, 10, 10]], dtype=float)

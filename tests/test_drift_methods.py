@@ -18,8 +18,8 @@ from fedskew.engine.checkpoint import capture, restore
 from fedskew.methods import describe_methods, resolve_method
 from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import stack_uploads
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 
 TOL = 1e-9
 E1_HISTS = np.array([[10, 10, 10], [20, 0, 0], [30, 10, 10]], dtype=float)  # spec 2.7 E1

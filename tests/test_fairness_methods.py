@@ -41,8 +41,9 @@ from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
 from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 F64 = torch.float64

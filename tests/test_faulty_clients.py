@@ -16,7 +16,7 @@ from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation, dropped_out, sample_clients
 from fedskew.protocol import TIMING_KEYS, NonFiniteUploadError, Upload, UploadError
-from fedskew.server.api import check_upload, stack_uploads, validate_uploads
+from fedskew.server.uploads import check_upload, stack_uploads, validate_uploads
 
 
 def _cfg(tmp_path, **kw):
@@ -317,7 +317,7 @@ def test_one_fail_policy_for_a_list_and_for_the_engine(tmp_path, monkeypatch):
     """Issue 32: `stack_uploads` (a list of uploads: the Flower strategies) and the engine (uploads one by one) raise
     the same error under `fail`: the round's first malformed upload's, even after a non-finite one; a round with only
     non-finite uploads raises the non-finite error (the engine: divergence)."""
-    from fedskew.server.api import enforce
+    from fedskew.server.uploads import enforce
 
     ups = [_up(0, torch.full((2, 2), float("nan"))), _up(1, torch.ones(3)), _up(2, torch.ones(2, 2))]
     with pytest.raises(UploadError, match="client 1: tensor 'w' has shape") as got:

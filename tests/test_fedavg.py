@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from fedskew.protocol import Upload, UploadError
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean, weighted_mean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 

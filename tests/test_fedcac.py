@@ -18,7 +18,7 @@ from fedskew.catalog.fedcac import (
     sensitivity,
 )
 from fedskew.protocol import Upload
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 W0 = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float64)

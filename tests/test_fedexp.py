@@ -13,8 +13,9 @@ from fedskew.catalog.fedexp import FedExPStep
 from fedskew.methods import resolve_method
 from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import UniformWeights
 
 W0 = {"w": torch.tensor([0.0, 0.0], dtype=torch.float64), "bn.running_mean": torch.tensor([1.0], dtype=torch.float64)}

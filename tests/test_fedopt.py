@@ -15,8 +15,9 @@ from fedskew.catalog.fedopt import Adaptive, fedopt
 from fedskew.methods import resolve_method
 from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights
 
 

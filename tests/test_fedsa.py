@@ -11,8 +11,9 @@ import torch
 
 from fedskew.catalog.fedsa import FedSACombine, cluster, fedsa_layer, micro_classes, modal_classes, similarity
 from fedskew.protocol import RoundInput, Upload
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.dispersion import coefficient_of_variation, column_stats, high_dispersion
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 E1_X = [

@@ -16,7 +16,7 @@ from fedskew.engine.batched import batchable
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
 from fedskew.protocol import ServerContext, Upload
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 
 
 def _one_step(algo, model, x, y, lr=0.1, broadcast=None):

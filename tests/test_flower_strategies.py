@@ -29,8 +29,8 @@ from fedskew.catalog.heal import FaelWeights, HealMasks  # noqa: E402
 from fedskew.flower.inprocess import InProcessGrid, task_identity  # noqa: E402
 from fedskew.flower.strategies import FedDisco, FedHEAL, FedPake, FedSA, FedskewStrategy  # noqa: E402
 from fedskew.protocol import NonFiniteUploadError, ServerContext, Upload, UploadError  # noqa: E402
-from fedskew.server.api import stack_uploads  # noqa: E402
 from fedskew.server.combine import WeightedMean  # noqa: E402
+from fedskew.server.uploads import stack_uploads  # noqa: E402
 from fedskew.server.weights import SampleWeights  # noqa: E402
 
 CLIENTS, ROUNDS = 3, 2

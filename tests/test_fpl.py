@@ -24,7 +24,7 @@ from fedskew.catalog.fpl import (
 from fedskew.client.prototypes import PROTO_COUNT, PROTO_MEAN
 from fedskew.methods import resolve_method
 from fedskew.protocol import ServerContext, Upload
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 
 
 # ---- a port of the official utils/finch.py (ensure_early_exit off, no req_clust) -----------------------------------

@@ -6,8 +6,9 @@ import torch
 
 from fedskew.catalog.heal import FaelWeights, HealMasks, SignHistory, fael_distances, heal_aggregation
 from fedskew.protocol import ServerContext, Upload
-from fedskew.server.api import Aggregation, stack_uploads
+from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 TOL = 1e-5

@@ -14,9 +14,9 @@ import fedskew.server.combine as combine
 from fedskew.catalog.fedamp import squared_distances
 from fedskew.catalog.heal import SignHistory, consistent, count_dtype, fael_distances, heal_aggregation
 from fedskew.protocol import RoundInput, Upload
-from fedskew.server.api import UploadStack, stack_uploads
 from fedskew.server.combine import column_blocks, weighted_mean
 from fedskew.server.personal import mix
+from fedskew.server.uploads import UploadStack, stack_uploads
 
 
 def reference_weighted_mean(stacked, weights, mask=None, fallback=None):
@@ -171,7 +171,8 @@ MEASURE = textwrap.dedent(
     import numpy as np, torch
     from fedskew.models import build_model
     from fedskew.protocol import Upload
-    from fedskew.server.api import Aggregation, UploadStack
+    from fedskew.server.api import Aggregation
+from fedskew.server.uploads import UploadStack
     from fedskew.server.combine import WeightedMean
     from fedskew.server.weights import SampleWeights
 

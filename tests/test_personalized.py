@@ -26,7 +26,7 @@ from fedskew.methods import resolve_method
 from fedskew.models import build_model
 from fedskew.protocol import TIMING_KEYS, Upload
 from fedskew.runner import run_experiment
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 

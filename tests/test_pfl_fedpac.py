@@ -29,7 +29,7 @@ from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation
 from fedskew.models import FedModel
 from fedskew.protocol import RoundInput
-from fedskew.server.api import check_model
+from fedskew.server.uploads import check_model
 from fedskew.server.weights import SampleWeights
 
 

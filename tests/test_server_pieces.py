@@ -27,11 +27,11 @@ from fedskew.server.api import (
     Descent,
     GradientTransform,
     Weighting,
-    stack_uploads,
     stateless,
 )
 from fedskew.server.combine import WeightedMean
 from fedskew.server.optimizers import Ema, Scale
+from fedskew.server.uploads import stack_uploads
 from fedskew.server.weights import UniformWeights
 
 F64 = torch.float64

@@ -9,7 +9,7 @@ import torch
 from fedskew.cli import main
 from fedskew.engine.probe import skew_probe
 from fedskew.protocol import Upload
-from fedskew.server.api import stack_uploads
+from fedskew.server.uploads import stack_uploads
 
 
 def test_probe_records_client_values_means_and_aggregate():

@@ -13,9 +13,9 @@ from fedskew.methods import resolve_method
 from fedskew.protocol import ServerContext, Upload
 from fedskew.runner import run_experiment
 from fedskew.schema import ConfigError
-from fedskew.server.api import UploadStack
 from fedskew.server.combine import WeightedMean
 from fedskew.server.streaming import RunningSum, stream_refusal
+from fedskew.server.uploads import UploadStack
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 TEMPLATE = {"w": torch.zeros(40, 7), "b": torch.zeros(7), "n": torch.tensor(0, dtype=torch.int64)}

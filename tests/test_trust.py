@@ -12,7 +12,7 @@ from fedskew.config import ConfigError, make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Diverged, Simulation
 from fedskew.protocol import NonFiniteUploadError, Upload, UploadError
-from fedskew.server.api import check_model, stack_uploads
+from fedskew.server.uploads import check_model, stack_uploads
 
 
 def _cfg(tmp_path, **kw):

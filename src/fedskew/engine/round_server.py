@@ -54,8 +54,9 @@ from fedskew.protocol import (
     client_reports,
 )
 from fedskew.seeding import Purpose, numpy_rng
-from fedskew.server.api import RoundInput, UploadStack, check_model, enforce, stack_metrics
+from fedskew.server.api import RoundInput
 from fedskew.server.streaming import RunningSum, stream_refusal
+from fedskew.server.uploads import UploadStack, check_model, enforce, stack_metrics
 
 if TYPE_CHECKING:
     from fedskew.data.pools import FederatedData

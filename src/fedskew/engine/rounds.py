@@ -19,8 +19,8 @@ from fedskew.client.local import LOCAL_PARAMS, LocalContext, PersonalContext, Tr
 from fedskew.privacy.mechanism import DP_CLIP, DP_UNCLIPPED, clip_update
 from fedskew.protocol import ClientScores, Params, Upload
 from fedskew.seeding import Purpose, numpy_rng, torch_generator
-from fedskew.server.api import UploadStack
 from fedskew.server.streaming import RunningSum
+from fedskew.server.uploads import UploadStack
 
 # LOCAL_PARAMS: a client's state-dict entries that never travel (method.local: FedPer's head, FedBN's norms), the
 # engine's own entry in every client's state (fedskew.client.local)

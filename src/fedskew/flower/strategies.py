@@ -5,8 +5,8 @@ Flower's conventions: the model travels as an ``ArrayRecord`` under ``arrayrecor
 config under ``configrecord_key`` (``"config"``), and every train reply carries one ``ArrayRecord`` and one
 ``MetricRecord`` holding the client's sample count under ``weighted_by_key`` (``"num-examples"``). Sampling,
 evaluation, metric averaging and ``start`` are Flower's; only ``aggregate_train`` changes: the replies are checked
-with fedskew's :func:`~fedskew.server.api.check_upload`, stacked into a :class:`~fedskew.protocol.RoundInput`
-(``[K, ...]`` tensors, :func:`~fedskew.server.api.stack_uploads`) and aggregated by fedskew's own pieces
+with fedskew's :func:`~fedskew.server.uploads.check_upload`, stacked into a :class:`~fedskew.protocol.RoundInput`
+(``[K, ...]`` tensors, :func:`~fedskew.server.uploads.stack_uploads`) and aggregated by fedskew's own pieces
 (:class:`~fedskew.catalog.disco.DiscoWeights` / :func:`~fedskew.catalog.disco.disco_weights`,
 :func:`~fedskew.catalog.heal.heal_aggregation`, :class:`~fedskew.catalog.fedsa.FedSACombine`), their state kept in the
 strategy across rounds. Nothing is re-implemented. A Flower quickstart ServerApp swaps ``FedAvg`` for one of them::
@@ -62,17 +62,9 @@ from fedskew.flower.codec import from_record, to_record
 from fedskew.flower.native_dp import FlowerDP
 from fedskew.protocol import Params, RoundInput, ServerContext, State, Upload, UploadError
 from fedskew.schema import StrictSettings, describe_errors
-from fedskew.server.api import (
-    NO_SERVER_HALF,
-    ON_BAD_UPDATE,
-    Aggregation,
-    Masking,
-    ServerStrategy,
-    Weighting,
-    check_upload,
-    stack_uploads,
-)
+from fedskew.server.api import NO_SERVER_HALF, Aggregation, Masking, ServerStrategy, Weighting
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import ON_BAD_UPDATE, check_upload, stack_uploads
 from fedskew.server.weights import SampleWeights, UniformWeights
 
 log = logging.getLogger("flwr.fedskew")

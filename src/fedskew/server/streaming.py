@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from fedskew.protocol import Params, Rejection, Upload
-from fedskew.server.api import NO_SERVER_HALF, Aggregation, check_upload
+from fedskew.server.api import NO_SERVER_HALF, Aggregation
 from fedskew.server.combine import WeightedMean
+from fedskew.server.uploads import check_upload
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
@@ -64,7 +65,7 @@ def stream_refusal(method: Method) -> str | None:
 @dataclass
 class RunningSum:
     """One round's uploads as running sums (see the module docstring). Same surface as
-    :class:`~fedskew.server.api.UploadStack` for the round server: :meth:`add` returns the
+    :class:`~fedskew.server.uploads.UploadStack` for the round server: :meth:`add` returns the
     :class:`~fedskew.protocol.Rejection` of an invalid upload (not summed), ``count``, ``cids``, ``num_samples``,
     ``metrics``, ``rejected``."""
 
