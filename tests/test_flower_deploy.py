@@ -264,3 +264,29 @@ def test_loopback_output_through_a_pipe_has_no_colour_codes(tmp_path, monkeypatc
     assert main(["flower", "loopback", str(_app(tmp_path, SECURE))]) == 0
     out = capsys.readouterr().out
     assert "INFO :      round 1/1 done" in out and "\x1b" not in out
+
+
+def test_secagg_on_a_secure_loopback_gives_the_plain_runs_aggregate(tmp_path):
+    """Issue 43: SecAgg+ over a real deployment with TLS and SuperNode authentication: the ServerApp runs Flower's
+    SecAgg+ stages with the nodes' ClientApp processes (keys, masks, shares through the SuperLink) and reads each
+    round's uploads as one sum; its numbers are the plain run's within the quantization (2**22 levels over ±8)."""
+    from fedskew.flower.loopback import Loopback
+
+    # one round (every SecAgg+ stage is a message, and so a ClientApp process, per node); SCAFFOLD: a server half
+    # whose control deltas are summed securely too
+    values = {**BASE, "method": "scaffold", "rounds": 1, "eval_every": 1}
+    app = _app(tmp_path, values, "--secagg", "--round-timeout", "300", "--node-wait", "120")
+    assert "secagg = true" in (app / "pyproject.toml").read_text()
+    run_dir = tmp_path / "flower"
+    with Loopback(tmp_path / "home", 3, secure=True) as fed:
+        out = fed.run_app(app, {"out": str(run_dir), "db": ""}, timeout=420)
+        assert "round 1/1" in out
+    assert fed.leftovers() == []
+    [secure], plain = _records(run_dir), _records(_simulate(tmp_path, values))
+    assert secure["aggregation"] == "secagg+" and secure["participants"] == 3 and "failed" not in secure
+    assert secure["train_loss"] == pytest.approx(plain[0]["train_loss"], abs=1e-6)  # trained before any sum
+    # the aggregate, read through the global model's test loss: the plain one's within the quantization
+    assert secure["global_loss"] == pytest.approx(plain[0]["global_loss"], abs=1e-4)
+    assert secure["global_acc"] == pytest.approx(plain[0]["global_acc"], abs=0.01)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["flower"]["secagg"] is True and summary["flower"]["failures"] == []

@@ -49,6 +49,7 @@ def describe(name: str, cols: int = 100) -> str:
     from fedskew.client.local import batched_form
     from fedskew.methods import ALIASES, CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
     from fedskew.privacy.server import refusal
+    from fedskew.server.streaming import secure_refusal
 
     kinds = {row[0]: row[1] for row in describe_methods()}
     method = resolve_method(name, {})  # a ValueError names the choices or why the composition is refused
@@ -72,9 +73,11 @@ def describe(name: str, cols: int = 100) -> str:
     if method.reports:
         dp_note = ", its reports released with --dp-report-noise" + dp_note
     form = batched_form(method.client)
+    secure = secure_refusal(method)
     lines += [
         fill(f"what each client sends beside its model: {sent}"),
         fill("user-level DP (--dp-clip): " + (f"no: {why}" if why is not None else "can run" + dp_note)),
+        fill("secure aggregation on Flower (flower.secagg): " + ("yes" if secure is None else f"no: {secure}")),
         fill("--batched-clients: " + ("yes" if not isinstance(form, str) else f"no: {form}")),
         fill("personalized models: " + ("yes, evaluated in the personal views" if method.personalized else "no")),
     ]

@@ -28,6 +28,7 @@ class Purpose(IntEnum):
     DOWNLOADS = 12  # a server half's draws of what one client alone is sent (FedFomo's exploring peers)
     DP_NOISE = 13  # the Gaussian noise of a DP round's release (docs/privacy.md)
     DP_REPORT = 14  # the Gaussian noise of a client report's release under DP (FedDisco's d_k), keyed by client
+    SECAGG = 15  # SecAgg+'s stochastic rounding of a client's upload (Flower's quantization), keyed by client, round
 
 
 def seed_sequence(seed: int, purpose: Purpose, *keys: int) -> np.random.SeedSequence:

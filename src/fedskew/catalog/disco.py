@@ -208,6 +208,7 @@ class DiscoWeights(Weighting):
     weights are the same. A :class:`RoundInput` built by hand with ``label_hists`` only is read as ``"histogram"``.
     """
 
+    before_round = True  # Eq. 3 reads the sample counts and the d_k reported before round 1, never an upload
     a: float = DISCO.a
     b: float = DISCO.b
     metric: str = DISCO.metric

@@ -49,6 +49,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(flower.data = node; docs/flower.md)",
     )
     p.add_argument(
+        "--secagg",
+        action="store_true",
+        help="secure aggregation: the server sees each round's uploads only as their sum (Flower's SecAgg+; "
+        "flower.secagg, docs/privacy.md)",
+    )
+    p.add_argument("--secagg-clip", type=float, default=None, help="with --secagg: the range ±C of summed values (8)")
+    p.add_argument(
+        "--secagg-threshold",
+        type=float,
+        default=None,
+        help="with --secagg: the share of a round's clients needed to unmask it (0.67)",
+    )
+    p.add_argument(
         "--test-data",
         default=None,
         metavar="NPZ",
@@ -152,6 +165,8 @@ SETTING_FLAGS = {
     "round_timeout": "--round-timeout",
     "straggler_timeout": "--straggler-timeout",
     "node_wait": "--node-wait",
+    "secagg_clip": "--secagg-clip",
+    "secagg_threshold": "--secagg-threshold",
 }
 
 
@@ -168,7 +183,12 @@ def _settings(args: argparse.Namespace):
         "node_wait": args.node_wait,
         "data": "node" if getattr(args, "node_data", False) else None,
         "test_data": getattr(args, "test_data", None),
+        "secagg": True if getattr(args, "secagg", False) else None,
+        "secagg_clip": getattr(args, "secagg_clip", None),
+        "secagg_threshold": getattr(args, "secagg_threshold", None),
     }
+    if (given["secagg_clip"] is not None or given["secagg_threshold"] is not None) and not given["secagg"]:
+        raise ConfigError("--secagg-clip and --secagg-threshold set up secure aggregation: they need --secagg")
     if given["test_data"] and given["data"] is None:
         raise ConfigError("--test-data is the server's held-out set of a real federation: it needs --node-data")
     try:
@@ -197,7 +217,13 @@ def cmd_new(args: argparse.Namespace) -> int:
         from fedskew.config import ConfigError
 
         raise ConfigError("--num-cpus and --num-gpus are the simulated clients' resources: they need --simulation")
-    written = write_app(folder, cfg, _settings(args), simulation=simulation)
+    settings = _settings(args)
+    if settings.secagg:  # refused now, not when the federation runs
+        from fedskew.flower.settings import check_secagg
+        from fedskew.methods import resolve_method
+
+        check_secagg(cfg, resolve_method(cfg.method, cfg.method_args))
+    written = write_app(folder, cfg, settings, simulation=simulation)
     print(f"Flower app for fedskew {cfg.method} on {cfg.dataset} ({cfg.clients} clients, {cfg.rounds} rounds):")
     for path in written:
         print(f"  {path}")

@@ -262,8 +262,8 @@ class RoundServer:
             record["failed"] = plan.failed
         rin, out = None, None
         streamed = isinstance(stack, RunningSum)
-        if streamed:  # the round's record says its uploads were summed as they arrived
-            record["aggregation"] = "streaming"
+        if streamed:  # the round's record says its uploads were summed as they arrived (or securely)
+            record["aggregation"] = stack.kind  # type: ignore[union-attr]
         if stack.count and streamed:
             out = self._aggregate_sums(rnd, stack)  # type: ignore[arg-type]
         elif stack.count:

@@ -51,12 +51,13 @@ from fedskew.engine.rounds import (
 from fedskew.flower.codec import from_record, load_state, metrics_record, save_state, to_record
 from fedskew.flower.hello import NodeReport
 from fedskew.flower.node_data import NodePart, cached_part, own_part
+from fedskew.flower.secagg import secagg_mod
 from fedskew.flower.settings import FlowerSettings, config_hash, node_overrides, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.privacy.server import noised_entries
 from fedskew.protocol import Params
 
-app = ClientApp()
+app = ClientApp(mods=[secagg_mod])  # SecAgg+'s stages for a secure round's train messages; others pass
 
 
 @dataclass

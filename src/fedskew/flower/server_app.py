@@ -57,8 +57,9 @@ from fedskew.engine.round_server import Known, RoundServer, server_context
 from fedskew.engine.state_store import open_state_store
 from fedskew.flower.codec import from_record, to_record
 from fedskew.flower.hello import FederationError, Hello, NodeReport, known_of, server_knows
+from fedskew.flower.secagg import cohort_weights, secure_round
 from fedskew.flower.server_data import domain_scores, load_test_data, server_view
-from fedskew.flower.settings import FlowerSettings, config_hash, parse_run_config
+from fedskew.flower.settings import FlowerSettings, check_secagg, config_hash, parse_run_config
 from fedskew.methods import Method, resolve_method
 from fedskew.protocol import Params, Upload
 from fedskew.recorder import RunRecorder, domain_fields
@@ -267,6 +268,10 @@ class FlowerServer:
             personal=self.state_store.maps["personal"],
         )
         self.link = link
+        self.secagg = link.settings.secagg  # SecAgg+: the round's uploads reach the server as one sum
+        if self.secagg:
+            check_secagg(cfg, method)
+            self.server.streaming = True  # the round opens running sums, which the secure sum fills
         self.unreachable: dict[int, str] = {}  # clients that failed this round: not asked again until the next
         self.failures: list[dict[str, Any]] = []  # every failure of the run, with round and phase
         self.rejoined: list[dict[str, Any]] = []  # clients whose node re-registered during the run
@@ -303,32 +308,76 @@ class FlowerServer:
             own = self.server.sent_to(plan, cid)
             return broadcast if own is plan.broadcast else to_record(own)
 
+        weights = self._cohort_weights(rnd, targets) if self.secagg else {}
+        secure = self.link.settings
         contents = {
             cid: RecordDict(
                 {
                     "model": to_record(self._wire(self.server.received(cid))),
                     "broadcast": sent_to(cid),
-                    "config": self._config(cid),
+                    "config": self._config(
+                        cid,
+                        **(
+                            {"secagg_weight": weights[cid], "secagg_clip": secure.secagg_clip, "seed": self.cfg.seed}
+                            if self.secagg
+                            else {}
+                        ),
+                    ),
                 }
             )
             for cid in targets
         }
-        replies, failed = self.link.exchange(MessageType.TRAIN, contents, rnd)
-        for cid in targets:  # in client order, as the simulator stacks them
-            if cid in replies:
-                try:
-                    update = decode_update(cid, replies.pop(cid), self.cfg.device)
-                except (KeyError, TypeError, ValueError, FederationError) as exc:
-                    failed[cid] = f"malformed reply: {exc}"
-                    continue
-                # the client keeps its local entries and the model it trained in its own context.state
-                self.server.take_upload(plan, update)
+        if self.secagg:
+            failed = self._secure_train(plan, contents, weights)
+        else:
+            replies, failed = self.link.exchange(MessageType.TRAIN, contents, rnd)
+            for cid in targets:  # in client order, as the simulator stacks them
+                if cid in replies:
+                    try:
+                        update = decode_update(cid, replies.pop(cid), self.cfg.device)
+                    except (KeyError, TypeError, ValueError, FederationError) as exc:
+                        failed[cid] = f"malformed reply: {exc}"
+                        continue
+                    # the client keeps its local entries and the model it trained in its own context.state
+                    self.server.take_upload(plan, update)
         plan.failed = _failures(failed)
         self.unreachable = dict(failed)
         self.failures += [{"round": rnd, "phase": "train", **f} for f in plan.failed]
         for f in plan.failed:
             log.warning("round %d: client %d failed: %s", rnd, f["client"], f["reason"])
         return self.server.close_round(plan, self.evaluate, commit=self.state_store.commit)
+
+    def _cohort_weights(self, rnd: int, targets: list[int]) -> dict[int, float]:
+        """SecAgg+: the weights the server fixes for the clients it sends to, before they train."""
+        srv = self.server
+        args = (srv.ctx.num_train, srv.reports, srv.global_params, srv.trainable)
+        weights = cohort_weights(self.method, srv.server_state.weighting, rnd, targets, *args)
+        return dict(zip(targets, weights, strict=True))
+
+    def _secure_train(self, plan: Any, contents: dict[int, RecordDict], weights: dict[int, float]) -> dict[int, str]:
+        """SecAgg+: the round's training through the protocol; its sum becomes the round's running sums."""
+        s = self.link.settings
+        nodes = self.link.nodes
+        out = secure_round(
+            self.link.grid,
+            nodes,
+            contents,
+            weights,
+            self.global_params,
+            shares=s.secagg_shares,
+            threshold=s.secagg_threshold,
+            clip=s.secagg_clip,
+            timeout=s.round_timeout,
+            poll=s.poll_interval,
+            rnd=self._round,
+        )
+        plan.stack.kind = "secagg+"
+        if out.sum is not None:
+            plan.stack = out.sum
+            plan.bytes_up += out.sum.count * (self.server.wire_bytes(self.global_params))
+            for cid, n, m in zip(out.sum.cids, out.sum.num_samples, out.sum.metrics, strict=True):
+                plan.losses.append((cid, int(n), m.get("train_loss", float("nan"))))
+        return out.failed
 
     def evaluate(self, rnd: int | None = None) -> tuple[dict[str, Any], dict[str, ClientScores]]:
         """The simulator's views: the global model on the global test set here, every client's views on its test

@@ -23,14 +23,16 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
 
 from fedskew.config import ConfigError, RunConfig, make_config
 from fedskew.flower import FLOWER_SPEC
+from fedskew.methods import Method
 from fedskew.schema import StrictSettings, describe_errors
+from fedskew.server.streaming import secure_refusal
 
 SERVER_APP = "fedskew.flower.server_app:app"
 CLIENT_APP = "fedskew.flower.client_app:app"
@@ -40,9 +42,13 @@ DATASET_ARGS = "dataset_args"
 ARG_TABLES = (METHOD_ARGS, PARTITION_ARGS, DATASET_ARGS)  # the run config's mappings, each a table of its own
 ENGINE = "flower"
 
+if TYPE_CHECKING:
+    from fedskew.methods import Method
+
 
 class FlowerSettings(StrictSettings):
-    """What only a deployment needs (``[tool.flwr.app.config.flower]``); none of it changes what is computed."""
+    """What only a deployment needs (``[tool.flwr.app.config.flower]``); none of it changes what is computed, but for
+    secure aggregation's quantization (``secagg``, :mod:`fedskew.flower.secagg`)."""
 
     round_timeout: float = Field(
         600.0,
@@ -72,6 +78,52 @@ class FlowerSettings(StrictSettings):
         "scores the global model on; unset: evaluation is federated only (the clients score the global model on "
         "their test splits)",
     )
+    secagg: bool = Field(
+        False,
+        description="secure aggregation: the server learns each round's uploads only as their sum, through Flower's "
+        "SecAgg+ protocol (compositions whose server reads a weighted sum with weights known before the round)",
+    )
+    secagg_shares: float = Field(
+        1.0, gt=0, le=1, description="secagg: the share of a round's clients each client's key is split among"
+    )
+    secagg_threshold: float = Field(
+        0.67,
+        gt=0,
+        le=1,
+        description="secagg: the share of those that must complete the round to unmask it (more: safer against "
+        "colluding clients, less tolerant of drop-outs; at least 2)",
+    )
+    secagg_clip: float = Field(
+        8.0,
+        gt=0,
+        description="secagg: the range ±clip of every summed value (a client's weighted parameters, its extras); "
+        "Flower quantizes it to 2**22 levels, and a client whose values leave it fails the round, saying so",
+    )
+
+
+SECAGG_MAX_COHORT = 2**32 // 2**22 - 1  # SecAgg+'s modulus over its quantization levels, less one
+
+
+def secagg_refusal(cfg: RunConfig, method: Method) -> str | None:
+    """Why ``cfg`` cannot run under SecAgg+ (``None``: it can): its server must read a weighted sum only, with weights
+    it knows before the clients train, and no user-level DP beside it. (The skew probe, which reads each upload, is
+    not taken: a secure round has no individual upload.)"""
+    why = secure_refusal(method)
+    if why is None and cfg.clients * cfg.join_ratio > SECAGG_MAX_COHORT:
+        why = (
+            f"its expected cohort ({cfg.clients * cfg.join_ratio:g} clients) exceeds the {SECAGG_MAX_COHORT} whose "
+            "quantized sum SecAgg+'s modulus 2**32 holds"
+        )
+    if why is None and cfg.dp_clip is not None:
+        why = "user-level DP with SecAgg+ is not built (the DP server reads the stacked uploads): use one or the other"
+    return why
+
+
+def check_secagg(cfg: RunConfig, method: Method) -> None:
+    """Refuse a configuration SecAgg+ cannot carry, naming why (before anything runs)."""
+    why = secagg_refusal(cfg, method)
+    if why is not None:
+        raise ConfigError(f"flower.secagg: {cfg.method} cannot be securely aggregated: {why}")
 
 
 # data_dir of the server's configuration under flower.data = node: the data are where each node says (its data-dir)

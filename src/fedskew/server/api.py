@@ -114,6 +114,10 @@ class PrivateWeights:
 
 
 class Weighting(Piece):
+    # whether the weights read only what the server knows before the round (sample counts, client reports), not the
+    # uploads: secure aggregation (fedskew.flower.secagg) fixes them before the clients train
+    before_round: ClassVar[bool] = False
+
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         """Return ``[K]`` float64 non-negative weights summing to 1."""
         raise NotImplementedError

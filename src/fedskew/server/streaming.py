@@ -62,6 +62,16 @@ def stream_refusal(method: Method) -> str | None:
     return why
 
 
+def secure_refusal(method: Method) -> str | None:
+    """Why ``method``'s server cannot take a round's uploads as one secure sum (``None``: it can): a weighted sum
+    (:func:`sum_refusal`) whose weights the server knows before the clients train (:mod:`fedskew.flower.secagg`)."""
+    why = sum_refusal(method)
+    if why is None and not method.server.weighting.before_round:  # type: ignore[attr-defined]
+        weighting = type(method.server.weighting).__name__  # type: ignore[attr-defined]
+        return f"its weights ({weighting}) read the uploads, which the server would see only as their sum"
+    return why
+
+
 @dataclass
 class RunningSum:
     """One round's uploads as running sums (see the module docstring). Same surface as
@@ -79,6 +89,7 @@ class RunningSum:
     sums: Params = field(default_factory=dict)  # floating entries: Σ r_k θ_k (float64); integer ones: running max
     extra_sums: Params | None = None  # Σ_k extras_k (float64), from the first accepted upload's names
     extra_template: Params | None = None  # the first accepted upload's extras' shapes and dtypes (uninitialized)
+    kind: str = "streaming"  # how the sums were taken, for the round's record (SecAgg+'s: "secagg+")
 
     @property
     def count(self) -> int:

@@ -24,6 +24,8 @@ def normalize(raw: Tensor) -> Tensor:
 class SampleWeights(Weighting):
     """FedAvg's weights: each participant's share of the round's training samples."""
 
+    before_round = True
+
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         return normalize(rin.num_samples.to(torch.float64)), state
 
@@ -41,6 +43,8 @@ class SampleWeights(Weighting):
 @dataclass(frozen=True)
 class UniformWeights(Weighting):
     """Unweighted averaging: 1/K each (the control for every re-weighting method)."""
+
+    before_round = True
 
     def __call__(self, rin: RoundInput, masks: Params | None, state: State) -> tuple[Tensor, State]:
         k = rin.num_participants
