@@ -172,7 +172,7 @@ MEASURE = textwrap.dedent(
     from fedskew.models import build_model
     from fedskew.protocol import Upload
     from fedskew.server.api import Aggregation
-from fedskew.server.uploads import UploadStack
+    from fedskew.server.uploads import UploadStack
     from fedskew.server.combine import WeightedMean
     from fedskew.server.weights import SampleWeights
 

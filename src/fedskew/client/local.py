@@ -455,6 +455,7 @@ def local_train(
     generator: torch.Generator,
     upload_extras: Sequence[UploadExtras] = (),
     input_noise: float = 0.0,
+    live: bool = False,
 ) -> Upload:
     """Load ``ctx.received`` into ``ctx.model``, train on the resident tensors ``x, y``, return the upload.
 
@@ -462,7 +463,10 @@ def local_train(
     ``input_noise``: Gaussian noise of this std added to every batch as it is drawn (NIID-Bench's feature noise, a
     fresh draw at every access, from ``generator``).
     The algorithm's phases run in sequence on the same model; ``upload_extras`` add tensors computed from the
-    received and the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras.
+    received and the trained model (e.g. FedCAC's critical masks) to the algorithm's own extras. ``live``: the
+    upload's ``params`` are the model's own tensors (detached, not copied), valid until the model trains or loads
+    again: for a caller that copies them at once (the simulator's round server, into its upload stack) and clones
+    what it keeps; otherwise a copy.
     """
     model, s = ctx.model, ctx.settings
     ctx.x, ctx.y, ctx.generator = x, y, generator
@@ -517,7 +521,7 @@ def local_train(
             ctx.keep(phase.keep, snapshot(model))
     extras = algo.end(ctx)
     check_state(algo, ctx.client_state)
-    trained = snapshot(model)
+    trained = dict(model.state_dict()) if live else snapshot(model)  # state_dict(): detached, storage shared
     trainable = frozenset(name for name, _ in named)
     for up in upload_extras:
         extras = {**extras, **up(ctx.received, trained, trainable)}

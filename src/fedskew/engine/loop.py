@@ -97,6 +97,11 @@ __all__ = [
 EVAL_CHUNK = 64  # per-client evaluation: clients whose models are scored together (held in RAM at once)
 
 
+def _copied(params: Params) -> Params:
+    """What a client keeps of a live upload (the model's own tensors, :func:`train_client`'s ``live``): a copy."""
+    return {k: v.clone() for k, v in params.items()}
+
+
 def _same_samples(data: FederatedData) -> bool:
     """Whether the global test set is exactly the clients' local test splits in client order (by source index)."""
     parts = [c.test_index for c in data.clients]
@@ -272,7 +277,8 @@ class Simulation:
             yield from self._workers.train(self, rnd, jobs)
         else:
             for cid in cids:
-                yield self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid))
+                # live: the upload's params are the model's tensors, which take_upload copies before the next trains
+                yield self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid), live=True)
 
     def close(self) -> None:
         """Stop the worker processes, if any (the runner calls it when the run ends, however it ends)."""
@@ -300,20 +306,22 @@ class Simulation:
         (personalized models) before the views are scored."""
         return self.server.close_round(plan, self.evaluate, commit=self.state_store.commit)
 
-    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params) -> Upload:
-        """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``)."""
+    def _train(self, cid: int, rnd: int, received: Params, broadcast: Params, live: bool = False) -> Upload:
+        """Client ``cid``'s local training in round ``rnd`` (its persistent state advances in ``client_states``);
+        ``live``: the upload's params are the model's own tensors, valid until the next client trains."""
         client = self.data.clients[cid]
         state = self.client_states[cid]
         args = (self.method, self.model, self.settings, self.cfg.seed, cid, rnd, received, broadcast, state)
         x, y = client.x_train, client.y_train
-        return train_client(*args, x, y, client.x_val, client.y_val, self.dp_clip, client.input_noise)
+        return train_client(*args, x, y, client.x_val, client.y_val, self.dp_clip, client.input_noise, live=live)
 
     def _keep_trained(self, cid: int, upload: Upload) -> None:
         """What the client keeps of the model it trained: its local entries and, for personalized methods, the
         model the ``trained`` view evaluates (:func:`keep_trained`)."""
         state = self.client_states[cid]
         rnd = self.current_round
-        trained = keep_trained(self.method, self.local_names, state, upload, lambda p: self._personalized(cid, rnd, p))
+        tune = lambda p: self._personalized(cid, rnd, p)  # noqa: E731
+        trained = keep_trained(self.method, self.local_names, state, upload, tune, retain=_copied)
         if trained is not None:
             self.trained[cid] = trained
 

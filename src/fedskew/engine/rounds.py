@@ -135,13 +135,15 @@ def train_client(
     y_val: torch.Tensor | None = None,
     clip: UpdateClip | None = None,
     input_noise: float = 0.0,
+    live: bool = False,
 ) -> Upload:
     """Client ``cid``'s local training in round ``rnd``, wherever the client runs (the simulator, a Flower
     ClientApp): the method's local algorithm on the one loop, batches drawn from the (seed, client, round) stream.
     ``client_state`` is the client's persistent state and advances in place. ``x_val``/``y_val``: its validation
     split, if the run has one (hooks may score it; it is never trained on). ``clip``: under user-level DP, the
     update it uploads, with its extras, is clipped (:func:`fedskew.privacy.mechanism.clip_update`). ``input_noise``:
-    the std of the noise added to every training batch (NIID-Bench's feature noise drawn at every access)."""
+    the std of the noise added to every training batch (NIID-Bench's feature noise drawn at every access). ``live``:
+    the upload's params are the model's own tensors (:func:`~fedskew.client.local.local_train`)."""
     ctx = LocalContext(
         cid=cid,
         round=rnd,
@@ -154,7 +156,7 @@ def train_client(
         y_val=y_val,
     )
     gen = torch_generator(seed, Purpose.SHUFFLE, cid, rnd)
-    upload = local_train(method.client, ctx, x, y, gen, method.upload_extras, input_noise)
+    upload = local_train(method.client, ctx, x, y, gen, method.upload_extras, input_noise, live)
     if clip is None:
         return upload
     norm = float(broadcast[DP_CLIP]) if DP_CLIP in broadcast else clip.norm  # adaptive clipping: the round's
@@ -183,18 +185,20 @@ def keep_trained(
     client_state: dict[str, Any],
     upload: Upload,
     personalize: Callable[[Params], Params] | None = None,
+    retain: Callable[[Params], Params] = lambda p: p,
 ) -> Params | None:
     """What a client keeps of the model it trained: its local entries (``method.local``) go into
     ``client_state[LOCAL_PARAMS]``; for a personalized method the model the ``trained`` view evaluates is returned
     (the model it keeps for itself, else the one it trained, through ``personalize`` when given: the client part's
-    :func:`personalized`), otherwise ``None``."""
+    :func:`personalized`), otherwise ``None``. ``retain``: how what it keeps of the upload is held (a copy, when the
+    upload's params are the model's own tensors: ``train_client(..., live=True)``)."""
     if local_names:
-        client_state[LOCAL_PARAMS] = {k: upload.params[k] for k in local_names}
+        client_state[LOCAL_PARAMS] = retain({k: upload.params[k] for k in local_names})
     if method.personalized:
         own = method.client.personal_model(client_state)
         if own is not None:
             return own
-        return upload.params if personalize is None else personalize(upload.params)
+        return retain(upload.params if personalize is None else personalize(upload.params))
     return None
 
 

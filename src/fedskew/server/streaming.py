@@ -108,13 +108,13 @@ class RunningSum:
                 self.sums[n] = t.clone() if first else torch.maximum(self.sums[n], t)
             elif first:
                 self.sums[n] = t.to(torch.float64) * r
-            else:
-                self.sums[n].add_(t.to(torch.float64), alpha=r)
+            else:  # float32 into the float64 sum in place: no float64 copy of the upload (the same bits)
+                self.sums[n].add_(t, alpha=r)
         if self.extra_sums is None:
             self.extra_template = {n: torch.empty_like(t) for n, t in upload.extras.items()}
             self.extra_sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in upload.extras.items()}
         for n, t in upload.extras.items():
-            self.extra_sums[n].add_(t.to(torch.float64))
+            self.extra_sums[n].add_(t)
         self.cids.append(upload.cid)
         self.num_samples.append(float(upload.num_samples))
         self.raw_weights.append(r)
