@@ -6,8 +6,9 @@ each). Both tools read the same dataset folder (fedskew: ``--dataset npz --parti
 PFLlib seeds torch with 0 at import, so its run is one number; fedskew runs ``--seeds`` seeds (initialization and
 shuffling; the split is PFLlib's), and the table prints PFLlib's accuracy after the last round beside fedskew's mean ±
 std and whether PFLlib's lies within fedskew's range widened by one std. PFLlib's figure is its "Averaged Test
-Accuracy" (correct over samples, all clients' test splits pooled, at the start of the next round: the models after
-aggregation), i.e. fedskew's ``personal_acc`` (``trained_acc`` for APFL, whose PFLlib figure mixes in the model just
+Accuracy" (correct over samples, all clients' test splits pooled, at the start of the next round: the models the
+clients hold then; for FedAS, whose server sends nothing before it evaluates, the models they just trained), i.e.
+fedskew's ``personal_acc`` (``trained_acc`` for APFL, whose PFLlib figure mixes in the model just
 trained; ``global_local_acc`` for FedAvg, for LG-FedAvg, whose clients keep their bodies without a model of their own,
 and for pFedMe, whose PFLlib evaluation reads the global model: docs/methods.md).
 
@@ -156,10 +157,13 @@ def main() -> None:
     with ThreadPoolExecutor(a.jobs) as pool:
         for m in a.methods:
             fed_args, view, pfl_args = PAIRS[m]
-            key = f"{m} r{a.rounds}"
+            # the key names the arguments too: a figure measured with other settings is never read back as this one
+            key = f"{m} r{a.rounds} {' '.join(fed_args)}".rstrip()
+            pfl_key = f"{m} r{a.rounds} {' '.join(pfl_args)}"
             measure_pfllib = lambda pa=pfl_args: pfllib_accuracy(a.pfllib, pa, a.rounds)  # noqa: E731
             jobs[(m, "pfllib")] = pool.submit(
-                _attempt, lambda k=key, f=measure_pfllib: _cached(a.out, f"{k} pfllib", f)
+                _attempt,
+                lambda k=pfl_key, f=measure_pfllib: _cached(a.out, f"{k} pfllib", f),
             )
             for s in range(a.seeds):
                 jobs[(m, s)] = pool.submit(
