@@ -232,3 +232,11 @@ def test_a_cohort_whose_quantized_sum_would_overflow_the_modulus_is_refused():
     assert secagg_refusal(make_config({"clients": 2000, "join_ratio": 0.5}), fedavg) is None
     why = secagg_refusal(make_config({"clients": 2000, "join_ratio": 0.6}), fedavg)
     assert why is not None and "expected cohort (1200 clients) exceeds the 1023" in why
+
+
+def test_fedskew_methods_states_whether_a_composition_can_be_securely_aggregated(capsys):
+    assert main(["methods", "fedprox+disco"]) == 0
+    assert "secure aggregation on Flower (flower.secagg): yes" in capsys.readouterr().out
+    assert main(["methods", "fedsa"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "secure aggregation on Flower (flower.secagg): no: its server combines the individual updates" in out
