@@ -308,21 +308,15 @@ class FlowerServer:
             own = self.server.sent_to(plan, cid)
             return broadcast if own is plan.broadcast else to_record(own)
 
+        # SecAgg+: each client is told its weight, fixed before it trains, the range of summed values and the seed
         weights = self._cohort_weights(rnd, targets) if self.secagg else {}
-        secure = self.link.settings
+        secure = {"secagg_clip": self.link.settings.secagg_clip, "seed": self.cfg.seed} if self.secagg else {}
         contents = {
             cid: RecordDict(
                 {
                     "model": to_record(self._wire(self.server.received(cid))),
                     "broadcast": sent_to(cid),
-                    "config": self._config(
-                        cid,
-                        **(
-                            {"secagg_weight": weights[cid], "secagg_clip": secure.secagg_clip, "seed": self.cfg.seed}
-                            if self.secagg
-                            else {}
-                        ),
-                    ),
+                    "config": self._config(cid, **secure, **({"secagg_weight": weights[cid]} if weights else {})),
                 }
             )
             for cid in targets
