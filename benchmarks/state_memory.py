@@ -9,6 +9,12 @@ mean round time, the clients' latest state on disk (``state``) and the space the
 
     python benchmarks/state_memory.py --data-dir ../shared/data/mnist --clients 2000
     python benchmarks/state_memory.py --data-dir ../shared/data/mnist --clients 500 --method scaffold --rounds 3
+
+A configuration may also name where the round's uploads are stacked, ``STORE/AGGREGATION`` (``stacked``: in RAM,
+``disk``: in files, ``streaming``, ``auto``), to compare the server sides of one method (issue 46):
+
+    python benchmarks/state_memory.py --data-dir ../shared/data/mnist --clients 2000 --model cnn --rounds 1 \\
+        --method fedsa --backends disk/stacked,disk/disk
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ def _rss_kib() -> int:
     return 0
 
 
-def child(args: argparse.Namespace, backend: str) -> dict:
+def child(args: argparse.Namespace, configuration: str) -> dict:
     import resource
     import time
 
@@ -40,6 +46,7 @@ def child(args: argparse.Namespace, backend: str) -> dict:
     from fedskew.protocol import TIMING_KEYS
 
     torch.set_num_threads(1)
+    backend, _, aggregation = configuration.partition("/")
     cfg = make_config(
         None,
         {
@@ -55,6 +62,7 @@ def child(args: argparse.Namespace, backend: str) -> dict:
             "db": None,
             "skew_probes": 0,
             "state_store": backend,
+            "aggregation": aggregation or "auto",
         },
     )
     data = build_federated(cfg)
@@ -72,7 +80,7 @@ def child(args: argparse.Namespace, backend: str) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     model_bytes = sum(t.numel() * t.element_size() for t in sim.global_params.values())
     return {
-        "backend": sim.state_store.backend,
+        "backend": sim.state_store.backend + ("/" + aggregation if aggregation else ""),
         "peak_mb": peak / 1024,
         "base_mb": base / 1024,
         "round_s": sum(times) / len(times),
@@ -91,7 +99,7 @@ def main() -> None:
     p.add_argument("--model", default="mlp")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--join-ratio", type=float, default=1.0)
-    p.add_argument("--backends", default="memory,disk")
+    p.add_argument("--backends", default="memory,disk", help="configurations, each STORE[/AGGREGATION]")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -106,10 +114,11 @@ def main() -> None:
         f"{args.method}, {args.clients} clients, join ratio {args.join_ratio}, {args.rounds} rounds, {args.model} "
         f"({results[0]['model_mb']:.2f} MB)"
     )
-    print(f"{'backend':8} {'peak RSS':>10} {'baseline':>10} {'peak-base':>10} {'round':>8} {'state':>10} {'files':>10}")
+    head = ("peak RSS", "baseline", "peak-base")
+    print(f"{'backend':12} " + " ".join(f"{h:>10}" for h in head) + f" {'round':>8} {'state':>10} {'files':>10}")
     for r in results:
         print(
-            f"{r['backend']:8} {r['peak_mb']:8.0f}MB {r['base_mb']:8.0f}MB {r['peak_mb'] - r['base_mb']:8.0f}MB "
+            f"{r['backend']:12} {r['peak_mb']:8.0f}MB {r['base_mb']:8.0f}MB {r['peak_mb'] - r['base_mb']:8.0f}MB "
             f"{r['round_s']:7.2f}s {r['disk_mb']:8.0f}MB {r['used_mb']:8.0f}MB"
         )
     if len(results) > 1:

@@ -216,6 +216,7 @@ ENGINE_MAY_IMPORT = {
     "fedskew.server.uploads",  # the upload checks and stack
     "fedskew.server.dispersion",  # the dispersion statistics the parameter-skew probe records
     "fedskew.server.streaming",  # the running sums of streaming aggregation: the upload stack's sibling
+    "fedskew.server.paging",  # the upload stack on disk (its allocator)
 }
 
 

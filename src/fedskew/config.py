@@ -247,12 +247,14 @@ class RunConfig(StrictSettings):
         description="train the sampled clients together, vmapped over stacked parameters (engine/batched.py; for a "
         "GPU); equal to the sequential loop up to float32 rounding; methods it cannot batch fall back, with a warning",
     )
-    aggregation: Literal["auto", "stacked", "streaming"] = Field(
+    aggregation: Literal["auto", "stacked", "streaming", "disk"] = Field(
         "auto",
-        description="the server's uploads: stacked ([clients, ...] buffers, what every server method can read) or "
+        description="the server's uploads: stacked ([clients, ...] buffers, what every server method can read), "
         "streaming (a weighted mean summed upload by upload, memory O(model): FedAvg, FedProx, SCAFFOLD, Ditto, "
-        "FedAvgM, ...; equal up to float64 rounding; needs skew_probes 0); auto: streaming when the composition "
-        "allows it, skew_probes is 0 and the stacked uploads would take over 512 MiB",
+        "FedAvgM, ...; equal up to float64 rounding; needs skew_probes 0) or disk (stacked in unnamed files in the "
+        "run directory, read block by block: identical results, CPU only); auto: streaming when the composition "
+        "allows it, skew_probes is 0 and the stacked uploads would take over 512 MiB, else disk when they would "
+        "exceed state_memory",
     )
     channels_last: bool = Field(
         False,
@@ -267,8 +269,8 @@ class RunConfig(StrictSettings):
     )
     state_memory: int | str | None = Field(
         None,
-        description="RAM budget for per-client state under state_store auto, e.g. 2GB or 512MiB (default: a quarter "
-        "of this machine's RAM)",
+        description="RAM budget for per-client state under state_store auto, and for a round's stacked uploads under "
+        "aggregation auto, e.g. 2GB or 512MiB (default: a quarter of this machine's RAM)",
     )
     log: list[str] = Field(
         default_factory=list,
@@ -422,6 +424,8 @@ class RunConfig(StrictSettings):
                 raise ValueError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
             if self.batched_clients:
                 raise ValueError("differential privacy clips each client's update: batched_clients is not supported")
+        if self.aggregation == "disk" and self.device.split(":")[0] != "cpu":
+            raise ValueError(f"aggregation disk maps the uploads from files on the CPU; device is {self.device!r}")
         if self.aggregation == "streaming":
             from fedskew.server.streaming import stream_refusal
 

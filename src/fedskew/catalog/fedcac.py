@@ -29,7 +29,7 @@ from fedskew.protocol import Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerOutput, Weighting
-from fedskew.server.combine import WeightedMean
+from fedskew.server.combine import WeightedMean, column_blocks
 from fedskew.server.personal import PersonalState, mix, personal_models
 from fedskew.space import Float, LogFloat
 
@@ -81,8 +81,10 @@ def overlap_matrix(masks: list[Tensor]) -> Tensor:
     k = masks[0].shape[0]
     gram = torch.zeros(k, k, dtype=torch.float64)
     for m in masks:
-        flat = m.reshape(k, -1).to(torch.float64)
-        gram += flat @ flat.T
+        flat = m.reshape(k, -1)
+        for cols in column_blocks(k, flat.shape[1], flat.device):  # no K × M float64 copy of the masks
+            block = flat[:, cols].to(torch.float64)
+            gram += (block @ block.T).cpu()
     count = gram.diagonal().clone()  # |m_i|
     mismatch = count[:, None] + count[None, :] - 2 * gram  # ||m_i - m_j||_1
     safe = torch.where(count > 0, count, torch.ones_like(count))

@@ -47,6 +47,7 @@ from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings, describe_errors
 from fedskew.server.api import Aggregation, Masking, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
+from fedskew.server.paging import release_pages
 from fedskew.server.weights import normalize
 from fedskew.space import Float
 
@@ -161,6 +162,7 @@ class HealMasks(Masking):
         names = _float_names(rin)
         new_state = dict(state)
         for i, cid in enumerate(rin.cids):
+            release_pages()  # a disk-backed stack: the previous client's rows go back to the kernel
             # w >= W is exactly the sign test of w - W (no rounding in a comparison)
             nonneg_now = {name: rin.params[name][i] >= rin.global_params[name] for name in names}
             history = state.get(cid)

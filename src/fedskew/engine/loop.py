@@ -211,6 +211,7 @@ class Simulation:
             server_context(data, self.method, template, trainable, cfg.seed),
             local_names=self.local_names,
             personal=self.state_store.maps["personal"],
+            scratch=None if state_dir is None else state_dir.parent,  # the run directory
         )
         self.bind_states(self.state_store.maps)
         self.current_round = 0  # the round opened last (a personalization's draws are keyed by it)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from fedskew.engine.rounds import (
     sample_clients,
 )
 from fedskew.engine.settings import RoundSettings
+from fedskew.engine.state_store import memory_budget
 from fedskew.privacy.accountant import Sampling
 from fedskew.privacy.server import PrivacyPlan, plan_privacy, private_server
 from fedskew.protocol import (
@@ -55,6 +57,7 @@ from fedskew.protocol import (
 )
 from fedskew.seeding import Purpose, numpy_rng
 from fedskew.server.api import RoundInput
+from fedskew.server.paging import DiskBuffers
 from fedskew.server.streaming import RunningSum, stream_refusal
 from fedskew.server.uploads import UploadStack, check_model, enforce, stack_metrics
 
@@ -108,6 +111,18 @@ def streams(settings: RoundSettings, method: Method, ctx: ServerContext) -> bool
     return cohort_sampling(settings, ctx.num_clients).expected_cohort * model > STREAM_ABOVE
 
 
+def stacks_on_disk(settings: RoundSettings, method: Method, ctx: ServerContext) -> bool:
+    """Whether a stacked round keeps its uploads in files (:mod:`fedskew.server.paging`): ``disk``, or ``auto`` when
+    the expected cohort's stacked uploads (with the extras, about as large as the model at most) would exceed the
+    RAM budget of ``state_memory`` and the run is on the CPU."""
+    if settings.aggregation != "auto":
+        return settings.aggregation == "disk"
+    if any(t.device.type != "cpu" for t in ctx.template.values()):
+        return False
+    model = payload_bytes(ctx.template)
+    return cohort_sampling(settings, ctx.num_clients).expected_cohort * model > memory_budget(settings.state_memory)
+
+
 def cohort_sampling(settings: RoundSettings, num_clients: int) -> Sampling:
     """How the run's cohorts are drawn, as the DP accountant counts them (full participation: no amplification)."""
     if settings.client_sampling == "poisson":
@@ -128,9 +143,11 @@ class RoundServer:
         *,
         local_names: frozenset[str],
         personal: MutableMapping[int, Params],
+        scratch: Path | None = None,
     ) -> None:
         """``local_names``: the state-dict entries the clients keep for themselves (never on the wire);
-        ``personal``: where the models sent to individual clients live (a client-state store's map)."""
+        ``personal``: where the models sent to individual clients live (a client-state store's map); ``scratch``:
+        where a disk-backed upload stack puts its (unnamed) files (default: the temporary directory)."""
         self.settings = settings
         self.method = method
         self.ctx = ctx
@@ -167,7 +184,9 @@ class RoundServer:
         self.streaming = streams(settings, method, ctx)
         # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
         self.server_half_state = method.server_half.init(ctx)
-        self._buffers = BufferPool()  # the upload stacks' [K, ...] buffers, reused across rounds when free
+        # the upload stacks' [K, ...] buffers: in RAM, reused across rounds when free, or in files (server/paging.py)
+        self.on_disk = not self.streaming and stacks_on_disk(settings, method, ctx)
+        self._buffers = DiskBuffers(scratch) if self.on_disk else BufferPool()
 
     @property
     def trainable(self) -> frozenset[str]:

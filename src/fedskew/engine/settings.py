@@ -37,4 +37,5 @@ class RoundSettings:
     eval_every: int  # the evaluation cadence (the last round always evaluates)
     eval_clients: int | None  # per-client views score a seeded sample of this many clients (None: all)
     skew_probes: int  # parameter-skew probe positions on evaluated rounds (0: no probe)
-    aggregation: str  # auto | stacked | streaming: the round's uploads stacked, or summed as they arrive
+    aggregation: str  # auto | stacked | streaming | disk: uploads stacked, summed as they arrive, or stacked on disk
+    state_memory: int | str | None  # the RAM budget a stack may take under aggregation auto (None: a quarter of RAM)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from fedskew.protocol import Params, RoundInput, State
 from fedskew.server.api import Combine, Diagnostics
+from fedskew.server.paging import release_pages
 
 BLOCK_ELEMENTS = {"cpu": 1 << 22}  # float64 elements of one K × block working buffer (32 MiB); per device type
 BLOCK_ELEMENTS_DEFAULT = 1 << 26  # accelerators: fewer, larger kernels (512 MiB)
@@ -24,13 +25,16 @@ MIN_BLOCK_COLUMNS = 4096  # ... unless that is fewer columns than this
 
 def column_blocks(k: int, m: int, device: torch.device, budget: int | None = None) -> Iterator[slice]:
     """Slices of ``range(m)`` such that a ``k × block`` float64 buffer stays within ``budget`` elements (default:
-    the device's, :data:`BLOCK_ELEMENTS`) and, for large tensors, small next to the ``[k, m]`` stack itself."""
+    the device's, :data:`BLOCK_ELEMENTS`) and, for large tensors, small next to the ``[k, m]`` stack itself. After
+    each block is consumed, a disk-backed stack's pages go back to the kernel
+    (:func:`fedskew.server.paging.release_pages`): iterate lazily (not ``list(...)``) for that to bound them."""
     if budget is None:
         budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS_DEFAULT)
     budget //= max(k, 1)
     block = max(1, min(m, budget, max(MIN_BLOCK_COLUMNS, -(-m // BLOCK_FRACTION))))
     for s in range(0, m, block):
         yield slice(s, min(s + block, m))
+        release_pages()
 
 
 def weighted_sums(x: Tensor, weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

@@ -56,13 +56,12 @@ def column_stats(X: Tensor, *, weights: Tensor | None = None, want_skew: bool = 
     if weights is not None:
         wmean = torch.empty(m, **dev_kw)
         weights = torch.as_tensor(weights).to(**dev_kw).reshape(-1)
-    blocks = list(column_blocks(k, m, X.device, CHUNK_ELEMENTS if X.device.type == "cpu" else None))
-    block = blocks[0].stop - blocks[0].start if blocks else 0
-    buf = torch.empty((k, block), **dev_kw)
-    scratch = torch.empty((k, block), **dev_kw)
-    # few, large kernels per block (each one is a parallel region on CPU)
-    for cols in blocks:
+    buf = scratch = torch.empty(0, **dev_kw)
+    # few, large kernels per block (each one is a parallel region on CPU); lazily, so a disk stack's pages go back
+    for cols in column_blocks(k, m, X.device, CHUNK_ELEMENTS if X.device.type == "cpu" else None):
         s, e = cols.start, cols.stop
+        if not buf.numel():  # one reused buffer pair, the first block's width (the last one may be narrower)
+            buf, scratch = torch.empty((k, e - s), **dev_kw), torch.empty((k, e - s), **dev_kw)
         xb = X[:, s:e]
         torch.amax(xb, 0, out=hi[s:e])
         torch.amin(xb, 0, out=lo[s:e])

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fedskew.protocol import LABEL_HIST, Params, Rejection, RoundInput, Upload, UploadError
+from fedskew.server.paging import release_pages
 
 
 def check_upload(upload: Upload, global_params: Params, extras_template: Params | None = None) -> Rejection | None:
@@ -137,6 +138,7 @@ class UploadStack:
             buf[row].copy_(upload.params[n])
         for n, buf in self.extras.items():
             buf[row].copy_(upload.extras[n])
+        release_pages()  # a disk-backed stack (server.paging): the row's pages go back to the kernel
         self.cids.append(upload.cid)
         self.num_samples.append(float(upload.num_samples))
         self.metrics.append({k: float(v) for k, v in upload.metrics.items()})

@@ -1,0 +1,120 @@
+"""Upload stacks on disk (issue 46, ``aggregation disk``): a round's ``[K, ...]`` uploads in unnamed files, mapped,
+their pages handed back as the server reads them. The server pieces read them unchanged, so a run's records are the
+in-memory stack's, bit for bit; what stays resident is about one column block, not the stack."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedskew.engine.round_server as rs
+from fedskew.config import make_config
+from fedskew.methods import resolve_method
+from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.runner import run_experiment
+from fedskew.schema import ConfigError
+from fedskew.server.dispersion import column_stats
+from fedskew.server.paging import _LIVE, DiskBuffers, is_on_disk, release_pages
+from fedskew.server.uploads import UploadStack
+
+
+def _status_kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {field}")
+
+
+def test_disk_buffers_are_unnamed_files_whose_data_outlive_released_pages(tmp_path):
+    buffers = DiskBuffers(tmp_path / "scratch")
+    t = buffers.empty("w", (5, 3, 4), torch.float32, "cpu")
+    mask = buffers.empty("extra:m", (5, 7), torch.bool, "cpu")
+    t.copy_(torch.arange(60, dtype=torch.float32).reshape(5, 3, 4))
+    mask.copy_(torch.arange(35).reshape(5, 7) % 3 == 0)
+    release_pages()  # the pages go back to the kernel; the data stays in the files
+    assert torch.equal(t, torch.arange(60, dtype=torch.float32).reshape(5, 3, 4))
+    assert torch.equal(mask, torch.arange(35).reshape(5, 7) % 3 == 0)
+    assert is_on_disk(t[2]) and is_on_disk(mask) and not is_on_disk(torch.zeros(3))
+    assert list((tmp_path / "scratch").iterdir()) == []  # nothing named: a crash leaves nothing behind
+    live = len(_LIVE)
+    del t, mask
+    assert len(_LIVE) == live - 2  # a mapping lives as long as a tensor over it
+    empty = buffers.empty("e", (0, 4), torch.float32, "cpu")
+    assert empty.shape == (0, 4) and not is_on_disk(empty)
+    with pytest.raises(ValueError, match="lives on the CPU, not on meta"):
+        buffers.empty("w", (2, 2), torch.float32, "meta")
+
+
+def test_the_stack_stays_out_of_resident_memory_and_reads_like_the_in_memory_one(tmp_path):
+    k, m = 32, 1 << 20  # 128 MiB of float32 uploads
+    template = {"w": torch.zeros(m)}
+    on_disk, in_ram = UploadStack(k, template, DiskBuffers(tmp_path).empty), UploadStack(k, template)
+    g = torch.Generator().manual_seed(0)
+    row = torch.empty(m)
+    rss_file = _status_kib("RssFile")
+    for cid in range(k):
+        row.normal_(generator=g).mul_(cid + 1)
+        upload = Upload(cid, {"w": row}, 10 + cid)
+        assert on_disk.add(upload) is None and in_ram.add(upload) is None
+        assert _status_kib("RssFile") - rss_file < 16 * 1024  # the rows written go back: not 4 MiB per client
+    x_disk, x_ram = on_disk.params["w"], in_ram.params["w"]
+    assert is_on_disk(x_disk) and torch.equal(x_disk, x_ram)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the present
+    before = _status_kib("VmRSS")
+    stats = column_stats(x_disk)
+    peak = _status_kib("VmHWM") - before
+    expected = column_stats(x_ram)
+    for name in ("mean", "var", "constant", "skew"):
+        assert torch.equal(getattr(stats, name), getattr(expected, name))
+    # one K × block float64 pair (2 × 32 MiB) and the [M] results, not the 128 MiB stack
+    assert peak < 112 * 1024, f"peak {peak} KiB over the pass"
+    assert _status_kib("RssFile") - rss_file < 16 * 1024
+
+
+def _records(run_dir):
+    rows = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k != "time"} for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [("fedsa", {}), ("fedavg+heal", {}), ("fedcac", {}), ("fedavg+disco", {}), ("fedamp", {})],
+)
+def test_a_disk_run_gives_the_in_memory_runs_records_exactly(tmp_path, monkeypatch, method, args):
+    made = []
+    empty = DiskBuffers.empty
+    monkeypatch.setattr(DiskBuffers, "empty", lambda self, key, *a: made.append(key) or empty(self, key, *a))
+    base = {"method": method, "method_args": args, "clients": 5, "rounds": 3, "db": None, "seed": 4}
+    for mode in ("stacked", "disk"):
+        run_experiment(make_config(None, {**base, "aggregation": mode, "out": str(tmp_path / mode)}))
+        assert bool(made) == (mode == "disk")
+    assert _records(tmp_path / "disk") == _records(tmp_path / "stacked")
+    names = [sorted(p.name for p in (tmp_path / mode).iterdir()) for mode in ("disk", "stacked")]
+    assert names[0] == names[1]  # nothing left behind in the run directory
+
+
+def test_auto_stacks_on_disk_above_the_memory_budget_and_disk_is_refused_for_streaming_needs():
+    ctx = ServerContext(4, 10, {"w": torch.zeros(1000)}, frozenset({"w"}), torch.full((4,), 10).numpy())
+
+    def decide(method="fedsa", **over):
+        cfg = make_config(None, {"method": method, "clients": 4, "skew_probes": 0, **over})
+        return rs.stacks_on_disk(cfg.round_settings(), resolve_method(method, {}), ctx)
+
+    assert not decide()  # 4 × 4 KB against a quarter of the RAM
+    assert decide(state_memory="8KB")  # 16 KB of uploads above an 8 KB budget
+    assert not decide(state_memory="1MB")
+    assert decide(aggregation="disk") and not decide(aggregation="stacked", state_memory="8KB")
+    cfg = make_config(None, {"method": "fedsa", "aggregation": "disk"})
+    assert cfg.aggregation == "disk"
+    with pytest.raises(ConfigError, match="aggregation"):
+        make_config(None, {"aggregation": "tape"})
+
+
+def test_a_stack_file_that_cannot_be_made_names_the_directory(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(OSError, match="not-a-dir"):
+        DiskBuffers(blocker).empty("w", (4, 4), torch.float32, "cpu")
+    assert os.path.isfile(blocker)
