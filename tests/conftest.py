@@ -1,11 +1,19 @@
 """Shared fixtures: small configs, and the offline data directory when present."""
 
+import os
 from pathlib import Path
 
 import pytest
 from torch import nn
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per CPU this process may use, at most 4 (the subprocess-heavy
+    tests start several processes each; the suite's 2-core CI machine runs 2)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def shared_dataset_dir(name: str) -> Path:

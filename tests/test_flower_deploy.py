@@ -37,6 +37,7 @@ pytestmark = [
         importlib.util.find_spec("flwr") is None, reason='flwr is not installed (pip install -e ".[flower]")'
     ),
     pytest.mark.skipif(not Path("/proc").is_dir(), reason="the left-behind process check reads /proc (Linux)"),
+    pytest.mark.xdist_group("loopback"),  # one deployment at a time (each starts a SuperLink and its SuperNodes)
 ]
 
 BASE = {"clients": 3, "rounds": 2, "eval_every": 2, "seed": 11, "threads": 1, "method": "fedavg+disco"}

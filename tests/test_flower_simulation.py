@@ -18,6 +18,8 @@ import yaml
 from fedskew.cli import main
 from fedskew.protocol import TIMING_KEYS
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (conftest, pyproject)
+
 needs_flwr = pytest.mark.skipif(
     importlib.util.find_spec("flwr") is None, reason='flwr is not installed (pip install -e ".[flower]")'
 )

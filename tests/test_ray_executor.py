@@ -37,6 +37,8 @@ TINY = {"dataset": "digits", "clients": 4, "rounds": 3, "model": "mlp", "skew_pr
 SUMMARY_TIMING = {"run_id", "created", "wall_time", "checkpoints", "checkpoint_time"}
 # the `ray` command of this Python's environment (a virtual environment need not be on PATH)
 RAY_CLI = str(Path(sys.executable).parent / "ray") if (Path(sys.executable).parent / "ray").exists() else "ray"
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (conftest, pyproject)
+
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None or shutil.which(RAY_CLI) is None,
     reason="Ray is not installed (extra [ray]), or its `ray` command is missing",

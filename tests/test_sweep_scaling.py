@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_scaling.py"
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 def test_sweep_scaling_small(tmp_path):
     kinds = "jobs1,jobs2" + (",ray" if importlib.util.find_spec("ray") is not None else "")
     argv = ["--rounds", "2", "--seeds", "1", "--methods", "fedavg,fedprox", "--kinds", kinds, "--out", str(tmp_path)]

@@ -409,6 +409,7 @@ def test_a_queued_trial_is_claimed_by_one_process(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (extra [ray])")
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 def test_ray_tasks_tune_one_study(tmp_path):
     """`fedskew tune --executor ray --jobs 2` (its own process, as a user runs it; a local Ray instance of 2 CPUs): the
     budget is met, every trial recorded once, the trials ran in two processes other than the command's, and the same
