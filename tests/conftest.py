@@ -47,6 +47,9 @@ def _run_in_tmp_dir(tmp_path, monkeypatch):
     folders, a Flower node's part) is inside it too, never in the user's ``~/.cache``."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDSKEW_CACHE", str(tmp_path / ".fedskew-cache"))
+    # output wrapped to the terminal's width is the same in a terminal, a pipe and a parallel worker (tests that
+    # check other widths set COLUMNS themselves)
+    monkeypatch.setenv("COLUMNS", "100")
 
 
 @pytest.fixture
