@@ -118,3 +118,23 @@ def test_a_stack_file_that_cannot_be_made_names_the_directory(tmp_path):
     with pytest.raises(OSError, match="not-a-dir"):
         DiskBuffers(blocker).empty("w", (4, 4), torch.float32, "cpu")
     assert os.path.isfile(blocker)
+
+
+def test_a_pieces_own_per_client_result_goes_where_the_uploads_are(tmp_path):
+    from fedskew.catalog.heal import HealMasks
+
+    template = {"w": torch.zeros(6, 5), "b": torch.zeros(5)}
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for rnd in (1, 2):  # FedHEAL's masks: all kept at a first participation, then by sign consistency
+        stacks = {"disk": UploadStack(3, template, DiskBuffers(tmp_path).empty), "ram": UploadStack(3, template)}
+        for cid in range(3):
+            upload = Upload(cid, {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)}, 10)
+            assert all(stack.add(upload) is None for stack in stacks.values())
+        out = {}
+        for name, stack in stacks.items():
+            out[name] = HealMasks()(stack.round_input(rnd=rnd, trainable=frozenset(template)), state)
+        (disk_masks, _), (ram_masks, state) = out["disk"], out["ram"]
+        assert all(is_on_disk(m) for m in disk_masks.values()) and not any(is_on_disk(m) for m in ram_masks.values())
+        assert all(torch.equal(disk_masks[n], ram_masks[n]) for n in template)
+    assert not all(bool(m.all()) for m in ram_masks.values())  # the second round masked something

@@ -170,10 +170,23 @@ class RoundInput:
     # FedNova's tau_k), and whatever a local algorithm adds (e.g. the loss before training)
     metrics: Mapping[str, Tensor] = field(default_factory=dict)
     reports: Mapping[str, np.ndarray] = field(default_factory=dict)  # participants' client reports, name -> [K, d]
+    # the upload stack's allocator ``(key, shape, dtype, device) -> tensor``: None is torch.empty (see :meth:`empty`)
+    alloc: Callable[[str, tuple[int, ...], Any, Any], Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_participants(self) -> int:
         return len(self.cids)
+
+    def empty(self, key: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Tensor:
+        """An uninitialized tensor for a piece's own per-client result (``[K, ...]``, e.g. one mask per upload),
+        where the round's uploads are: in RAM, or in a file beside a disk-backed stack (``aggregation disk``,
+        :mod:`fedskew.server.paging`: write it row by row, or release the pages after a whole fill). ``key`` names
+        it among the round's buffers (e.g. ``"mask:<tensor>"``)."""
+        if self.alloc is None:
+            import torch
+
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.alloc(key, shape, dtype, device)
 
     def delta(self, name: str) -> Tensor:
         """One tensor's per-client deltas ``w_k - w_global`` (``[K, *shape]``, the upload's dtype): a *delta* is

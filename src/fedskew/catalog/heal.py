@@ -152,10 +152,10 @@ class HealMasks(Masking):
 
     def __call__(self, rin: RoundInput, state: HealMaskState) -> tuple[Params, HealMaskState]:
         k = rin.num_participants
-        masks: Params = {
-            name: torch.ones((k, *stacked.shape[1:]), dtype=torch.bool, device=stacked.device)
-            for name, stacked in rin.params.items()
-        }
+        masks: Params = {}
+        for name, stacked in rin.params.items():  # where the uploads are (a disk-backed stack: beside them)
+            masks[name] = rin.empty(f"mask:{name}", (k, *stacked.shape[1:]), torch.bool, stacked.device).fill_(True)
+            release_pages()
         if not self.enabled:
             return masks, state
         num, den = self._tau_fraction()

@@ -172,6 +172,7 @@ class UploadStack:
             label_hists=reports.get(LABEL_HIST.name),
             metrics=stack_metrics(self.metrics),
             reports=reports,
+            alloc=self._alloc,
         )
 
 
