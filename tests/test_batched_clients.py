@@ -119,8 +119,9 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("fedala", {"layer_idx": 2, "rand_percent": 0.5}, {**BN, "batch_size": 32}),
         # FedGen: every step draws labels and noise from the client's generator (after its epoch's permutation),
         # generated features through the trained head; two epochs interleave permutations and draws
-        ("fedgen", None, {"local_epochs": 2}),
-        ("fedgen", {"gen_batch_size": 7, "gen_weight": 0.5}, {**BN, "batch_size": 32}),
+        # (100 generator steps a round on the server, not 1,000: the clients' training is what is compared)
+        ("fedgen", {"server_epochs": 100}, {"local_epochs": 2}),
+        ("fedgen", {"gen_batch_size": 7, "gen_weight": 0.5, "server_epochs": 100}, {**BN, "batch_size": 32}),
         # AFL with the loss after training, scored in end on each client's validation split
         ("fedavg+afl", {"loss": "after"}, {"validation": 0.2}),
         ("fedamp", None, {}),  # its own model persists (start), proximal towards the received cloud model
@@ -341,6 +342,8 @@ def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, met
 
     base = {"clients": 6, "rounds": 4, "method": method, "db": None, "seed": 4, "skew_probes": 0}
     base |= {"join_ratio": 0.67, "client_dropout": 0.2, "on_bad_update": "drop", "batched_clients": True}
+    if method == "fedgen":  # 100 generator steps a round on the server, not 1,000 (its state resumes the same)
+        base["method_args"] = {"server_epochs": 100}
 
     def records(out):
         lines = (out / "metrics.jsonl").read_text().splitlines()
