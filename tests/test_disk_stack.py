@@ -11,7 +11,6 @@ import torch
 
 import fedskew.engine.round_server as rs
 from fedskew.config import make_config
-from fedskew.methods import resolve_method
 from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
 from fedskew.runner import run_experiment
 from fedskew.schema import ConfigError
@@ -100,7 +99,7 @@ def test_auto_stacks_on_disk_above_the_memory_budget_and_disk_is_refused_for_str
 
     def decide(method="fedsa", **over):
         cfg = make_config(None, {"method": method, "clients": 4, "skew_probes": 0, **over})
-        return rs.stacks_on_disk(cfg.round_settings(), resolve_method(method, {}), ctx)
+        return rs.stacks_on_disk(cfg.round_settings(), ctx)
 
     assert not decide()  # 4 × 4 KB against a quarter of the RAM
     assert decide(state_memory="8KB")  # 16 KB of uploads above an 8 KB budget

@@ -107,11 +107,15 @@ def streams(settings: RoundSettings, method: Method, ctx: ServerContext) -> bool
         return settings.aggregation == "streaming"
     if settings.skew_probes or settings.dp_clip is not None or stream_refusal(method) is not None:
         return False
-    model = payload_bytes(ctx.template)
-    return cohort_sampling(settings, ctx.num_clients).expected_cohort * model > STREAM_ABOVE
+    return expected_stack_bytes(settings, ctx) > STREAM_ABOVE
 
 
-def stacks_on_disk(settings: RoundSettings, method: Method, ctx: ServerContext) -> bool:
+def expected_stack_bytes(settings: RoundSettings, ctx: ServerContext) -> float:
+    """The bytes of an expected cohort's uploads stacked (``aggregation auto`` decides by them)."""
+    return cohort_sampling(settings, ctx.num_clients).expected_cohort * payload_bytes(ctx.template)
+
+
+def stacks_on_disk(settings: RoundSettings, ctx: ServerContext) -> bool:
     """Whether a stacked round keeps its uploads in files (:mod:`fedskew.server.paging`): ``disk``, or ``auto`` when
     the expected cohort's stacked uploads (with the extras, about as large as the model at most) would exceed the
     RAM budget of ``state_memory`` and the run is on the CPU."""
@@ -119,8 +123,7 @@ def stacks_on_disk(settings: RoundSettings, method: Method, ctx: ServerContext) 
         return settings.aggregation == "disk"
     if any(t.device.type != "cpu" for t in ctx.template.values()):
         return False
-    model = payload_bytes(ctx.template)
-    return cohort_sampling(settings, ctx.num_clients).expected_cohort * model > memory_budget(settings.state_memory)
+    return expected_stack_bytes(settings, ctx) > memory_budget(settings.state_memory)
 
 
 def cohort_sampling(settings: RoundSettings, num_clients: int) -> Sampling:
@@ -185,7 +188,7 @@ class RoundServer:
         # what the server keeps for the client part (SCAFFOLD's c), advanced before each aggregation
         self.server_half_state = method.server_half.init(ctx)
         # the upload stacks' [K, ...] buffers: in RAM, reused across rounds when free, or in files (server/paging.py)
-        self.on_disk = not self.streaming and stacks_on_disk(settings, method, ctx)
+        self.on_disk = not self.streaming and stacks_on_disk(settings, ctx)
         self._buffers = DiskBuffers(scratch) if self.on_disk else BufferPool()
 
     @property
