@@ -7,8 +7,9 @@ training samples per client, ``--per-round`` clients sampled per round, the 2-hi
 10, 1 local epoch, the client-state store the run picks (``state_store auto``: on disk when the clients' state would
 exceed ``state_memory``; ``--state-store`` to force one). Per round it times
 fedskew's training of the sampled clients and then **the same SGD steps in a plain PyTorch loop** (the reference:
-``load_state_dict`` per client, ``torch.optim.SGD``, the client's own batches; Ditto: a personal pass with its
-proximal term, then the global pass), alternating so that machine drift hits both. It prints
+``load_state_dict`` per client, ``torch.optim.SGD``, the client's own batches; Ditto: the client's personal model,
+kept in a dict across rounds as Ditto must, trained with its proximal term and kept, then the global pass),
+alternating so that machine drift hits both. It prints
 
 - round time (training, aggregation; no evaluation in the timed rounds) and the plain loop's time,
 - **fixed cost per client** = (fedskew's training time − the plain loop's) / clients per round,
@@ -41,19 +42,29 @@ def _rss_mb() -> float:
 
 
 def plain_round(
-    model, global_sd: dict, clients: list, batch_size: int, lr: float, prox: float | None, seed: int
+    model,
+    global_sd: dict,
+    clients: list,
+    batch_size: int,
+    lr: float,
+    prox: float | None,
+    seed: int,
+    personal: dict | None = None,
 ) -> float:
     """The reference: the same clients' SGD steps in the simplest correct plain-PyTorch loop; ``prox`` (Ditto's
-    lambda): first a personal model's pass with Ditto's proximal term to the received model, then the global pass."""
+    lambda): first the client's personal model (kept in ``personal`` across rounds, by client; the received model
+    at its first participation) trained with Ditto's proximal term to the received model and kept, then the global
+    pass."""
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(seed)
     anchor = [t.detach() for t in global_sd.values()]
+    kept = {} if personal is None else personal
     t0 = time.perf_counter()
     for c in clients:
         for lam in ([prox] if prox is not None else []) + [None]:
-            model.load_state_dict(global_sd)
+            model.load_state_dict(kept.get(c.cid, global_sd) if lam is not None else global_sd)
             params = list(model.parameters())
             opt = torch.optim.SGD(params, lr=lr)
             x, y = c.x_train, c.y_train
@@ -66,6 +77,8 @@ def plain_round(
                     loss = loss + 0.5 * lam * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                 loss.backward()
                 opt.step()
+            if lam is not None:  # Ditto keeps the personal model (a copy: the next client trains the same module)
+                kept[c.cid] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return time.perf_counter() - t0
 
 
@@ -133,13 +146,14 @@ def child(args: argparse.Namespace, method: str, n: int) -> dict:
         base = _rss_mb()
         ours, plain, clients = [], [], []
         ref_model = copy.deepcopy(sim.model)  # the plain loop's own model of the same architecture
+        ref_personal: dict = {}  # the plain loop's Ditto personal models, by client
         for rnd in range(1, rounds + 1):
             sampled = sample_clients(cfg.seed, rnd, n, cfg.join_ratio)
             chunk = [data.clients[c] for c in sampled]
             gsd = {k: v.clone() for k, v in sim.global_params.items()}
 
             def run_plain(chunk=chunk, gsd=gsd, rnd=rnd) -> float:
-                return plain_round(ref_model, gsd, chunk, cfg.batch_size, cfg.lr, prox, rnd)
+                return plain_round(ref_model, gsd, chunk, cfg.batch_size, cfg.lr, prox, rnd, ref_personal)
 
             if rnd % 2:
                 p = run_plain()

@@ -137,3 +137,56 @@ def test_a_pieces_own_per_client_result_goes_where_the_uploads_are(tmp_path):
         assert all(is_on_disk(m) for m in disk_masks.values()) and not any(is_on_disk(m) for m in ram_masks.values())
         assert all(torch.equal(disk_masks[n], ram_masks[n]) for n in template)
     assert not all(bool(m.all()) for m in ram_masks.values())  # the second round masked something
+
+
+def test_mixing_skips_identity_rows_and_unread_clients_and_matches_the_dense_formula(tmp_path):
+    from fedskew.catalog.fedcac import customized_mixing
+    from fedskew.server.personal import mix
+
+    g = torch.Generator().manual_seed(3)
+    k = 7
+    x = torch.randn(k, 3, 50, generator=g)
+    collab = torch.zeros(k, k, dtype=torch.bool)
+    collab[0, 2] = collab[2, 0] = collab[4, 2] = True  # 1, 3, 5, 6 mix nobody; 0, 2, 4 read 0, 2 and 4 only
+    a = customized_mixing(collab)
+    dense = (a @ x.reshape(k, -1).double()).to(torch.float32).reshape(x.shape)
+    assert torch.allclose(mix(a, x), dense, rtol=0, atol=1e-6)
+    for i in (1, 3, 5, 6):
+        assert torch.equal(mix(a, x)[i], x[i])  # its own upload, copied
+    keep = torch.rand(x.shape, generator=g) < 0.5
+    wbar = torch.randn(3, 50, generator=g)
+    out = DiskBuffers(tmp_path).empty("cac:w", tuple(x.shape), torch.float32, "cpu")
+    got = mix(a, x, out=out, keep=keep, otherwise=wbar)
+    assert got.data_ptr() == out.data_ptr() and is_on_disk(got)
+    assert torch.allclose(got, torch.where(keep, dense, wbar.expand_as(x)), rtol=0, atol=1e-6)
+    amp = torch.softmax(torch.randn(k, k, generator=g), 1)  # dense: every row mixes every client
+    assert torch.allclose(mix(amp, x), (amp.double() @ x.reshape(k, -1).double()).float().reshape(x.shape))
+
+
+def test_overlaps_counted_in_float32_blocks_are_exact():
+    from fedskew.catalog.fedcac import overlap_matrix
+
+    g = torch.Generator().manual_seed(5)
+    masks = [torch.rand(9, 40, 30, generator=g) < p for p in (0.3, 0.7)]
+    flat = torch.cat([m.reshape(9, -1) for m in masks], 1).double()
+    gram = flat @ flat.T
+    count = gram.diagonal()
+    expected = 1 - (count[:, None] + count[None, :] - 2 * gram) / (2 * count[:, None])
+    assert torch.equal(overlap_matrix(masks), expected)
+
+
+def test_personalized_models_are_kept_without_the_rounds_stack_or_all_at_once(tmp_path):
+    from fedskew.engine.state_store import ClientStateStore, keep_model
+
+    stack = torch.arange(24, dtype=torch.float32).reshape(3, 8)
+    ram: dict = {}
+    own = torch.ones(8)
+    keep_model(ram, 0, {"w": stack[1], "b": own})
+    assert ram[0]["b"] is own  # a tensor of its own is kept as it is
+    assert torch.equal(ram[0]["w"], stack[1]) and ram[0]["w"].untyped_storage().nbytes() == 32  # a row: copied
+    personal = ClientStateStore("disk", 3, tmp_path / "s").maps["personal"]
+    for cid in range(3):
+        keep_model(personal, cid, {"w": stack[cid]})
+        assert personal.cached() == 0  # written through, not held until the round's end
+    stack.zero_()
+    assert torch.equal(personal[2]["w"], torch.arange(16, 24, dtype=torch.float32))

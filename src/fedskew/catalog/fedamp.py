@@ -108,7 +108,11 @@ class FedAMP:
         wbar, _, _ = WeightedMean()(rin, weights, None, None)
         alpha = self.alpha_k * self.decay_rate ** ((rin.round - 1) // self.decay_every)
         xi, rescaled = amp_mixing(squared_distances(rin), alpha, self.sigma)
-        new = {n: mix(xi, t) for n, t in rin.params.items() if n in rin.trainable}
+        new = {  # written where the round's uploads are (RAM or disk)
+            n: mix(xi, t, out=rin.empty(f"amp:{n}", tuple(t.shape), t.dtype, t.device))
+            for n, t in rin.params.items()
+            if n in rin.trainable
+        }
         diagnostics = {
             "weights": weights.tolist(),
             "amp_alpha_k": alpha,

@@ -35,6 +35,7 @@ from fedskew.space import Float, LogFloat
 
 MASK_PREFIX = "cac_mask/"  # upload: the critical mask of trainable tensor n, named MASK_PREFIX + n
 COLLAB_TOL = 1e-12  # spec 7: exact ties with the threshold collaborate
+EXACT_FLOAT32 = 1 << 24  # integers up to this are exact in float32
 
 
 # ---- client: critical-parameter masks (spec 3.3 steps 2-3) -----------------------------------------------------------
@@ -82,9 +83,10 @@ def overlap_matrix(masks: list[Tensor]) -> Tensor:
     gram = torch.zeros(k, k, dtype=torch.float64)
     for m in masks:
         flat = m.reshape(k, -1)
-        for cols in column_blocks(k, flat.shape[1], flat.device):  # no K × M float64 copy of the masks
-            block = flat[:, cols].to(torch.float64)
-            gram += (block @ block.T).cpu()
+        # no K × M copy of the masks; a block's counts are integers below 2^24, exact in float32 (half float64's cost)
+        for cols in column_blocks(k, flat.shape[1], flat.device, max_columns=EXACT_FLOAT32):
+            block = flat[:, cols].to(torch.float32)
+            gram += (block @ block.T).to(device="cpu", dtype=torch.float64)
     count = gram.diagonal().clone()  # |m_i|
     mismatch = count[:, None] + count[None, :] - 2 * gram  # ||m_i - m_j||_1
     safe = torch.where(count > 0, count, torch.ones_like(count))
@@ -157,10 +159,10 @@ class FedCAC:
             diagnostics.update({"cac_overlap_avg": float(off.mean()), "cac_overlap_max": float(off.max())})
         a = customized_mixing(collab)
         new: Params = {}
-        for n in names:
-            u = mix(a, rin.params[n])
-            m = masks[n]
-            new[n] = torch.where(m, u, wbar[n].unsqueeze(0).expand_as(u))
+        for n in names:  # M_i ⊙ u_i + (1 − M_i) ⊙ w̄, written where the round's uploads are (RAM or disk)
+            t = rin.params[n]
+            out = rin.empty(f"cac:{n}", tuple(t.shape), t.dtype, t.device)
+            new[n] = mix(a, t, out=out, keep=masks[n], otherwise=wbar[n])
         critical = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
         diagnostics.update(
             {

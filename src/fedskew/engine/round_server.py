@@ -41,7 +41,7 @@ from fedskew.engine.rounds import (
     sample_clients,
 )
 from fedskew.engine.settings import RoundSettings
-from fedskew.engine.state_store import memory_budget
+from fedskew.engine.state_store import keep_model, memory_budget
 from fedskew.privacy.accountant import Sampling
 from fedskew.privacy.server import PrivacyPlan, plan_privacy, private_server
 from fedskew.protocol import (
@@ -299,8 +299,8 @@ class RoundServer:
             out, self.server_state = self.strategy.aggregate(rin, self.server_state)
             self._check_models(rnd, out.global_params, out.personal)
             self.global_params = out.global_params
-            if out.personal:
-                self.personal.update(out.personal)
+            for cid, model in (out.personal or {}).items():
+                keep_model(self.personal, cid, model)
         elif self.privacy is not None:  # an empty cohort under DP still releases the noise (a skip would tell)
             if method.server_half.private:
                 sums = self.strategy.extras_sums(rnd, None, self.server_state.clip, s.dp_extras_scale)
@@ -391,7 +391,7 @@ class RoundServer:
             )
         return mean
 
-    def _check_models(self, rnd: int, global_params: Params, personal: dict[int, Params] | None) -> None:
+    def _check_models(self, rnd: int, global_params: Params, personal: Mapping[int, Params] | None) -> None:
         """The server's models must match the template (names, shapes, dtypes) and be finite."""
         models = {"the aggregated global model": (global_params, False)}
         models.update({f"client {cid}'s personalized model": (p, True) for cid, p in (personal or {}).items()})

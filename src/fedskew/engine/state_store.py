@@ -39,7 +39,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +60,7 @@ __all__ = [
     "StoreFiles",
     "StoreRef",
     "choose_store",
+    "keep_model",
     "memory_budget",
     "open_state_store",
     "peek",
@@ -113,6 +114,22 @@ def peek_entry(mapping: MutableMapping[int, Any], cid: int, key: str) -> Any:
 
 
 # ---- the three maps of a simulation ----------------------------------------------------------------------------------
+def keep_model(mapping: MutableMapping[int, Any], cid: int, model: Mapping[str, torch.Tensor]) -> None:
+    """Keep client ``cid``'s ``model`` in ``mapping`` beyond the round: a :class:`DiskMap` writes it to disk at once
+    (nothing cached, so a round's ``K`` personalized models never sit in RAM together); in RAM a tensor that owns its
+    storage is kept as it is and a view of a larger one is copied (a row of a round's ``[K, ...]`` tensor would keep
+    the whole of it alive)."""
+    if isinstance(mapping, DiskMap):
+        mapping[cid] = dict(model)
+        mapping.release(cid)
+        return
+    mapping[cid] = {n: t if _owns_storage(t) else t.clone() for n, t in model.items()}
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 class ClientStateStore:
     """The per-client maps of one simulation (:data:`MAPS`) in RAM or on disk. ``directory``: where a disk store
     lives (a run's ``client_state/``; ``None``: a temporary directory, removed when the store is closed or

@@ -56,7 +56,8 @@ Diagnostics = dict[str, Any]  # JSON-serializable numbers a piece reports for th
 @dataclass(frozen=True)
 class ServerOutput:
     global_params: Params
-    personal: dict[int, Params] | None = None  # per-client models, for personalized methods
+    # per-client models, for personalized methods (may be views of the round's [K, ...] tensors: copy what you keep)
+    personal: Mapping[int, Params] | None = None
     diagnostics: Diagnostics = field(default_factory=dict)
 
 

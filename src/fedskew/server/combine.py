@@ -23,15 +23,20 @@ BLOCK_FRACTION = 16  # and at most 1/16 of the columns (a float64 block <= 1/8 o
 MIN_BLOCK_COLUMNS = 4096  # ... unless that is fewer columns than this
 
 
-def column_blocks(k: int, m: int, device: torch.device, budget: int | None = None) -> Iterator[slice]:
+def column_blocks(
+    k: int, m: int, device: torch.device, budget: int | None = None, max_columns: int | None = None
+) -> Iterator[slice]:
     """Slices of ``range(m)`` such that a ``k × block`` float64 buffer stays within ``budget`` elements (default:
-    the device's, :data:`BLOCK_ELEMENTS`) and, for large tensors, small next to the ``[k, m]`` stack itself. After
+    the device's, :data:`BLOCK_ELEMENTS`) and, for large tensors, small next to the ``[k, m]`` stack itself; at most
+    ``max_columns`` columns each when given. After
     each block is consumed, a disk-backed stack's pages go back to the kernel
     (:func:`fedskew.server.paging.release_pages`): iterate lazily (not ``list(...)``) for that to bound them."""
     if budget is None:
         budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS_DEFAULT)
     budget //= max(k, 1)
     block = max(1, min(m, budget, max(MIN_BLOCK_COLUMNS, -(-m // BLOCK_FRACTION))))
+    if max_columns is not None:
+        block = min(block, max_columns)
     for s in range(0, m, block):
         yield slice(s, min(s + block, m))
         release_pages()

@@ -9,6 +9,7 @@ participant's uploaded buffers into its personalized model. Absent clients keep 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -18,27 +19,67 @@ from fedskew.protocol import Params, RoundInput, State
 from fedskew.server.combine import column_blocks
 
 
-def mix(a: Tensor, stacked: Tensor) -> Tensor:
-    """Row-mixing of client values: ``out[i] = Σ_j a[i, j] · stacked[j]`` in float64 (block by block of columns,
-    no ``K × M`` float64 copy), cast back."""
+def mix(
+    a: Tensor,
+    stacked: Tensor,
+    out: Tensor | None = None,
+    keep: Tensor | None = None,
+    otherwise: Tensor | None = None,
+) -> Tensor:
+    """Row-mixing of client values: ``out[i] = Σ_j a[i, j] · stacked[j]`` in float64, cast back, block by block of
+    columns (no ``K × M`` float64 copy). A row of ``a`` that is row i of the identity gives client i its own value
+    (copied, not multiplied), and only the clients that the other rows read enter the product, so a sparse
+    collaboration costs what it mixes (the result is the same: a term ``0 · x_j`` adds nothing to a finite sum).
+
+    ``out``: where to write (``[K, ...]`` like ``stacked``, e.g. :meth:`RoundInput.empty`'s buffer beside a disk
+    stack; default a new tensor). ``keep`` (boolean, ``[K, ...]``) with ``otherwise`` (one client's shape): the mix
+    only where ``keep`` is set, ``otherwise`` elsewhere (FedCAC's ``M_i ⊙ u_i + (1 − M_i) ⊙ w̄``)."""
     k = stacked.shape[0]
     flat = stacked.reshape(k, -1)
+    dest = torch.empty_like(flat) if out is None else out.reshape(k, -1)
     a64 = a.to(device=flat.device, dtype=torch.float64)
-    out = torch.empty_like(flat)
+    eye = torch.eye(k, dtype=torch.float64, device=flat.device)
+    rows = (a64 != eye).any(1).nonzero().flatten()  # the clients whose value mixes others'
+    sub = a64[rows]
+    used = (sub != 0).any(0).nonzero().flatten()  # the clients those rows read
+    sub = sub[:, used]
+    kept = None if keep is None else keep.reshape(k, -1)
+    fallback = None if otherwise is None else otherwise.reshape(1, -1)
     for cols in column_blocks(k, flat.shape[1], flat.device):
-        out[:, cols] = a64 @ flat[:, cols].to(torch.float64)
-    return out.reshape(stacked.shape)
+        block = dest[:, cols]
+        block.copy_(flat[:, cols])
+        if rows.numel():
+            block.index_copy_(0, rows, (sub @ flat[used, cols].to(torch.float64)).to(flat.dtype))
+        if kept is not None and fallback is not None:
+            block.copy_(torch.where(kept[:, cols], block, fallback[:, cols]))
+    return dest.reshape(stacked.shape)
 
 
-def personal_models(rin: RoundInput, trainable_values: Params) -> dict[int, Params]:
-    """Per participant: the given ``[K, ...]`` values for trainable tensors, its own upload for buffers. Each row is
-    a copy, so a client's model does not keep the round's ``[K, ...]`` tensors (and uploads) alive."""
-    out: dict[int, Params] = {}
-    for k, cid in enumerate(rin.cids):
-        out[cid] = {
-            n: (trainable_values[n][k] if n in trainable_values else t[k]).clone() for n, t in rin.params.items()
-        }
-    return out
+class PersonalModels(Mapping[int, Params]):
+    """Per participant of a round: the given ``[K, ...]`` values for trainable tensors, its own upload for the others
+    (buffers), as *views* of those ``[K, ...]`` tensors (no ``K`` copies at once, wherever the round's tensors live).
+    A consumer that keeps a model beyond the round copies it (the round server writes each to the client-state
+    store as it goes: :func:`fedskew.engine.state_store.store_copy`)."""
+
+    def __init__(self, rin: RoundInput, trainable_values: Params) -> None:
+        self._rows = {cid: k for k, cid in enumerate(rin.cids)}
+        self._values = {n: trainable_values.get(n, t) for n, t in rin.params.items()}
+
+    def __getitem__(self, cid: int) -> Params:
+        k = self._rows[cid]
+        return {n: t[k] for n, t in self._values.items()}
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def personal_models(rin: RoundInput, trainable_values: Params) -> PersonalModels:
+    """Per participant: the given ``[K, ...]`` values for trainable tensors, its own upload for buffers (views; see
+    :class:`PersonalModels`)."""
+    return PersonalModels(rin, trainable_values)
 
 
 class PersonalState(NamedTuple):
