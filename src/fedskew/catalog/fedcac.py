@@ -30,6 +30,7 @@ from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerOutput, Weighting
 from fedskew.server.combine import WeightedMean, column_blocks
+from fedskew.server.paging import release_pages
 from fedskew.server.personal import PersonalState, mix, personal_models
 from fedskew.space import Float, LogFloat
 
@@ -115,6 +116,7 @@ def collaborators(o: Tensor, thr: float, masks: list[Tensor] | None = None) -> T
         empty = torch.ones(k, dtype=torch.bool, device=c.device)
         for m in masks:
             empty &= ~m.reshape(k, -1).any(dim=1).to(c.device)
+            release_pages()  # masks beside a disk stack: their pages back to the kernel
         c[empty] = False
     return c
 
@@ -163,7 +165,9 @@ class FedCAC:
             t = rin.params[n]
             out = rin.empty(f"cac:{n}", tuple(t.shape), t.dtype, t.device)
             new[n] = mix(a, t, out=out, keep=masks[n], otherwise=wbar[n])
-        critical = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
+        # count_nonzero: a bool tensor's sum() would first convert the K × M masks to int64
+        critical = sum(int(torch.count_nonzero(m)) for m in masks.values()) / sum(m.numel() for m in masks.values())
+        release_pages()
         diagnostics.update(
             {
                 "cac_threshold": thr,

@@ -44,3 +44,51 @@ class BufferPool:
 
     def clear(self) -> None:
         self._held.clear()
+
+
+class TrainInPlace:
+    """A model whose state-dict tensors are, while a client trains, the next free row of the round's upload buffers:
+    loading the received model writes that row, the training updates it, and the upload is already where the round
+    server stacks it (:meth:`fedskew.server.uploads.UploadStack.add` then skips the copy; the checks are the same).
+    That removes a copy of the model per client, the largest part of the sequential loop's cost per client beside
+    the plain SGD steps (docs/design.md, "Cross-device scale").
+
+    :meth:`bind` points the model at a row (``False``, and nothing changed, when the row does not match the model
+    tensor for tensor, or two state-dict entries share storage: a tied model trains in its own tensors);
+    :meth:`restore` gives the model back its own tensors (not copied into: what the model holds then is what was
+    last loaded into them). Bind for the training only: whatever uses the model after it (a personalized method's
+    adaptation of the trained model, evaluation) would otherwise write into the stacked upload."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._home: dict[str, Tensor] | None = None  # the model's own tensors while it is bound
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return dict(self.model.state_dict(keep_vars=True))
+
+    def bind(self, row: dict[str, Tensor] | None) -> bool:
+        if row is None:
+            return False
+        tensors = self._tensors()
+        if set(tensors) != set(row):
+            return False
+        for n, t in tensors.items():
+            r = row[n]
+            if r.shape != t.shape or r.dtype != t.dtype or r.device != t.device or not r.is_contiguous():
+                return False
+        if self._home is None:
+            if len({t.data_ptr() for t in tensors.values()}) != len(tensors):
+                return False  # tied entries: binding them apart would untie them
+            self._home = {n: t.data for n, t in tensors.items()}
+        with torch.no_grad():
+            for n, t in tensors.items():
+                t.data = row[n]
+        return True
+
+    def restore(self) -> None:
+        if self._home is None:
+            return
+        with torch.no_grad():
+            for n, t in self._tensors().items():
+                t.data = self._home[n]
+        self._home = None

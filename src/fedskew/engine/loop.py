@@ -27,6 +27,7 @@ from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
 from fedskew.data.pools import FederatedData
 from fedskew.engine.backends import batched_trainer, worker_pool
+from fedskew.engine.buffers import TrainInPlace
 from fedskew.engine.calibration import calibrated_model
 from fedskew.engine.evaluate import (
     ClientScores,
@@ -69,6 +70,7 @@ from fedskew.methods import Method, resolve_method
 from fedskew.privacy.server import noised_entries
 from fedskew.protocol import Params, Upload
 from fedskew.server.api import CalibrationKey
+from fedskew.server.uploads import UploadStack
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
 __all__ = [
@@ -172,6 +174,7 @@ class Simulation:
         self.data = data
         self.method = method or resolve_method(cfg.method, cfg.method_args)
         self.model = init_model(cfg, data, self.method, model)
+        self._in_place = TrainInPlace(self.model)  # the sequential loop trains in the upload stack's rows
         template = snapshot(self.model)
         trainable = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
         self.settings = train_settings(cfg)
@@ -277,9 +280,17 @@ class Simulation:
             jobs = [(cid, self.params_for(cid), self.server.sent_to(plan, cid)) for cid in cids]
             yield from self._workers.train(self, rnd, jobs)
         else:
+            # live: the upload's params are the model's tensors, which take_upload copies before the next trains;
+            # with the round's stack in RAM, the model trains in the stack's next row and nothing is copied
+            stack = plan.stack if isinstance(plan.stack, UploadStack) and not self.server.on_disk else None
             for cid in cids:
-                # live: the upload's params are the model's tensors, which take_upload copies before the next trains
-                yield self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid), live=True)
+                if stack is not None:
+                    self._in_place.bind(stack.next_row())
+                try:
+                    upload = self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid), live=True)
+                finally:
+                    self._in_place.restore()  # before anything else uses the model (it would write the row)
+                yield upload
 
     def close(self) -> None:
         """Stop the worker processes, if any (the runner calls it when the run ends, however it ends)."""

@@ -57,7 +57,7 @@ from fedskew.protocol import (
 )
 from fedskew.seeding import Purpose, numpy_rng
 from fedskew.server.api import RoundInput
-from fedskew.server.paging import DiskBuffers
+from fedskew.server.paging import DiskBuffers, release_pages
 from fedskew.server.streaming import RunningSum, stream_refusal
 from fedskew.server.uploads import UploadStack, check_model, enforce, stack_metrics
 
@@ -301,6 +301,7 @@ class RoundServer:
             self.global_params = out.global_params
             for cid, model in (out.personal or {}).items():
                 keep_model(self.personal, cid, model)
+                release_pages()  # a model beside a disk stack: its pages back to the kernel once written
         elif self.privacy is not None:  # an empty cohort under DP still releases the noise (a skip would tell)
             if method.server_half.private:
                 sums = self.strategy.extras_sums(rnd, None, self.server_state.clip, s.dp_extras_scale)
@@ -397,5 +398,6 @@ class RoundServer:
         models.update({f"client {cid}'s personalized model": (p, True) for cid, p in (personal or {}).items()})
         for what, (params, partial) in models.items():
             bad = check_model(params, self.ctx.template, f"round {rnd}, {what}", partial=partial)
+            release_pages()  # a model beside a disk stack: its pages back to the kernel once read
             if bad:
                 raise Diverged(rnd, f"{what} holds NaN or Inf in {', '.join(bad[:3])}")

@@ -27,9 +27,10 @@ def mix(
     otherwise: Tensor | None = None,
 ) -> Tensor:
     """Row-mixing of client values: ``out[i] = Σ_j a[i, j] · stacked[j]`` in float64, cast back, block by block of
-    columns (no ``K × M`` float64 copy). A row of ``a`` that is row i of the identity gives client i its own value
-    (copied, not multiplied), and only the clients that the other rows read enter the product, so a sparse
-    collaboration costs what it mixes (the result is the same: a term ``0 · x_j`` adds nothing to a finite sum).
+    columns (no ``K × M`` float64 copy). When ``a`` is the identity (nobody mixes: FedCAC after round ``beta``) every
+    client keeps its own value, copied without the ``O(K² M)`` product (the same numbers: ``1 · x_i + Σ 0 · x_j`` is
+    exact). Otherwise the whole product (a product over a subset of the rows would round differently on some BLAS,
+    and the records would no longer match earlier runs').
 
     ``out``: where to write (``[K, ...]`` like ``stacked``, e.g. :meth:`RoundInput.empty`'s buffer beside a disk
     stack; default a new tensor). ``keep`` (boolean, ``[K, ...]``) with ``otherwise`` (one client's shape): the mix
@@ -38,18 +39,15 @@ def mix(
     flat = stacked.reshape(k, -1)
     dest = torch.empty_like(flat) if out is None else out.reshape(k, -1)
     a64 = a.to(device=flat.device, dtype=torch.float64)
-    eye = torch.eye(k, dtype=torch.float64, device=flat.device)
-    rows = (a64 != eye).any(1).nonzero().flatten()  # the clients whose value mixes others'
-    sub = a64[rows]
-    used = (sub != 0).any(0).nonzero().flatten()  # the clients those rows read
-    sub = sub[:, used]
+    identity = bool(torch.equal(a64, torch.eye(k, dtype=torch.float64, device=flat.device)))
     kept = None if keep is None else keep.reshape(k, -1)
     fallback = None if otherwise is None else otherwise.reshape(1, -1)
     for cols in column_blocks(k, flat.shape[1], flat.device):
         block = dest[:, cols]
-        block.copy_(flat[:, cols])
-        if rows.numel():
-            block.index_copy_(0, rows, (sub @ flat[used, cols].to(torch.float64)).to(flat.dtype))
+        if identity:
+            block.copy_(flat[:, cols])
+        else:
+            block.copy_((a64 @ flat[:, cols].to(torch.float64)).to(flat.dtype))
         if kept is not None and fallback is not None:
             block.copy_(torch.where(kept[:, cols], block, fallback[:, cols]))
     return dest.reshape(stacked.shape)

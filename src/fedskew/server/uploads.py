@@ -135,7 +135,8 @@ class UploadStack:
             }
         row = self.count
         for n, buf in self.params.items():
-            buf[row].copy_(upload.params[n])
+            if not _is_view_of(upload.params[n], buf[row]):  # trained in place (next_row): already there
+                buf[row].copy_(upload.params[n])
         for n, buf in self.extras.items():
             buf[row].copy_(upload.extras[n])
         release_pages()  # a disk-backed stack (server.paging): the row's pages go back to the kernel
@@ -143,6 +144,14 @@ class UploadStack:
         self.num_samples.append(float(upload.num_samples))
         self.metrics.append({k: float(v) for k, v in upload.metrics.items()})
         return None
+
+    def next_row(self) -> Params | None:
+        """Views of the row the next accepted upload fills (``None``: the stack is full), for a client to train in
+        place (:class:`fedskew.engine.buffers.TrainInPlace`): an upload whose tensors are these views is not copied.
+        A rejected upload leaves the row free for the next."""
+        if self.count >= self.capacity:
+            return None
+        return {n: buf[self.count] for n, buf in self.params.items()}
 
     def round_input(
         self,
@@ -174,6 +183,13 @@ class UploadStack:
             reports=reports,
             alloc=self._alloc,
         )
+
+
+def _is_view_of(t: Tensor, row: Tensor) -> bool:
+    """Whether ``t`` is exactly the tensor ``row`` (same memory, shape, strides and dtype)."""
+    return (
+        t.data_ptr() == row.data_ptr() and t.shape == row.shape and t.stride() == row.stride() and t.dtype == row.dtype
+    )
 
 
 def stack_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, Tensor]:
