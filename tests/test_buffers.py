@@ -44,3 +44,70 @@ def test_pool_reuses_a_free_buffer_only():
     assert pool.empty("w", (9, 3), torch.float32, "cpu").shape == (9, 3)  # more rows: a larger one
     assert pool.empty("w", (9, 5), torch.float32, "cpu").shape == (9, 5)  # another row shape: its own slot
     assert pool.empty("w", (9, 3), torch.float64, "cpu").dtype == torch.float64
+
+
+def test_a_model_bound_to_a_stack_row_trains_there_and_the_stack_skips_the_copy():
+    from fedskew.engine.buffers import TrainInPlace
+    from fedskew.protocol import Upload
+    from fedskew.server.uploads import UploadStack
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    template = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    stack = UploadStack(2, template)
+    own = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    place = TrainInPlace(model)
+    assert place.bind(stack.next_row())
+    with torch.no_grad():
+        model[0].weight.fill_(3.0)  # training writes the row
+    upload = Upload(0, dict(model.state_dict()), 5)
+    place.restore()
+    assert {n: t.data_ptr() for n, t in model.state_dict().items()} == own  # the model's own tensors back
+    assert stack.add(upload) is None
+    upload.params["0.weight"].fill_(4.0)  # the row itself: what the stack holds
+    assert torch.equal(stack.params["0.weight"][0], torch.full((2, 3), 4.0))
+    other = Upload(1, {n: t.clone() for n, t in template.items()}, 5)
+    assert stack.add(other) is None and torch.equal(stack.params["0.weight"][1], template["0.weight"])  # copied
+    assert stack.next_row() is None  # full: nothing to bind to
+    assert not place.bind(None)
+
+
+def test_a_row_that_does_not_match_or_a_tied_model_is_not_bound():
+    from fedskew.engine.buffers import TrainInPlace
+
+    model = torch.nn.Linear(3, 2)
+    place = TrainInPlace(model)
+    assert not place.bind({"weight": torch.zeros(2, 3)})  # a name missing
+    assert not place.bind({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})  # a shape differs
+    assert not place.bind({"weight": torch.zeros(2, 3, dtype=torch.float64), "bias": torch.zeros(2)})
+    tied = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+    tied[1].weight = tied[0].weight
+    row = {n: torch.zeros_like(t) for n, t in tied.state_dict().items()}
+    assert not TrainInPlace(tied).bind(row)  # binding them apart would untie them
+    assert tied[0].weight is tied[1].weight
+
+
+def test_training_in_the_stack_gives_the_records_of_training_apart(tmp_path, monkeypatch):
+    """Per-FedAvg adapts the trained model right after its upload is taken: bound past the training, that would
+    have written into the stacked upload (it did, before the binding ended with the training)."""
+    import json
+
+    from fedskew.config import make_config
+    from fedskew.engine.buffers import TrainInPlace
+    from fedskew.protocol import TIMING_KEYS
+    from fedskew.runner import run_experiment
+
+    def records(tag, method):
+        out = tmp_path / f"{method}-{tag}"
+        cfg = {"method": method, "clients": 5, "rounds": 2, "join_ratio": 0.8, "db": None, "seed": 7, "out": str(out)}
+        run_experiment(make_config(None, cfg))
+        rows = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k != "time"} for r in rows]
+
+    bound = []
+    bind = TrainInPlace.bind
+    monkeypatch.setattr(TrainInPlace, "bind", lambda self, row: bound.append(bind(self, row)) or bound[-1])
+    methods = ("perfedavg", "ditto+fedcac", "fedavg")
+    together = {m: records("in-stack", m) for m in methods}
+    assert bound and all(bound)
+    monkeypatch.setattr(TrainInPlace, "bind", lambda self, row: False)
+    assert {m: records("apart", m) for m in methods} == together
