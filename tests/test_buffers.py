@@ -32,6 +32,7 @@ def test_pool_reuses_a_free_buffer_only():
     del a
     b = pool.empty("w", (4, 3), torch.float32, "cpu")
     assert b.data_ptr() == ptr  # nothing held a view: the same memory
+    b.fill_(1.0)  # (uninitialized memory may hold NaN, which no torch.equal matches)
     keep = b[1]  # a view that outlives the round (e.g. a personalized model)
     del b
     c = pool.empty("w", (4, 3), torch.float32, "cpu")
