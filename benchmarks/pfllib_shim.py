@@ -10,6 +10,11 @@ own generator, seeds and splitting code write its dataset folder.
 
     python benchmarks/pfllib_shim.py --mnist-idx ../shared/data/mnist -- generate_MNIST.py noniid - dir   # in dataset/
     python benchmarks/pfllib_shim.py -- main.py -data MNIST -m CNN -algo FedAvg ...                       # in system/
+
+PFLlib seeds torch with 0 and nothing else (``torch.manual_seed(0)`` in ``main.py`` and in every client's
+constructor), so each of its runs is the same draw. ``--torch-seed S`` makes those calls seed ``S`` (every
+``torch.manual_seed(0)`` becomes ``torch.manual_seed(S)``; other seeds pass through; 0 leaves the run as it is), so
+PFLlib's own spread over seeds can be measured beside fedskew's. This is the only change to PFLlib's behaviour.
 """
 
 from __future__ import annotations
@@ -129,15 +134,31 @@ def install(mnist_idx: Path | None) -> list[str]:
     return sorted(missing)
 
 
+def reseed_torch(seed: int) -> None:
+    """Make PFLlib's ``torch.manual_seed(0)`` calls seed ``seed`` (module docstring)."""
+    if seed == 0:
+        return
+    import torch
+
+    original = torch.manual_seed
+
+    def manual_seed(s: int) -> Any:
+        return original(seed if int(s) == 0 else s)
+
+    torch.manual_seed = manual_seed  # type: ignore[assignment]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-idx", type=Path, help="folder of the official MNIST IDX files (for generate_MNIST.py)")
+    p.add_argument("--torch-seed", type=int, default=0, help="the seed of PFLlib's torch.manual_seed(0) calls")
     p.add_argument("script", help="the PFLlib script, run from the current directory")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args()
     stood_in = install(a.mnist_idx)
     if stood_in:
         print(f"pfllib_shim: stand-ins for {', '.join(stood_in)} (not installed)", file=sys.stderr)
+    reseed_torch(a.torch_seed)
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, str(Path(a.script).resolve().parent))
     runpy.run_path(a.script, run_name="__main__")

@@ -80,9 +80,11 @@ def one_thread() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int) -> list[float]:
-    """PFLlib's "Averaged Test Accuracy" at each evaluation (round 0 = the initial model, then after each round)."""
-    cmd = [sys.executable, str(SHIM), "main.py", *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
+def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int, seed: int = 0) -> list[float]:
+    """PFLlib's "Averaged Test Accuracy" at each evaluation (round 0 = the initial model, then after each round);
+    ``seed``: what PFLlib's ``torch.manual_seed(0)`` calls seed (``pfllib_shim.py --torch-seed``; 0: as it is)."""
+    shim = [sys.executable, str(SHIM), "--torch-seed", str(seed), "main.py"]
+    cmd = [*shim, *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
     run = subprocess.run(cmd, cwd=pfllib / "system", env=one_thread(), capture_output=True, text=True)
     accs = [float(a) for a in re.findall(r"Averaged Test Accuracy: ([0-9.]+)", run.stdout)]
     if len(accs) < rounds + 1:  # pFedMe reports its evaluations through print_: "Average Test Accuracy"
@@ -144,6 +146,9 @@ def main() -> None:
     p.add_argument("--mnist-idx", type=Path, help="official MNIST IDX files: write PFLlib's dataset folder with them")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--pfllib-seeds", type=int, default=1, help="PFLlib runs with torch seeds 0, 1, ... (pfllib_shim --torch-seed)"
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     p.add_argument("--methods", nargs="*", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--out", type=Path, help="the figures as JSON, written as each is measured (and reused)")
@@ -160,11 +165,12 @@ def main() -> None:
             # the key names the arguments too: a figure measured with other settings is never read back as this one
             key = f"{m} r{a.rounds} {' '.join(fed_args)}".rstrip()
             pfl_key = f"{m} r{a.rounds} {' '.join(pfl_args)}"
-            measure_pfllib = lambda pa=pfl_args: pfllib_accuracy(a.pfllib, pa, a.rounds)  # noqa: E731
-            jobs[(m, "pfllib")] = pool.submit(
-                _attempt,
-                lambda k=pfl_key, f=measure_pfllib: _cached(a.out, f"{k} pfllib", f),
-            )
+            for t in range(a.pfllib_seeds):  # seed 0's key as before this option (its recorded figures stay valid)
+                measure_pfllib = lambda pa=pfl_args, t=t: pfllib_accuracy(a.pfllib, pa, a.rounds, t)  # noqa: E731
+                jobs[(m, "pfllib", t)] = pool.submit(
+                    _attempt,
+                    lambda k=f"{pfl_key} pfllib{f' t{t}' if t else ''}", f=measure_pfllib: _cached(a.out, k, f),
+                )
             for s in range(a.seeds):
                 jobs[(m, s)] = pool.submit(
                     _attempt,
@@ -172,22 +178,31 @@ def main() -> None:
                         a.out, f"{k} fedskew s{s}", lambda: fedskew_accuracy(data, fa, v, a.rounds, s), needs=v
                     ),
                 )
-        print(f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.seeds} fedskew seeds")
-        print(f"{'method':<10} {'PFLlib':>8} {'fedskew mean ± std':>22} {'within':>7}  fedskew view")
+        print(
+            f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.pfllib_seeds} PFLlib torch seeds, "
+            f"{a.seeds} fedskew seeds"
+        )
+        print(f"{'method':<10} {'PFLlib mean ± std':>20} {'fedskew mean ± std':>20} {'overlap':>8}  fedskew view")
         for m in a.methods:
-            pfl = jobs[(m, "pfllib")].result()
+            pfl = [jobs[(m, "pfllib", t)].result() for t in range(a.pfllib_seeds)]
             ours = [jobs[(m, s)].result() for s in range(a.seeds)]
-            failed = [r["error"] for r in [pfl, *ours] if isinstance(r, dict) and "error" in r]
+            failed = [r["error"] for r in [*pfl, *ours] if isinstance(r, dict) and "error" in r]
             if failed:
                 print(f"{m:<10} failed: {failed[0][-300:]}")
                 continue
+            theirs = [r[a.rounds] for r in pfl]
             views = [r[PAIRS[m][1]] for r in ours]
-            mean, std = statistics.fmean(views), statistics.stdev(views) if len(views) > 1 else 0.0
-            inside = min(views) - std <= pfl[a.rounds] <= max(views) + std
-            within = "yes" if inside else "NO"
-            row = f"{100 * pfl[a.rounds]:>7.2f}% {100 * mean:>13.2f} ± {100 * std:.2f}% {within:>7}"
+            (pm, ps), (mean, std) = spread(theirs), spread(views)
+            # each side's range widened by its std: do they meet? (one PFLlib seed: its value in fedskew's)
+            inside = min(theirs) - ps <= max(views) + std and min(views) - std <= max(theirs) + ps
+            verdict = "yes" if inside else "NO"
+            row = f"{100 * pm:>11.2f} ± {100 * ps:.2f}% {100 * mean:>11.2f} ± {100 * std:.2f}% {verdict:>8}"
             print(f"{m:<10} {row}  {PAIRS[m][1]}")
 
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 if __name__ == "__main__":
     main()

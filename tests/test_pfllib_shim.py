@@ -58,3 +58,27 @@ def test_mnist_stand_in_reads_idx_files_with_torchvisions_arithmetic(tmp_path):
     assert out["y"] == int(arrays["train-labels-idx1-ubyte"][4])
     expected = (arrays["train-images-idx3-ubyte"][4, 3, :5] / 255.0 - 0.5) / 0.5
     assert out["x"] == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_torch_seed_replaces_pfllibs_seed_zero_only(tmp_path):
+    script = (
+        "import json, torch\n"
+        "torch.manual_seed(0); a = torch.rand(3).tolist()\n"  # PFLlib's calls: seed 0
+        "torch.manual_seed(5); b = torch.rand(3).tolist()\n"  # any other seed passes through
+        "print(json.dumps({'a': a, 'b': b}))\n"
+    )
+    runs = {}
+    for seed in ("0", "7"):
+        r = _run(tmp_path, script, "--torch-seed", seed)
+        assert r.returncode == 0, r.stderr
+        runs[seed] = json.loads(r.stdout.strip().splitlines()[-1])
+    import torch
+
+    torch.manual_seed(0)
+    zero = torch.rand(3).tolist()
+    torch.manual_seed(7)
+    seven = torch.rand(3).tolist()
+    torch.manual_seed(5)
+    five = torch.rand(3).tolist()
+    assert runs["0"] == {"a": zero, "b": five}  # 0: PFLlib's run as it is
+    assert runs["7"] == {"a": seven, "b": five}
