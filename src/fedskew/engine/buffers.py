@@ -62,28 +62,21 @@ class TrainInPlace:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._home: dict[str, Tensor] | None = None  # the model's own tensors while it is bound
-        self._entries: dict[str, Tensor] | None = None
-
-    def _tensors(self) -> dict[str, Tensor]:
         # the model's parameter and buffer objects, listed once (state_dict() walks the modules: ~0.2 ms a call); a
         # part that replaced one of them since trains in it, and UploadStack.add copies that upload as any other
-        if self._entries is None:
-            self._entries = dict(self.model.state_dict(keep_vars=True))
-        return self._entries
+        self._entries = dict(model.state_dict(keep_vars=True))
+        # tied entries (one tensor under two names): binding them apart would untie them
+        self._tied = len({t.data_ptr() for t in self._entries.values()}) != len(self._entries)
 
     def bind(self, row: dict[str, Tensor] | None) -> bool:
-        if row is None:
-            return False
-        tensors = self._tensors()
-        if set(tensors) != set(row):
+        tensors = self._entries
+        if row is None or self._tied or set(tensors) != set(row):
             return False
         for n, t in tensors.items():
             r = row[n]
             if r.shape != t.shape or r.dtype != t.dtype or r.device != t.device or not r.is_contiguous():
                 return False
-        if self._home is None:
-            if len({t.data_ptr() for t in tensors.values()}) != len(tensors):
-                return False  # tied entries: binding them apart would untie them
+        if self._home is None:  # (bound already: the model's own tensors are still the ones kept)
             self._home = {n: t.data for n, t in tensors.items()}
         with torch.no_grad():
             for n, t in tensors.items():
@@ -94,6 +87,6 @@ class TrainInPlace:
         if self._home is None:
             return
         with torch.no_grad():
-            for n, t in self._tensors().items():
+            for n, t in self._entries.items():
                 t.data = self._home[n]
         self._home = None
