@@ -34,6 +34,17 @@ def test_the_fisher_trace_sums_the_squared_batch_gradients():
     assert trace == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_fisher_trace_drops_the_last_partial_batch_as_training_does():
+    x, y = _data()
+    torch.manual_seed(1)
+    model = FedModel(nn.Flatten(), nn.Linear(D, C))
+    first = fisher_trace(model, x[:4], y[:4], batch=4)
+    assert fisher_trace(model, x, y, batch=4, drop_last=True) == first  # rows 4..5 (a partial batch) left out
+    assert fisher_trace(model, x, y, batch=4) > first
+    # a client smaller than one batch keeps its one batch (the loop trains on it too: bs = min(batch, n))
+    assert fisher_trace(model, x[:3], y[:3], batch=4, drop_last=True) == fisher_trace(model, x[:3], y[:3], batch=4)
+
+
 def test_fisher_weights_are_each_participants_share_of_the_traces():
     rin = RoundInput(
         1, (0, 1, 2), {}, torch.ones(3, dtype=torch.float64), {}, {}, frozenset(),

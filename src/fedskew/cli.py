@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the validation splits (--validation S) every evaluated round and record each metric's "
         "validation-selected round (chosen on them, reported on the test data; docs/protocols.md)",
     )
+    run.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="drop each epoch's last partial batch in local training (PFLlib's loaders do; default: kept)",
+    )
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -128,7 +128,9 @@ class RunConfig(StrictSettings):
     lr: float = Field(0.05, gt=0, description="local SGD learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="local SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="local SGD weight decay")
-    drop_last: bool = False
+    drop_last: bool = Field(
+        False, description="drop each epoch's last partial batch (PFLlib's loaders do; fedskew keeps it by default)"
+    )
     model: str = Field(
         "auto", description="mlp, cnn, lenet, resnet8/10/18/34, textcnn or charlstm (token ids), or auto"
     )

@@ -15,12 +15,14 @@ client's own model.
 
 Read against PFLlib's ``clientas.py`` / ``serveras.py`` (the official FedAS code's port): the alignment's optimizer,
 learning rate (0.01), batch (16) and single epoch as hard-coded there; the Fisher trace over the training batches of
-the run's size. Departures, named: clients that are not sampled do not compute a Fisher trace (PFLlib computes one
-for every client every round and uses only the participants'); the alignment and the trace read the training tensors
-in a seeded order (PFLlib: its shuffled loaders). A client that has never trained starts from the received model
-(``first_align=False``, the default); PFLlib aligns it too, against the prototypes of its own model, which is then the
-initial model (``first_align=True`` does so with the received model as its own: PFLlib's computation when the client's
-first participation is the first round, as under full participation).
+the run's size (without the last partial batch under ``drop_last``, as PFLlib's loaders: a batch of a few samples
+has an inflated squared gradient norm; docs/results.md measures the switch beside PFLlib). Departures, named:
+clients that are not sampled do not compute a Fisher trace (PFLlib computes one for every client every round and
+uses only the participants'); the alignment and the trace read the training tensors in a seeded order (PFLlib: its
+shuffled loaders). A client that has never trained starts from the received model (``first_align=False``, the
+default); PFLlib aligns it too, against the prototypes of its own model, which is then the initial model
+(``first_align=True`` does so with the received model as its own: PFLlib's computation when the client's first
+participation is the first round, as under full participation).
 """
 
 from __future__ import annotations
@@ -91,15 +93,17 @@ def align_body(
             opt.step()
 
 
-def fisher_trace(model: nn.Module, x: Tensor, y: Tensor, batch: int) -> float:
+def fisher_trace(model: nn.Module, x: Tensor, y: Tensor, batch: int, drop_last: bool = False) -> float:
     """``Σ_batches ‖∇ mean NLL(batch)‖²`` over every trainable parameter, in evaluation mode (PFLlib's estimate of
-    the trace of the empirical Fisher information)."""
+    the trace of the empirical Fisher information); ``drop_last``: without the last partial batch, as the run's
+    training batches (PFLlib's loaders drop it)."""
     params = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     try:
-        for i in range(0, x.shape[0], batch):
+        end = x.shape[0] // batch * batch if drop_last and x.shape[0] >= batch else x.shape[0]
+        for i in range(0, end, batch):
             loss = F.cross_entropy(model(x[i : i + batch]), y[i : i + batch])
             for g in torch.autograd.grad(loss, params):
                 total += (g.detach().to(torch.float64) ** 2).sum().cpu()
@@ -151,7 +155,9 @@ class FedAS(LocalAlgorithm):
 
     def end(self, ctx: LocalContext) -> Params:
         assert ctx.x is not None and ctx.y is not None
-        ctx.metrics[FISHER_TRACE] = fisher_trace(ctx.model, ctx.x, ctx.y, ctx.settings.batch_size)
+        ctx.metrics[FISHER_TRACE] = fisher_trace(
+            ctx.model, ctx.x, ctx.y, ctx.settings.batch_size, drop_last=ctx.settings.drop_last
+        )
         return {}
 
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
