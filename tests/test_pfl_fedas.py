@@ -112,3 +112,14 @@ def test_fisher_weighting_is_refused_without_fedas():
     with pytest.raises(ConfigError, match="fisher reads what the fedas client part uploads"):
         resolve_method("fedprox+fisher", {})
     assert resolve_method("fedas", {}).name == "fedas+fisher"
+
+
+def test_the_drop_last_flag_sets_the_runs_setting():
+    from fedskew.cli import build_parser
+    from fedskew.commands.flags import config_from_args
+
+    def cfg(*extra):
+        return config_from_args(build_parser().parse_args(["run", "--method", "fedas", "--no-db", *extra]))
+
+    assert cfg("--drop-last").drop_last is True
+    assert cfg().drop_last is False
