@@ -58,6 +58,14 @@ def test_drop_last():
     assert ctx.steps == 4
 
 
+def test_the_batch_layout_is_one_rule_for_every_caller():
+    keep = TrainSettings(epochs=1, batch_size=5, lr=0.1)
+    drop = TrainSettings(epochs=1, batch_size=5, lr=0.1, drop_last=True)
+    assert keep.batches(23) == (5, 5) and drop.batches(23) == (5, 4)
+    assert keep.batches(20) == drop.batches(20) == (5, 4)
+    assert keep.batches(3) == drop.batches(3) == (3, 1)  # a client smaller than one batch keeps its one batch
+
+
 def test_fedprox_mu0_is_sgd_and_mu_pulls_toward_global():
     model, g, x, y = _setup()
     sgd, _ = _train(LocalAlgorithm(), model, g, x, y)

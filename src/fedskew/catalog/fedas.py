@@ -37,7 +37,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from fedskew.client.kernels import PERSONAL, is_head
-from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, snapshot
+from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSettings, snapshot
 from fedskew.client.prototypes import class_sums
 from fedskew.protocol import Params, RoundInput, State
 from fedskew.registry import ClientPart, NoParams, ServerPlugin
@@ -102,9 +102,9 @@ def fisher_trace(model: nn.Module, x: Tensor, y: Tensor, batch: int, drop_last: 
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     try:
-        end = x.shape[0] // batch * batch if drop_last and x.shape[0] >= batch else x.shape[0]
-        for i in range(0, end, batch):
-            loss = F.cross_entropy(model(x[i : i + batch]), y[i : i + batch])
+        bs, nb = TrainSettings(epochs=1, batch_size=batch, lr=0.0, drop_last=drop_last).batches(x.shape[0])
+        for b in range(nb):
+            loss = F.cross_entropy(model(x[b * bs : (b + 1) * bs]), y[b * bs : (b + 1) * bs])
             for g in torch.autograd.grad(loss, params):
                 total += (g.detach().to(torch.float64) ** 2).sum().cpu()
     finally:

@@ -33,7 +33,6 @@ engine.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -83,6 +82,13 @@ class TrainSettings:
     weight_decay: float = 0.0
     drop_last: bool = False
     rounds: int | None = None
+
+    def batches(self, n: int) -> tuple[int, int]:
+        """A local epoch's batch size and batch count over ``n`` samples: batches of ``min(batch_size, n)``, the
+        last partial one kept, or dropped under ``drop_last`` (PyTorch's ``DataLoader(drop_last=True)``, which
+        PFLlib's loaders use; a client smaller than one batch keeps its one batch)."""
+        bs = min(self.batch_size, n)
+        return bs, (n // bs if self.drop_last else -(-n // bs))
 
 
 class _KeptState:
@@ -474,8 +480,7 @@ def local_train(
     model.train()
     algo.begin(ctx)
     n = x.shape[0]
-    bs = min(s.batch_size, n)
-    n_batches = n // bs if s.drop_last else math.ceil(n / bs)
+    bs, n_batches = s.batches(n)
     losses: list[Tensor] = []  # the step losses, summed once after training (no tensor operation per step)
     sizes: list[int] = []
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]

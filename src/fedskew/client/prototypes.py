@@ -11,7 +11,6 @@ client reads the broadcast in :meth:`PrototypeCollector.prepare`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +58,7 @@ class PrototypeCollector(LocalAlgorithm):
         assert ctx.x is not None
         s = ctx.settings
         n = ctx.x.shape[0]
-        bs = min(s.batch_size, n)
-        per_epoch = n // bs if s.drop_last else math.ceil(n / bs)
+        _, per_epoch = s.batches(n)
         epochs = sum(p.epochs for p in self.phases(ctx))
         ctx.prepared = self.prepare(ctx, (epochs - 1) * per_epoch)  # the first step of the last epoch
 

@@ -58,8 +58,9 @@ def schedule(
     n = np.asarray(ns, dtype=np.int64)
     if (n < 1).any():
         raise ValueError(f"every client needs at least one training sample, got sizes {n.tolist()}")
-    bs = np.minimum(settings.batch_size, n)
-    nb = n // bs if settings.drop_last else -(-n // bs)
+    layout = [settings.batches(int(k)) for k in n]  # (batch size, batch count) per client, as local_train's
+    bs = np.array([b for b, _ in layout], dtype=np.int64)
+    nb = np.array([c for _, c in layout], dtype=np.int64)
     parts, draws = [], []
     for n_k, nb_k, off, gen in zip(ns, nb.tolist(), offsets, generators, strict=True):
         for _ in range(settings.epochs):
