@@ -17,7 +17,9 @@ defaults differ the PFLlib side is given fedskew's value (FedDBE ``-mo 1 -klw 50
 -mu 0.1``: the official scripts'; APFL ``-al 0.5``; pFedMe ``-lam 15 -K 5 -lrp 0.01 -bt 1``, the paper's, and the
 fedskew side ``mu=0.001``, the value PFLlib's pFedMeOptimizer always applies), and
 Per-FedAvg's fedskew side takes PFLlib's layout (batches of 2B split in halves: ``--batch-size 20``; ``train()`` twice
-a round: ``--local-epochs 2``).
+a round: ``--local-epochs 2``). PFLlib's loaders drop each epoch's last partial batch; fedskew keeps it unless
+``--drop-last`` is given (then every fedskew run gets ``fedskew run --drop-last``, and its figures are recorded under
+their own key).
 
     python benchmarks/vs_pfllib_methods.py --pfllib PFLlib --mnist-idx ../shared/data/mnist --rounds 3
 
@@ -152,6 +154,11 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     p.add_argument("--methods", nargs="*", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--out", type=Path, help="the figures as JSON, written as each is measured (and reused)")
+    p.add_argument(
+        "--drop-last",
+        action="store_true",
+        help="fedskew drops each local epoch's last partial batch, as PFLlib's loaders do (fedskew run --drop-last)",
+    )
     a = p.parse_args()
     data = a.pfllib / "dataset" / "MNIST"
     if not (data / "config.json").is_file():
@@ -162,6 +169,7 @@ def main() -> None:
     with ThreadPoolExecutor(a.jobs) as pool:
         for m in a.methods:
             fed_args, view, pfl_args = PAIRS[m]
+            fed_args = [*fed_args, "--drop-last"] if a.drop_last else fed_args
             # the key names the arguments too: a figure measured with other settings is never read back as this one
             key = f"{m} r{a.rounds} {' '.join(fed_args)}".rstrip()
             pfl_key = f"{m} r{a.rounds} {' '.join(pfl_args)}"
@@ -180,7 +188,7 @@ def main() -> None:
                 )
         print(
             f"MNIST, PFLlib's 20-client Dir(0.1) split, CNN, {a.rounds} rounds, {a.pfllib_seeds} PFLlib torch seeds, "
-            f"{a.seeds} fedskew seeds"
+            f"{a.seeds} fedskew seeds" + (" (fedskew with --drop-last)" if a.drop_last else "")
         )
         print(f"{'method':<10} {'PFLlib mean ± std':>20} {'fedskew mean ± std':>20} {'overlap':>8}  fedskew view")
         for m in a.methods:
