@@ -3,8 +3,10 @@
 Workload: MNIST, PFLlib's 20-client Dir(0.1) split (its ``generate_MNIST.py noniid - dir``), its CNN, batch 10,
 lr 0.005, 1 local epoch, full participation, ``--rounds`` rounds (a few: PFLlib's code is run unmodified, one thread
 each). Both tools read the same dataset folder (fedskew: ``--dataset npz --partition given --protocol pfllib``).
-PFLlib seeds torch with 0 at import, so its run is one number; fedskew runs ``--seeds`` seeds (initialization and
-shuffling; the split is PFLlib's), and the table prints PFLlib's accuracy after the last round beside fedskew's mean ±
+PFLlib seeds torch with 0 at import and leaves Python's and NumPy's generators unseeded (its client order, hence
+which client draws which shuffles, varies from run to run: ``--pfllib-host-seed`` seeds them), so its run is one
+draw; ``--pfllib-seeds`` varies its torch seed. fedskew runs ``--seeds`` seeds (initialization and shuffling; the
+split is PFLlib's), and the table prints PFLlib's accuracy after the last round beside fedskew's mean ±
 std and whether PFLlib's lies within fedskew's range widened by one std. PFLlib's figure is its "Averaged Test
 Accuracy" (correct over samples, all clients' test splits pooled, at the start of the next round: the models the
 clients hold then; for FedAS, whose server sends nothing before it evaluates, the models they just trained), i.e.
@@ -82,10 +84,15 @@ def one_thread() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def pfllib_accuracy(pfllib: Path, args: list[str], rounds: int, seed: int = 0) -> list[float]:
+def pfllib_accuracy(
+    pfllib: Path, args: list[str], rounds: int, seed: int = 0, host_seeded: bool = False
+) -> list[float]:
     """PFLlib's "Averaged Test Accuracy" at each evaluation (round 0 = the initial model, then after each round);
-    ``seed``: what PFLlib's ``torch.manual_seed(0)`` calls seed (``pfllib_shim.py --torch-seed``; 0: as it is)."""
-    shim = [sys.executable, str(SHIM), "--torch-seed", str(seed), "main.py"]
+    ``seed``: what PFLlib's ``torch.manual_seed(0)`` calls seed (``pfllib_shim.py --torch-seed``; 0: as it is);
+    ``host_seeded``: Python's and NumPy's generators seeded with ``seed`` too (``--host-seed``), else left unseeded
+    as PFLlib leaves them (its client order, hence each client's shuffles, then varies from run to run)."""
+    host = ["--host-seed", str(seed)] if host_seeded else []
+    shim = [sys.executable, str(SHIM), "--torch-seed", str(seed), *host, "main.py"]
     cmd = [*shim, *COMMON_PFLLIB, *args, "-gr", str(rounds), "-eg", "1", "-dev", "cpu"]
     run = subprocess.run(cmd, cwd=pfllib / "system", env=one_thread(), capture_output=True, text=True)
     accs = [float(a) for a in re.findall(r"Averaged Test Accuracy: ([0-9.]+)", run.stdout)]
@@ -151,6 +158,11 @@ def main() -> None:
     p.add_argument(
         "--pfllib-seeds", type=int, default=1, help="PFLlib runs with torch seeds 0, 1, ... (pfllib_shim --torch-seed)"
     )
+    p.add_argument(
+        "--pfllib-host-seed",
+        action="store_true",
+        help="seed PFLlib's Python and NumPy generators with its torch seed (pfllib_shim --host-seed): repeatable runs",
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     p.add_argument("--methods", nargs="*", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--out", type=Path, help="the figures as JSON, written as each is measured (and reused)")
@@ -174,11 +186,11 @@ def main() -> None:
             key = f"{m} r{a.rounds} {' '.join(fed_args)}".rstrip()
             pfl_key = f"{m} r{a.rounds} {' '.join(pfl_args)}"
             for t in range(a.pfllib_seeds):  # seed 0's key as before this option (its recorded figures stay valid)
-                measure_pfllib = lambda pa=pfl_args, t=t: pfllib_accuracy(a.pfllib, pa, a.rounds, t)  # noqa: E731
-                jobs[(m, "pfllib", t)] = pool.submit(
-                    _attempt,
-                    lambda k=f"{pfl_key} pfllib{f' t{t}' if t else ''}", f=measure_pfllib: _cached(a.out, k, f),
+                measure_pfllib = lambda pa=pfl_args, t=t: pfllib_accuracy(  # noqa: E731
+                    a.pfllib, pa, a.rounds, t, a.pfllib_host_seed
                 )
+                name = f"{pfl_key} pfllib{f' t{t}' if t else ''}{' host-seeded' if a.pfllib_host_seed else ''}"
+                jobs[(m, "pfllib", t)] = pool.submit(_attempt, lambda k=name, f=measure_pfllib: _cached(a.out, k, f))
             for s in range(a.seeds):
                 jobs[(m, s)] = pool.submit(
                     _attempt,
@@ -211,6 +223,7 @@ def main() -> None:
 def spread(values: list[float]) -> tuple[float, float]:
     """Mean and sample std (0 for one value)."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
 
 if __name__ == "__main__":
     main()

@@ -82,3 +82,23 @@ def test_torch_seed_replaces_pfllibs_seed_zero_only(tmp_path):
     five = torch.rand(3).tolist()
     assert runs["0"] == {"a": zero, "b": five}  # 0: PFLlib's run as it is
     assert runs["7"] == {"a": seven, "b": five}
+
+
+def test_host_seed_seeds_python_and_numpy_which_pfllib_leaves_unseeded(tmp_path):
+    script = (
+        "import json, random, numpy as np\n"
+        "print(json.dumps({'np': np.random.choice(1000, 3, replace=False).tolist(), 'py': random.random()}))\n"
+    )
+    outs = []
+    for _ in range(2):
+        r = _run(tmp_path, script, "--host-seed", "3")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    import random
+
+    import numpy as np
+
+    random.seed(3)
+    np.random.seed(3)
+    expected = {"np": np.random.choice(1000, 3, replace=False).tolist(), "py": random.random()}
+    assert outs[0] == outs[1] == expected
