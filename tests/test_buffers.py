@@ -58,6 +58,7 @@ def test_a_model_bound_to_a_stack_row_trains_there_and_the_stack_skips_the_copy(
     own = {n: t.data_ptr() for n, t in model.state_dict().items()}
     place = TrainInPlace(model)
     assert place.bind(stack.next_row())
+    model.load_state_dict(template)  # loading the received model writes the row (it starts uninitialized)
     with torch.no_grad():
         model[0].weight.fill_(3.0)  # training writes the row
     upload = Upload(0, dict(model.state_dict()), 5)
