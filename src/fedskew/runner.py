@@ -27,6 +27,7 @@ from fedskew.data.pools import FederatedData
 from fedskew.data.readers.base import VOCAB_FILE, vocabulary_digest, vocabulary_text
 from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
+from fedskew.engine.numerics import continue_record, numerics
 from fedskew.engine.state_store import STATE_DIR, StoreDirError, StoreFiles
 from fedskew.methods import resolve_method
 from fedskew.recorder import RunRecorder, domain_fields
@@ -193,6 +194,7 @@ def run_experiment(
     for msg in rd.notes:
         note(msg)
     first, elapsed = 1, 0.0
+    arithmetic: list[dict[str, Any]] = []  # which arithmetic ran which rounds (engine/numerics.py)
     created = now.isoformat(timespec="seconds")
     files = {VOCAB_FILE: vocabulary_text(data.vocabulary)} if data.vocabulary else {}  # text: the word of every id
     if resume:
@@ -209,6 +211,7 @@ def run_experiment(
         first, run_id, created, elapsed = ckpt["round"] + 1, ckpt["run_id"], ckpt["created"], ckpt["elapsed"]
         rd.cut_rounds(ckpt["round"])
         note(f"resuming {out_dir} after round {ckpt['round']} (checkpoint)")
+        arithmetic = ckpt.get("numerics") or []
     else:
         try:
             if overwrite:  # the replaced run's client state: its store's own files, nothing else
@@ -218,6 +221,9 @@ def run_experiment(
             rd.unlock()
             raise ConfigError(f"cannot run into {out_dir}: {exc}") from None
         RunRecorder(rd, cfg, run_id, created).start(label_table(data), files)
+    arithmetic, changed = continue_record(arithmetic, first, numerics(cfg.device))
+    if changed:
+        note(changed)
     rd.set_status("running", run_id=run_id)
     # live trackers on the same record stream (started at the first finished round; never stop the run)
     hists = data.train_hists + data.test_hists if cfg.log else None
@@ -237,6 +243,7 @@ def run_experiment(
                 "run_id": run_id,
                 "created": created,
                 "elapsed": elapsed + time.perf_counter() - started,
+                "numerics": arithmetic,
                 "sim": capture(sim),
             }
         )
@@ -299,7 +306,7 @@ def run_experiment(
     summary = recorder.summary(
         model=sim.model_name, wall_time=wall_time, diverged=diverged, checkpoints=ckpt_count, checkpoint_time=ckpt_time
     )
-    summary.update({**domain_fields(cfg, data.domains), **vocabulary_fields(data)})
+    summary.update({**domain_fields(cfg, data.domains), **vocabulary_fields(data), "numerics": arithmetic})
     if sim.server.privacy is not None:
         summary["privacy"] = sim.server.privacy.summary(len(recorder.records), budget_stop is not None)
     recorder.finish(summary)

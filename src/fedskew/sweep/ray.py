@@ -168,9 +168,9 @@ class _Shipper:
 def remote_run(payload: dict[str, Any], inbox: Any) -> RunResult:
     """The body of a run's Ray task: write the shipped files into a temporary run directory, run, ship back."""
     import ray
-    import torch
 
     from fedskew import __version__
+    from fedskew.engine.numerics import differences, numerics
 
     task: Task = payload["task"]
     real = str(task.values.get("out"))
@@ -192,8 +192,9 @@ def remote_run(payload: dict[str, Any], inbox: Any) -> RunResult:
         values = {**task.values, "out": str(run_dir), "db": None}
         device = payload["device"] or str(values.get("device", "cpu"))
         values["device"] = "cuda" if device.startswith("cuda") else device  # Ray chose the GPU (CUDA_VISIBLE_DEVICES)
-        if payload["torch"] != torch.__version__:
-            why = f"torch {torch.__version__} on this node, {payload['torch']} on the driver"
+        changed = differences(payload["numerics"], numerics())
+        if changed:  # torch's version or its CPU kernels (engine/numerics.py)
+            why = f"this node's arithmetic differs from the driver's ({'; '.join(changed)})"
             shipper.event(("note", task.name, f"{why}: the numbers may differ from a local run"))
         res = execute_run(replace(task, values=values), shipper.event)
         if run_dir.is_dir() and any(run_dir.iterdir()):
@@ -449,7 +450,7 @@ class _Driver:
             "task": f.task,
             "files": files,
             "version": self.version,
-            "torch": _torch_version(),
+            "numerics": _numerics(),
             "device": self.ex.device,
             "attempt": f.attempt,
         }
@@ -545,10 +546,10 @@ class _Driver:
         self.flights.clear()
 
 
-def _torch_version() -> str:
-    import torch
+def _numerics() -> dict[str, str]:
+    from fedskew.engine.numerics import numerics
 
-    return str(torch.__version__)
+    return numerics()
 
 
 __all__ = ["INSTALL_HINT", "MAX_RETRIES", "RayExecutor", "check_ray", "import_ray", "read_run_files", "write_run_files"]
