@@ -15,6 +15,10 @@ there is skipped, so running the suite again continues where the last call stopp
   round times.
 - ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
   device: the speed-up per level and the best (what a sweep on CUDA should use).
+- ``vs-flower``: ``benchmarks/vs_flower_sim.py``, the pfl-research-shaped FedAvg workload for ``--flower-rounds``
+  rounds on Flower's Simulation Engine (a plain PyTorch ``ClientApp``, Flower's ``FedAvg``, Ray) and as fedskew
+  sequential and batched, on the same device: steady round times, their ratios, accuracies after the same rounds,
+  and each side's arithmetic rate as a fraction of a dense matmul's on the device in the same run.
 - ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
 - ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
   left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
@@ -32,6 +36,7 @@ fit is left for the next call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -69,6 +74,7 @@ class Piece:
     estimate_s: float  # what the budget reserves for it
     limit_s: float  # killed after this long
     run_dir: Path | None = None  # a fedskew run directory to read summary.json from
+    figures_file: Path | None = None  # a JSON file of figures the piece writes
 
 
 def fedskew(*args: str) -> list[str]:
@@ -125,6 +131,16 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--jobs", "1,2,4,8", "--runs", "8", "--rounds", "10"]
     found.append(Piece("runs-per-gpu", argv, 30 if smoke else 300, 300 if smoke else 540))
+    # the same FedAvg workload (1,000 MNIST users, 50 a round, batch 10, the CNN) on Flower's Simulation Engine with a
+    # plain PyTorch ClientApp, beside fedskew sequential and batched on the same device (benchmarks/vs_flower_sim.py)
+    figs = out / "vs-flower-figures.json"
+    argv = [sys.executable, str(HERE / "vs_flower_sim.py"), "--device", device, "--json", str(figs)]
+    argv += (
+        ["--smoke"]
+        if smoke
+        else ["--data-dir", str(Path(args.data_dir) / "mnist"), "--rounds", str(args.flower_rounds)]
+    )
+    found.append(Piece("vs-flower", argv, 60 if smoke else 240, 300 if smoke else 540, figures_file=figs))
     for paper in args.papers:
         # NIID-Bench is a benchmark, not a paper's reduced table: its cells run at the published settings (scale
         # paper, about 1.5 M sample passes per round-epoch sweep; the whole 2 x 7 x 4 table with 3 seeds takes
@@ -190,6 +206,8 @@ def figures(piece: Piece, stdout: str) -> dict:
         got["global_acc"] = s.get("global_acc")
     if piece.name.startswith("reproduce-"):
         got["tail"] = stdout[-1500:]
+    if piece.figures_file is not None:
+        got.update(json.loads(piece.figures_file.read_text()))
     return got
 
 
@@ -227,6 +245,11 @@ def report(out: Path, order: list[str]) -> str:
                 f"- pfl-research workload: {b['rounds']} rounds batched in {b['wall_time']:.1f}s; round time "
                 f"sequential/batched {s['mean_time_round'] / b['mean_time_round']:.2f}x"
             )
+    vf = out / "vs-flower.json"
+    if vf.exists() and (v := json.loads(vf.read_text())).get("ok"):
+        ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)
+        accs = ", ".join(f"{k} {x['final_acc'] * 100:.2f}" for k, x in v["sides"].items())
+        lines.append(f"- fedskew vs Flower's Simulation Engine (steady round time): {ratios}; accuracy: {accs}")
     text = "\n".join(lines) + "\n"
     (out / "suite.md").write_text(text)
     return text
@@ -242,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--order", default="", help="comma-separated piece names to run first, in this order")
     p.add_argument("--pfl-rounds", type=int, default=1500)
     p.add_argument("--run-rounds", type=int, default=100)
+    p.add_argument("--flower-rounds", type=int, default=30, help="vs-flower: rounds of each side")
     p.add_argument("--repeats", type=int, default=2, help="batched-<method>: timed repeats after a warm-up")
     p.add_argument("--papers", default="", help="comma-separated papers for reproduce-<paper> pieces")
     p.add_argument("--rows", default="", help="reproduce: only these rows")
@@ -273,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if piece.estimate_s > left:
             print(f"{piece.name}: needs ~{piece.estimate_s:.0f}s, {left:.0f}s left: run the suite again", flush=True)
             continue
-        piece = Piece(piece.name, piece.argv, piece.estimate_s, min(piece.limit_s, max(left, 1)), piece.run_dir)
+        piece = dataclasses.replace(piece, limit_s=min(piece.limit_s, max(left, 1)))
         print(f"{piece.name}: running (limit {piece.limit_s:.0f}s)", flush=True)
         result = run_piece(piece, out)
         result_file.write_text(json.dumps(result, indent=1))

@@ -3,6 +3,7 @@ figures, a second call skips what is done, and a call whose budget is spent leav
 pieces are shared out over several tests (each its own suite folder, ``--only``), so parallel test workers run
 them side by side; ``tests/test_gpu_suite_budget.py`` tests the budget's logic on a controlled clock."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -75,3 +76,22 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert (out / "reproduce" / "feddisco" / "table.md").exists()
     report = (out / "suite.md").read_text()
     assert "pfl-research workload: 3 rounds batched" in report
+
+
+@pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)
+@pytest.mark.skipif(
+    importlib.util.find_spec("flwr") is None or importlib.util.find_spec("ray") is None,
+    reason='Flower\'s Simulation Engine is not installed (pip install -e ".[flower-sim]")',
+)
+def test_smoke_suite_runs_fedskew_beside_flowers_simulation_engine(tmp_path):
+    out = tmp_path / "suite"
+    done = _suite(out, "--budget", "3000", "--only", "vs-flower")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = _results(out, ["vs-flower"])["vs-flower"]
+    assert set(got["sides"]) == {"flower", "sequential", "batched"}
+    for side, fig in got["sides"].items():
+        assert 0 <= fig["final_acc"] <= 1 and fig["steady_round_s"] > 0 and fig["fraction_of_matmul_rate"] > 0, side
+    # fedskew's two paths train the same clients the same way: the same accuracy (to float32 rounding)
+    assert abs(got["sides"]["sequential"]["final_acc"] - got["sides"]["batched"]["final_acc"]) < 0.02
+    assert got["sides"]["batched"]["vs_flower"] > 0 and got["train_gflop_round"] > 0
+    assert "fedskew vs Flower's Simulation Engine (steady round time): sequential" in (out / "suite.md").read_text()
