@@ -88,7 +88,10 @@ class BatchedStep:
     (``"received"``; ``"previous"``: per client ``previous(ctx)``, ``None`` where the term is absent for that client,
     as MOON's on a first participation). ``collect``: per client, where its last-epoch class sums go
     (:class:`ClassSums`). ``generated``: a :class:`GeneratedTerm` (FedGen). ``start_after_begin``: the client trains
-    from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model."""
+    from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model. ``begin_all``:
+    every client's ``begin`` at once, on the contexts of the round's clients (sharing the model): it does what each
+    ``begin`` would and returns each client's start, or ``None`` where it does not apply (then each client's ``begin``
+    runs in turn, as the sequential loop runs it)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -100,6 +103,7 @@ class BatchedStep:
     collect: Callable[[LocalContext], ClassSums] | None = None
     generated: Callable[[LocalContext], GeneratedTerm | None] | None = None
     start_after_begin: bool = False
+    begin_all: Callable[[list[LocalContext]], list[Params] | None] | None = None
 
     @property
     def has_term(self) -> bool:

@@ -231,9 +231,6 @@ def _train_group(
     begun: dict[int, Params] = {}
     own_begin = type(algo).begin is not LocalAlgorithm.begin  # the default begin reads nothing of the model
     for cid in cids:
-        if own_begin:
-            model.load_state_dict(received[cid])
-            model.train()
         client = sim.data.clients[cid]
         ctx = LocalContext(
             cid=cid,
@@ -249,10 +246,17 @@ def _train_group(
             y_val=client.y_val,
             generator=torch_generator(sim.cfg.seed, Purpose.SHUFFLE, cid, rnd),
         )
-        algo.begin(ctx)
         contexts.append(ctx)
+    starts = rule.begin_all(contexts) if rule.begin_all is not None else None  # every begin at once (FedALA)
+    if starts is not None and rule.start_after_begin:
+        begun = dict(zip(cids, starts, strict=True))
+    for ctx in contexts if starts is None else ():  # each client's begin in turn, as local_train calls it
+        if own_begin:
+            model.load_state_dict(ctx.received)
+            model.train()
+        algo.begin(ctx)
         if rule.start_after_begin:  # FedALA: its begin built the client's start in the model
-            begun[cid] = snapshot(model)
+            begun[ctx.cid] = snapshot(model)
 
     xs = [sim.data.clients[c].x_train for c in cids]
     ys = [sim.data.clients[c].y_train for c in cids]
