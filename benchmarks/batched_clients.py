@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import math
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from fedskew.engine import batched as batched_module
 from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.loop import Simulation
 from fedskew.protocol import Upload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import macs_per_sample, matmul_gflops  # noqa: E402  (a model's multiply-adds; a device's matmul rate)
 
 DATA_DIRS = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist",)  # beside the checkout, when present
 
@@ -235,6 +239,11 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}, TF32 {'on' if args.tf32 else 'off'}, batched step {args.path}"
     )
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
+    # the plain SGD arithmetic of the clients' training (a method's own terms come on top): a training pass of a
+    # sample is 3 forwards at 2 FLOP per multiply-add (benchmarks/flops.py)
+    train_gflop = sum(sizes) * args.epochs * 6 * macs_per_sample(seq.model, data.x_test[:1].to(device)) / 1e9
+    rate = matmul_gflops(args.device)
+    print(f"arithmetic: {train_gflop:.3f} GFLOP of training; dense fp32 matmul on the device: {rate:.0f} GFLOP/s")
 
     cids = list(range(args.clients))
     rows, errors, flips = [], [], []
@@ -288,6 +297,10 @@ def main() -> None:
     print(f"\nspeedup batched/sequential: {t_seq / t_bat:.2f}x (median; sequential {t_seq:.3f}s, batched {t_bat:.3f}s)")
     print(f"speedup in this process's CPU time: {c_seq / c_bat:.2f}x (the figure to read on a shared, busy machine)")
     print(f"max equivalence error: {max(errors):.2e} (every run, warm-up included)")
+    print(
+        f"fraction of the matmul rate: batched {train_gflop / t_bat / rate:.2%}, sequential "
+        f"{train_gflop / t_seq / rate:.2%} ({train_gflop / t_bat:.1f} and {train_gflop / t_seq:.1f} GFLOP/s)"
+    )
     diff, total = (sum(col) for col in zip(*flips, strict=True))
     if total:
         print(f"mask entries that differ: {diff} of {total} (every run; entries at the threshold flip with rounding)")

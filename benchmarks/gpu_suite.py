@@ -25,7 +25,9 @@ there is skipped, so running the suite again continues where the last call stopp
   under ``OUT/reproduce``). ``--papers niid-bench`` runs NIID-Bench's table at its published settings (scale
   ``paper``): ``--seeds 0,1,2`` for the benchmark's three seeds, over as many calls as it takes.
 
-``OUT/suite.md`` collects every finished piece's figures after each call. ``--smoke`` runs every piece at toy size
+Every piece's figures are also in FLOP terms (``benchmarks/flops.py``): ``env`` measures the device's dense fp32
+matmul rate, and each piece reports its arithmetic and that rate's fraction. ``OUT/suite.md`` collects every finished
+piece's figures after each call. ``--smoke`` runs every piece at toy size
 on the CPU with the embedded digits (CI runs it), ``--budget`` bounds the whole call: a piece whose estimate does not
 fit is left for the next call.
 
@@ -48,6 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from flops import matmul_gflops, run_arithmetic, run_fraction  # noqa: E402  (arithmetic in FLOP terms)
+
 # one client part per family of batched step (each part's batched_step(), client/batched_form.py): plain SGD, a
 # proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
 # inputs, a start after begin, phases, prototype collection, uploads computed from the trained model
@@ -75,6 +80,7 @@ class Piece:
     limit_s: float  # killed after this long
     run_dir: Path | None = None  # a fedskew run directory to read summary.json from
     figures_file: Path | None = None  # a JSON file of figures the piece writes
+    device: str = "cpu"  # env: the device whose matmul rate it measures
 
 
 def fedskew(*args: str) -> list[str]:
@@ -156,7 +162,7 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     return found
 
 
-def env_info() -> dict:
+def env_info(device: str = "cpu") -> dict:
     import torch
 
     import fedskew
@@ -173,11 +179,12 @@ def env_info() -> dict:
         info.update(
             gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count
         )
+    info["matmul_gflops"] = matmul_gflops(device)  # the reference every piece's arithmetic rate is divided by
     return info
 
 
-def figures(piece: Piece, stdout: str) -> dict:
-    """The numbers a piece's docs quote, read from its output."""
+def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
+    """The numbers a piece's docs quote, read from its output (``rate``: the device's matmul rate, GFLOP/s)."""
     got: dict = {}
     if piece.name.startswith("batched-"):
         for key, pattern in (
@@ -186,12 +193,16 @@ def figures(piece: Piece, stdout: str) -> dict:
             ("utilization", r"GPU utilization \(batched\) (mean [^\n|]*)"),
             ("workload", r"^(.*clients, \d+ training samples.*)$"),
             ("mask_flips", r"mask entries that differ: (\d+ of \d+)"),
+            ("train_gflop", r"^arithmetic: ([\d.]+) GFLOP of training"),
+            ("fraction_of_matmul_rate", r"^fraction of the matmul rate: batched ([\d.]+)%"),
         ):
             m = re.search(pattern, stdout, re.M)
             if m and key == "speedup":
                 got.update(speedup=float(m[1]), sequential_s=float(m[2]), batched_s=float(m[3]))
+            elif m and key == "fraction_of_matmul_rate":
+                got[key] = float(m[1]) / 100
             elif m:
-                got[key] = float(m[1]) if key == "max_error" else m[1].strip()
+                got[key] = float(m[1]) if key in ("max_error", "train_gflop") else m[1].strip()
     if piece.name == "runs-per-gpu":
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)
@@ -204,6 +215,8 @@ def figures(piece: Piece, stdout: str) -> dict:
         s = json.loads((piece.run_dir / "summary.json").read_text())
         got.update({k: s.get(k) for k in ("rounds", "wall_time", "mean_time_round", "mean_time_train", "method")})
         got["global_acc"] = s.get("global_acc")
+        if rate and s.get("mean_time_round"):  # the run's arithmetic against the device's matmul rate (env piece)
+            got.update(run_fraction(run_arithmetic(piece.run_dir), s["mean_time_round"], rate))
     if piece.name.startswith("reproduce-"):
         got["tail"] = stdout[-1500:]
     if piece.figures_file is not None:
@@ -214,7 +227,7 @@ def figures(piece: Piece, stdout: str) -> dict:
 def run_piece(piece: Piece, out: Path) -> dict:
     t0 = time.perf_counter()
     if not piece.argv:
-        return {"piece": piece.name, "ok": True, **env_info(), "seconds": time.perf_counter() - t0}
+        return {"piece": piece.name, "ok": True, **env_info(piece.device), "seconds": time.perf_counter() - t0}
     try:
         proc = subprocess.run(piece.argv, capture_output=True, text=True, timeout=piece.limit_s, check=False)
     except subprocess.TimeoutExpired as e:
@@ -224,7 +237,9 @@ def run_piece(piece: Piece, out: Path) -> dict:
     (out / f"{piece.name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode != 0:
         return {"piece": piece.name, "ok": False, "error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
-    return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout)}
+    env = out / "env.json"
+    rate = json.loads(env.read_text()).get("matmul_gflops") if env.exists() else None
+    return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout, rate)}
 
 
 def report(out: Path, order: list[str]) -> str:
@@ -277,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args.papers = [x for x in args.papers.split(",") if x]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    todo = [Piece("env", [], 1, 60), *pieces(args, out)]
+    todo = [Piece("env", [], 1, 60, device="cpu" if args.smoke else args.device), *pieces(args, out)]
     if args.order:
         first = [n for n in args.order.split(",") if n]
         todo.sort(key=lambda pc: first.index(pc.name) if pc.name in first else len(first))

@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,9 @@ from torch import nn
 from fedskew.client.local import LocalContext, TrainSettings, local_train
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import macs_per_sample  # noqa: E402  (the multiply-adds of a model, counted by hooks)
 
 PASSES = 10 * 50  # local epochs x rounds: every training image passes this many times in a run
 TRAIN, TEST = 60_000, 10_000
@@ -54,26 +59,6 @@ def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
-
-
-def macs_per_sample(model: nn.Module, x: torch.Tensor) -> int:
-    """Multiply-adds of one forward pass per sample: every Conv2d and Linear layer, counted from its output."""
-    total = 0
-
-    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        nonlocal total
-        if isinstance(mod, nn.Conv2d):
-            k = mod.in_channels // mod.groups * mod.kernel_size[0] * mod.kernel_size[1]
-            total += out[0].numel() * k
-        elif isinstance(mod, nn.Linear):
-            total += out[0].numel() * mod.in_features
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
-    with torch.no_grad():
-        model(x[:1])
-    for h in handles:
-        h.remove()
-    return total
 
 
 def fedskew_epoch(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TrainSettings) -> float:

@@ -2,7 +2,9 @@
 time sharing the device (the local process pool, every worker on ``--device``), for each N of ``--jobs``; the
 script prints runs per hour, the speed-up over one at a time, the best N, and whether the runs' metrics are the same
 whatever N (they must be on a CPU; on CUDA they are as far as cuDNN's kernels are deterministic, and the script says
-which).
+which). ``--stacked`` adds the same seeds run as rows of one stacked computation (``fedskew sweep --stack-seeds``,
+one process, every run's clients trained by one batched step per round): its speed-up beside the concurrent levels,
+and whether its metrics equal the batched runs' to float32 rounding (it implies ``--batched-clients``).
 
 A small model on a GPU leaves it mostly idle (a batch of 10 through PFLlib's CNN is a few microseconds of device
 work per kernel and tens of microseconds of Python per step), so runs that share the device overlap their CPU work
@@ -27,6 +29,17 @@ from sweep_scaling import metrics_of, one
 from fedskew.sweep.core import SweepSpec
 
 
+def within(a: object, b: object, tol: float) -> bool:
+    """Whether two metric trees agree, numbers within ``tol``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(within(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(within(x, y, tol) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol
+    return a == b
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None, help="MNIST folder (default: the embedded digits and the MLP)")
@@ -37,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--method", default="fedavg")
     p.add_argument("--batched-clients", action="store_true", help="each run trains its clients batched")
+    p.add_argument("--stacked", action="store_true", help="also the seeds as rows of one stacked computation")
     p.add_argument("--smoke", action="store_true", help="the embedded digits on the CPU, 2 rounds")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     args = p.parse_args(argv)
     levels = sorted({1, *(int(j) for j in args.jobs.split(","))})
+    args.batched_clients = args.batched_clients or args.stacked  # stacked runs are batched runs: compare like with like
     if args.smoke:
         args.device, args.data_dir, args.rounds, args.clients = "cpu", None, 2, 10
     data = (
@@ -73,9 +88,20 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         metrics = {j: metrics_of(base / f"jobs{j}") for j in levels}
+        if args.stacked:
+            stacked_wall, _ = one("stacked", spec, base / "stacked")
+            print(
+                f"stacked: {args.runs} runs in {stacked_wall:.1f} s, {3600 * args.runs / stacked_wall:.0f} runs/hour, "
+                f"speed-up {walls[1] / stacked_wall:.2f}x over one at a time",
+                flush=True,
+            )
+            close = within(metrics_of(base / "stacked"), metrics[1], 1e-5)
+            print(f"stacked metrics equal the batched runs' to 1e-5: {close}")
     same = all(m == metrics[1] for m in metrics.values())
     best = min(walls, key=lambda j: walls[j])
     print(f"best: jobs {best} ({walls[1] / walls[best]:.2f}x over one at a time)")
+    if args.stacked:
+        print(f"best of concurrent and stacked: {'stacked' if stacked_wall < walls[best] else f'jobs {best}'}")
     print(f"metrics identical whatever the concurrency: {same}")
     return 0 if same or args.device != "cpu" else 1
 

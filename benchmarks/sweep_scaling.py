@@ -37,6 +37,7 @@ def one(kind: str, spec: SweepSpec, root: Path, address: str | None = None) -> t
     runs = expand(spec, out=root / "runs", db=root / "fedskew.db")
     executor = None
     jobs = 1
+    stack = kind == "stacked"  # the seeds as rows of one stacked computation (sweep --stack-seeds), one process
     if kind.startswith("jobs"):  # jobsN: the local pool with N processes
         jobs = int(kind.removeprefix("jobs"))
     elif kind == "ray":
@@ -45,7 +46,7 @@ def one(kind: str, spec: SweepSpec, root: Path, address: str | None = None) -> t
         check_ray()
         executor = RayExecutor(address=address, jobs=2)
     t0 = time.perf_counter()
-    outcome = run_sweep(runs, jobs=jobs, executor=executor)
+    outcome = run_sweep(runs, jobs=jobs, executor=executor, stack_seeds=stack)
     wall = time.perf_counter() - t0
     failed = [r for r in outcome.results if r.status not in ("finished", "skipped")]
     if failed:

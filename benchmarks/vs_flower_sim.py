@@ -42,23 +42,7 @@ from fedskew.models import build_model
 from fedskew.runner import run_experiment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from niid_bench_cost import macs_per_sample  # noqa: E402  (the hooks that count a model's multiply-adds)
-
-
-def device_gflops(device: str, n: int = 2048, repeats: int = 5) -> float:
-    """The fp32 rate of a dense n x n matmul on ``device`` (the best of ``repeats``): this run's reference rate."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        if i:  # the first is a warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+from flops import macs_per_sample, matmul_gflops  # noqa: E402  (a model's multiply-adds; a device's matmul rate)
 
 
 def steady(times: list[float]) -> float:
@@ -227,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     # per-client views): more work in fedskew's round, counted in its FLOP
     eval_flop = {"flower": len(data.y_test) * 2 * macs}
     eval_flop["sequential"] = eval_flop["batched"] = (len(data.y_test) + len(data.local_y)) * 2 * macs
-    peak = device_gflops(args.device)
+    peak = matmul_gflops(args.device)
     print(
         f"workload: {values['dataset']}, {args.clients} clients (IID), {args.per_round} a round, {args.rounds} rounds, "
         f"batch {args.batch_size}, 1 epoch, {args.model} ({macs:,} multiply-adds a sample); device {args.device}; "

@@ -9,6 +9,7 @@ import pytest
 
 from fedskew.sweep import pool as sweep
 from fedskew.sweep.core import Task
+from fedskew.sweep.task import TaskGroup
 
 
 def test_workers_take_the_gpus_round_robin():
@@ -42,12 +43,21 @@ def test_each_worker_gets_its_index_and_hands_its_gpu_to_its_runs(monkeypatch):
     assert indices == [(0, 2), (1, 2), (2, 2)]
 
     seen = []
-    monkeypatch.setattr(sweep, "execute_run", lambda task, emit: seen.append(task.values["device"]))
+
+    def execute(unit, emit):
+        seen.extend(t.values["device"] for t in (unit.tasks if isinstance(unit, TaskGroup) else [unit]))
+
+    monkeypatch.setattr(sweep, "execute", execute)
     monkeypatch.setattr(sweep, "_QUEUE", type("Q", (), {"put": staticmethod(lambda ev: None)})())
     for index, device in [(1, "cuda"), (2, "cuda"), (1, "cpu"), (1, "cuda:0")]:
         monkeypatch.setattr(sweep, "_DEVICE", (index, 2))
         sweep._pool_task(Task("r", {"device": device, "out": "x"}, "new"))
     assert seen == ["cuda:1", "cuda:0", "cpu", "cuda:0"]
+    # a group of stacked seeds goes to one worker: every member on that worker's GPU
+    seen.clear()
+    monkeypatch.setattr(sweep, "_DEVICE", (1, 2))
+    sweep._pool_task(TaskGroup(tuple(Task(f"r{s}", {"device": "cuda", "out": f"x{s}"}, "new") for s in range(3))))
+    assert seen == ["cuda:1"] * 3
 
 
 @pytest.mark.parametrize(

@@ -104,11 +104,32 @@ class _Stop:
         )
 
 
+# the runs of this process that run in other threads than the main one (signals reach the main thread only): whoever
+# runs them there (engine/stacked_runs.py, sweep/task.py: execute_stacked) passes a signal on with stop_thread_runs
+_THREAD_STOPS: set[_Stop] = set()
+_THREAD_STOPS_LOCK = threading.Lock()
+
+
+def stop_thread_runs(signum: int) -> int:
+    """Ask every run running in a thread of this process to finish its round and checkpoint, as a signal asks a run
+    in the main thread; returns how many were asked."""
+    with _THREAD_STOPS_LOCK:
+        for stop in _THREAD_STOPS:
+            stop.signum = stop.signum or signum
+        return len(_THREAD_STOPS)
+
+
 @contextmanager
 def _signals() -> Iterator[_Stop]:
     stop = _Stop()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield stop
+        with _THREAD_STOPS_LOCK:
+            _THREAD_STOPS.add(stop)
+        try:
+            yield stop
+        finally:
+            with _THREAD_STOPS_LOCK:
+                _THREAD_STOPS.discard(stop)
         return
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -7,6 +7,9 @@ rounds) are statistically independent, and adding a new purpose never shifts an 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import IntEnum
 
 import numpy as np
@@ -49,3 +52,18 @@ def torch_generator(seed: int, purpose: Purpose, *keys: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(torch_seed(seed, purpose, *keys))
     return g
+
+
+# the process's one global torch RNG: a seeded section (model initialization) must not interleave with another
+# thread's use of it (several runs in the threads of one process: engine/stacked_runs.py)
+_GLOBAL_RNG = threading.RLock()
+
+
+@contextmanager
+def global_rng(seed: int | None = None) -> Iterator[None]:
+    """A section that draws from torch's global RNG and leaves it as it found it (``fork_rng``), seeded with ``seed``
+    when given, and held against every other thread's such section (so runs in threads stay exactly reproducible)."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield

@@ -34,7 +34,7 @@ from fedskew.models.generator import Generator, draw
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext
 from fedskew.registry import NO_GLOBAL_MODEL, ClientPart, ServerPlugin
 from fedskew.schema import ConfigError, StrictSettings
-from fedskew.seeding import Purpose, torch_generator, torch_seed
+from fedskew.seeding import Purpose, global_rng, torch_generator, torch_seed
 from fedskew.server.api import ServerHalf
 
 # the tensors the server half broadcasts
@@ -67,7 +67,7 @@ class FedGen(LocalAlgorithm):
         device = ctx.model.head.weight.device  # type: ignore[union-attr]
         key = (int(c), int(d), str(device))
         if key not in self._cache:
-            with torch.random.fork_rng(devices=[]):  # its weights are overwritten: keep the global RNG untouched
+            with global_rng():  # its weights are overwritten: keep the global RNG untouched
                 gen = self.build_generator(int(c), int(d), device)
             for q in gen.parameters():
                 q.requires_grad_(False)
@@ -149,8 +149,7 @@ class FedGenServer(ServerHalf):
     def init(self, ctx: ServerContext) -> GeneratorState:
         c, d = head_shapes(ctx.template)
         device = ctx.template["head.weight"].device
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed(ctx.seed, Purpose.FEDGEN, 0))
+        with global_rng(torch_seed(ctx.seed, Purpose.FEDGEN, 0)):
             gen = self.build_generator(c, d, device)
         if ctx.label_hists is None:
             raise ConfigError("FedGen needs the clients' label histograms (its declared LABEL_HIST report)")
@@ -171,7 +170,7 @@ class FedGenServer(ServerHalf):
     def advance(self, rin: RoundInput, state: GeneratorState) -> GeneratorState:
         weight, bias = rin.params["head.weight"], rin.params["head.bias"]
         c, d = int(weight.shape[1]), int(weight.shape[2])
-        with torch.random.fork_rng(devices=[]):  # (the weights are loaded next)
+        with global_rng():  # (the weights are loaded next)
             gen = self.build_generator(c, d, weight.device)
         gen.load_state_dict(state.generator)
         opt = torch.optim.Adam(gen.parameters(), lr=self.generator_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)

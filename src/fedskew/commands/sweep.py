@@ -45,6 +45,12 @@ def add_parsers(sub: Any) -> None:
         "--device", default=None, help="every run's device: cpu, cuda (--jobs N: one GPU per worker), cuda:1"
     )
     add_executor_flags(sw)
+    sw.add_argument(
+        "--stack-seeds",
+        action="store_true",
+        help="run the seeds of each experiment together, their clients trained as rows of one batched step (each run "
+        "recorded as a --batched-clients run; a group takes one of --jobs; local executor; docs/sweeps.md)",
+    )
     sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -248,12 +254,19 @@ def _states(runs: list[Any]) -> list[str]:
     return lines
 
 
-def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None) -> Any:
+def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None, stack_seeds: bool = False) -> Any:
     from fedskew.sweep.core import run_sweep
 
     with Display(len(runs), quiet) as display:
         display.labels = {r.name: r.label for r in runs}
-        return run_sweep(runs, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor)
+        return run_sweep(
+            runs,
+            jobs=jobs,
+            on_event=display.event,
+            on_result=display.result,
+            executor=executor,
+            stack_seeds=stack_seeds,
+        )
 
 
 def _closing(outcome: Any, log_dir: Path) -> int:
@@ -295,6 +308,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     # on Ray, --device applies on the nodes (this machine may have no GPU); --jobs caps the runs at a time
     executor = make_executor(args, args.jobs or spec.jobs, args.device)
+    if args.stack_seeds and executor is not None:
+        raise ConfigError("--stack-seeds runs each group of seeds in one local process: not with --executor ray")
     runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
     if args.device and executor is None:
         runs = with_device(runs, args.device)
@@ -307,7 +322,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("\n".join(_states(runs)))
         return 0
-    outcome = _run_all(runs, jobs, args.quiet, executor)
+    outcome = _run_all(runs, jobs, args.quiet, executor, args.stack_seeds)
     ids = set(outcome.run_ids())
     if ids and db and Path(db).is_file():
         with ResultsDB(db) as store:

@@ -146,6 +146,19 @@ def train_batched(
     return updates
 
 
+def client_seed(host: ClientHost, cid: int) -> int:
+    """The seed of the run client ``cid`` belongs to: the host's, or, for a host of several runs
+    (:class:`~fedskew.engine.stacked_runs.StackedRuns`), that client's own run's."""
+    seed_of = getattr(host, "seed_of", None)
+    return int(seed_of(cid)) if seed_of is not None else int(host.cfg.seed)
+
+
+def cid_in_run(host: ClientHost, cid: int) -> int:
+    """The client's id in its own run (a host of several runs numbers its runs' clients one after the other)."""
+    local = getattr(host, "cid_in_run", None)
+    return int(local(cid)) if local is not None else cid
+
+
 @dataclass
 class _Stack:
     """The per-client tensors of the clients still training, one row each; ``live[r]`` is row r's client (its
@@ -233,7 +246,7 @@ def _train_group(
     for cid in cids:
         client = sim.data.clients[cid]
         ctx = LocalContext(
-            cid=cid,
+            cid=cid_in_run(sim, cid),
             round=rnd,
             model=model,
             received=received[cid],
@@ -244,19 +257,19 @@ def _train_group(
             y=client.y_train,
             x_val=client.x_val,
             y_val=client.y_val,
-            generator=torch_generator(sim.cfg.seed, Purpose.SHUFFLE, cid, rnd),
+            generator=torch_generator(client_seed(sim, cid), Purpose.SHUFFLE, cid_in_run(sim, cid), rnd),
         )
         contexts.append(ctx)
     starts = rule.begin_all(contexts) if rule.begin_all is not None else None  # every begin at once (FedALA)
     if starts is not None and rule.start_after_begin:
         begun = dict(zip(cids, starts, strict=True))
-    for ctx in contexts if starts is None else ():  # each client's begin in turn, as local_train calls it
+    for cid, ctx in zip(cids, contexts, strict=True) if starts is None else ():  # each begin in turn, as local_train
         if own_begin:
             model.load_state_dict(ctx.received)
             model.train()
         algo.begin(ctx)
         if rule.start_after_begin:  # FedALA: its begin built the client's start in the model
-            begun[ctx.cid] = snapshot(model)
+            begun[cid] = snapshot(model)
 
     xs = [sim.data.clients[c].x_train for c in cids]
     ys = [sim.data.clients[c].y_train for c in cids]

@@ -292,11 +292,22 @@ class Simulation:
                     self._in_place.restore()  # before anything else uses the model (it would write the row)
                 yield upload
 
+    def use_trainer(self, trainer: ClientTrainer) -> bool:
+        """Train the batched clients with ``trainer`` (a seat of several runs' stacked training,
+        ``engine/stacked_runs.py``); ``False``, and nothing changed, when this run's clients cannot be batched."""
+        if self._batched is None:
+            return False
+        self._batched = trainer
+        return True
+
     def close(self) -> None:
-        """Stop the worker processes, if any (the runner calls it when the run ends, however it ends)."""
+        """Stop the worker processes, if any, and release the batched trainer (the runner calls it when the run
+        ends, however it ends)."""
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        if self._batched is not None:
+            self._batched.close()
         self.state_store.close()
 
     def open_round(self, rnd: int) -> RoundPlan:

@@ -12,7 +12,7 @@ from torch import nn
 from fedskew.data.protocols import PROTOCOLS
 from fedskew.models import TOKEN_MODELS, build_model, head_keys, norm_keys
 from fedskew.schema import ConfigError
-from fedskew.seeding import Purpose, torch_seed
+from fedskew.seeding import Purpose, global_rng, torch_seed
 
 if TYPE_CHECKING:
     from fedskew.config import RunConfig
@@ -54,8 +54,7 @@ def init_model(
     if user_model is not None:
         from fedskew.models.custom import prepare_user_model
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+        with global_rng(torch_seed(cfg.seed, Purpose.INIT)):
             example = data.clients[0].x_train[:2].cpu()
             model = prepare_user_model(user_model, example, method.model_options if method is not None else {})
             with torch.no_grad():
@@ -79,8 +78,7 @@ def init_model(
             else f"model {name!r} reads token ids (a text dataset such as ag_news); dataset {data.name!r} holds "
             f"images or features: choose another model (or auto)"
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch_seed(cfg.seed, Purpose.INIT))
+    with global_rng(torch_seed(cfg.seed, Purpose.INIT)):
         model = build_model(
             name,
             in_channels=data.in_channels,

@@ -30,7 +30,18 @@ from pydantic import Field, ValidationError, field_validator
 
 from fedskew.config import ConfigError, RunConfig, load_yaml, make_config
 from fedskew.schema import StrictSettings, describe_errors
-from fedskew.sweep.task import Event, RunResult, Task, execute_run, finished_id, folder_state, settled
+from fedskew.sweep.task import (
+    Event,
+    RunResult,
+    Task,
+    TaskGroup,
+    execute,
+    finished_id,
+    folder_state,
+    group_seeds,
+    members,
+    settled,
+)
 from fedskew.tuning.tuned import apply_tuned
 
 _finished_id = finished_id  # the Ray executor's name for it
@@ -327,13 +338,16 @@ def run_sweep(
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
     executor: Callable[..., bool] | None = None,
+    stack_seeds: bool = False,
 ) -> SweepOutcome:
     """Run every planned run that is not done: ``jobs`` at a time in worker processes (``jobs=1``: one after the
     other in this process; with ``cuda`` and several GPUs, one GPU per worker), or by ``executor`` (called as
     ``executor(todo, on_event, results, on_result)``, returning whether it was interrupted: the Ray executor,
     :mod:`fedskew.sweep.ray`). ``on_event`` gets the runs' progress events, ``on_result`` each run's result
     (skipped runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new
-    one, and returns with ``interrupted``; running the sweep again continues where it stopped."""
+    one, and returns with ``interrupted``; running the sweep again continues where it stopped. ``stack_seeds``: the
+    runs that differ only in their seed run together, their clients trained as rows of one batched step
+    (:mod:`fedskew.engine.stacked_runs`; a group takes one of the ``jobs``)."""
     emit = on_event or (lambda ev: None)
     report = on_result or (lambda r: None)
     results: dict[str, RunResult] = {}
@@ -350,23 +364,27 @@ def run_sweep(
 
     check_installed(dict.fromkeys(n for t in todo for n in t.values.get("log") or []))  # before any run starts
     interrupted = False
+    if executor is not None and stack_seeds:
+        raise ValueError("stacked seeds run on the local executor (one process per group), not on Ray")
+    units: list[Task | TaskGroup] = group_seeds(todo) if stack_seeds else list(todo)
     if executor is not None:
         interrupted = bool(todo) and executor(todo, emit, results, report)
-    elif jobs <= 1 or len(todo) <= 1:
-        for i, task in enumerate(todo):
+    elif jobs <= 1 or len(units) <= 1:
+        for i, unit in enumerate(units):
             try:
-                res = execute_run(task, emit)
-                results[task.name] = res
-                report(res)
+                for res in execute(unit, emit):
+                    results[res.name] = res
+                    report(res)
             except KeyboardInterrupt:  # between two runs
-                res = results.setdefault(task.name, RunResult(task.name, "interrupted", str(task.values.get("out"))))
-            if res.status == "interrupted":
+                for t in members(unit):
+                    results.setdefault(t.name, RunResult(t.name, "interrupted", str(t.values.get("out"))))
+            if any(results[t.name].status == "interrupted" for t in members(unit)):
                 interrupted = True
-                for rest in todo[i + 1 :]:
+                for rest in (t for u in units[i + 1 :] for t in members(u)):
                     results[rest.name] = RunResult(rest.name, "not started", str(rest.values.get("out")))
                 break
     else:
         from fedskew.sweep.pool import run_pool  # the local process pool (its own module: sweep/pool.py)
 
-        interrupted = run_pool(todo, jobs, emit, results, report)
+        interrupted = run_pool(units, jobs, emit, results, report)
     return SweepOutcome([results[r.name] for r in runs if r.name in results], interrupted)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedskew.lifecycle import die_with_parent
-from fedskew.sweep.task import Event, RunResult, Task, execute_run
+from fedskew.sweep.task import Event, RunResult, Task, TaskGroup, execute, members
 
 _QUEUE: Any = None
 _DEVICE: tuple[int, int] = (0, 0)  # (this worker's index, GPUs visible)
@@ -68,14 +68,18 @@ def _init_worker(queue: Any, counter: Any = None, gpus: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # between runs; a run installs its own checkpointing handler
 
 
-def _pool_task(task: Task) -> RunResult:
-    device = task.values.get("device")
-    if device == "cuda" and worker_device(device, *_DEVICE) != device:
-        task = Task(task.name, {**task.values, "device": worker_device(device, *_DEVICE)}, task.state)
-    return execute_run(task, _QUEUE.put)
+def _pool_task(unit: Task | TaskGroup) -> list[RunResult]:
+    def placed(task: Task) -> Task:
+        device = task.values.get("device")
+        if device == "cuda" and worker_device(device, *_DEVICE) != device:
+            return Task(task.name, {**task.values, "device": worker_device(device, *_DEVICE)}, task.state)
+        return task
+
+    unit = TaskGroup(tuple(placed(t) for t in unit.tasks)) if isinstance(unit, TaskGroup) else placed(unit)
+    return execute(unit, _QUEUE.put)
 
 
-def _visible_gpus(todo: list[Task]) -> int:
+def _visible_gpus(todo: list[Task | TaskGroup]) -> int:
     """GPUs to spread the pool's runs over: counted only when some run asks for plain ``cuda``."""
     if not any(t.values.get("device") == "cuda" for t in todo):
         return 0
@@ -95,7 +99,7 @@ def mp_context() -> Any:
 
 
 def run_pool(
-    todo: list[Task],
+    todo: list[Task | TaskGroup],
     jobs: int,
     emit: Callable[[Event], None],
     results: dict[str, RunResult],
@@ -132,12 +136,18 @@ def run_pool(
 
     pool = new_pool()
     waiting = list(reversed(todo))  # submitted only as workers free up: after Ctrl-C no new run starts
-    running: dict[Any, Task] = {}
+    running: dict[Any, Task | TaskGroup] = {}
 
     def finish(task: Task, res: RunResult) -> None:
         pids.pop(task.name, None)
         results[task.name] = res
         report(res)
+
+    def finish_unit(unit: Task | TaskGroup, got: list[RunResult]) -> None:
+        by_name = {r.name: r for r in got}
+        for task in members(unit):
+            out = str(task.values.get("out"))
+            finish(task, by_name.get(task.name) or RunResult(task.name, "failed", out, error="no result came back"))
 
     def step() -> bool:
         """Submit what fits, wait for one run, record it; False when nothing is left."""
@@ -152,25 +162,29 @@ def run_pool(
                 fut = pool.submit(_pool_task, task)
             running[fut] = task
         if interrupted:
-            for task in reversed(waiting):
-                finish(task, RunResult(task.name, "not started", str(task.values.get("out"))))
+            for unit in reversed(waiting):
+                for task in members(unit):
+                    finish(task, RunResult(task.name, "not started", str(task.values.get("out"))))
             waiting.clear()
         if not running:
             return False
         fut = next(as_completed(running))
-        task = running.pop(fut)
+        unit = running.pop(fut)
         try:
-            res = fut.result()
+            got: list[RunResult] = fut.result()
         except (CancelledError, BrokenProcessPool):
-            res = RunResult(
-                task.name,
-                "failed",
-                str(task.values.get("out")),
-                error="its worker process died (killed, or out of memory?); run the sweep again to resume it "
-                "from its last checkpoint",
-            )
-        interrupted = interrupted or res.status == "interrupted"
-        finish(task, res)
+            got = [
+                RunResult(
+                    task.name,
+                    "failed",
+                    str(task.values.get("out")),
+                    error="its worker process died (killed, or out of memory?); run the sweep again to resume it "
+                    "from its last checkpoint",
+                )
+                for task in members(unit)
+            ]
+        interrupted = interrupted or any(r.status == "interrupted" for r in got)
+        finish_unit(unit, got)
         return True
 
     try:

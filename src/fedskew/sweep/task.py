@@ -48,33 +48,103 @@ def _info(record: dict[str, Any]) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class TaskGroup:
+    """One experiment's seeds run together, their rounds' clients trained as rows of one stacked computation
+    (``fedskew sweep --stack-seeds``; :mod:`fedskew.engine.stacked_runs`). Plain data, as a :class:`Task`."""
+
+    tasks: tuple[Task, ...]
+
+    @property
+    def name(self) -> str:
+        return self.tasks[0].name
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return self.tasks[0].values
+
+
+def group_seeds(todo: list[Task]) -> list[Task | TaskGroup]:
+    """The runs that differ only in their seed (and where they go) as one :class:`TaskGroup` each, at the place of
+    the first; the others as they are."""
+    from fedskew.engine.stacked_runs import experiment_key
+
+    groups: dict[str, list[Task]] = {}
+    for task in todo:
+        key = json.dumps(experiment_key(make_config(task.values)), sort_keys=True, default=str)
+        groups.setdefault(key, []).append(task)
+    return [g[0] if len(g) == 1 else TaskGroup(tuple(g)) for g in groups.values()]
+
+
+def members(unit: Task | TaskGroup) -> tuple[Task, ...]:
+    return unit.tasks if isinstance(unit, TaskGroup) else (unit,)
+
+
+def execute(unit: Task | TaskGroup, emit: Callable[[Event], None]) -> list[RunResult]:
+    """Run one task, or one group of stacked seeds; every member's result (never raises)."""
+    return execute_stacked(unit, emit) if isinstance(unit, TaskGroup) else [execute_run(unit, emit)]
+
+
+def execute_stacked(group: TaskGroup, emit: Callable[[Event], None]) -> list[RunResult]:
+    """Run a group's seeds each in its own thread, their clients trained together at one rendezvous (each run
+    recorded as a ``batched_clients`` run); every member's result, in order (never raises)."""
+    from fedskew.engine.stacked_runs import Rendezvous, run_in_threads
+
+    meeting = Rendezvous(len(group.tasks))
+    results: list[RunResult | None] = [None] * len(group.tasks)
+
+    def one(r: int) -> None:
+        task = group.tasks[r]
+        task = Task(task.name, {**task.values, "batched_clients": True}, task.state)
+
+        def seat_in(sim: Any) -> None:
+            if not sim.use_trainer(meeting.seat(r)):  # no batched form: it trains its clients itself
+                meeting.leave(r)
+
+        try:
+            results[r] = _execute_run(task, emit, seat_in)
+        finally:
+            meeting.leave(r)
+
+    with warnings.catch_warnings(record=True) as caught:  # one capture for the threads (the filters are global)
+        warnings.simplefilter("always")
+        run_in_threads([lambda r=r: one(r) for r in range(len(group.tasks))])
+    for w in caught:
+        emit(("note", group.name, str(w.message)))
+    return [res or RunResult(t.name, "failed", str(t.values.get("out")), error="its thread ended without a result")
+            for res, t in zip(results, group.tasks, strict=True)]  # fmt: skip
+
+
 def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
     """Run (or resume) one planned run; never raises: a failure comes back as a result with its error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _execute_run(task, emit)
+    for w in caught:
+        emit(("note", task.name, str(w.message)))
+    return result
+
+
+def _execute_run(task: Task, emit: Callable[[Event], None], on_sim: Callable[[Any], None] | None = None) -> RunResult:
     from fedskew.runner import RunInterrupted, run_experiment
 
     t0 = time.perf_counter()
     out = str(task.values.get("out"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            cfg = make_config(task.values)
-            outcome, state = _run_when_free(task, cfg, emit, run_experiment)
-            if outcome is None:  # another process ran it meanwhile (the same sweep twice at once)
-                result = state
-            else:
-                status = "diverged" if outcome.summary.get("diverged") else "finished"
-                detail = {"resume": "resumed", "restart": "started over"}.get(state, "")
-                result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
-        except RunInterrupted as exc:
-            result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
-        except KeyboardInterrupt:
-            result = RunResult(task.name, "interrupted", out, detail="before its first round ended (nothing kept)")
-        except Exception as exc:  # noqa: BLE001 - any error of one run is reported, never stops the sweep
-            result = RunResult(
-                task.name, "failed", out, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
-            )
-    for w in caught:
-        emit(("note", task.name, str(w.message)))
+    try:
+        cfg = make_config(task.values)
+        outcome, state = _run_when_free(task, cfg, emit, run_experiment, on_sim)
+        if outcome is None:  # another process ran it meanwhile (the same sweep twice at once)
+            result = state
+        else:
+            status = "diverged" if outcome.summary.get("diverged") else "finished"
+            detail = {"resume": "resumed", "restart": "started over"}.get(state, "")
+            result = RunResult(task.name, status, out, outcome.summary["run_id"], detail=detail)
+    except RunInterrupted as exc:
+        result = RunResult(task.name, "interrupted", out, detail=f"checkpoint after round {exc.completed}")
+    except KeyboardInterrupt:
+        result = RunResult(task.name, "interrupted", out, detail="before its first round ended (nothing kept)")
+    except Exception as exc:  # noqa: BLE001 - any error of one run is reported, never stops the sweep
+        result = RunResult(task.name, "failed", out, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
     result.wall_time = time.perf_counter() - t0
     return result
 
@@ -82,7 +152,13 @@ def execute_run(task: Task, emit: Callable[[Event], None]) -> RunResult:
 LOCK_POLL_S = 1.0  # how often a run waits for another process of this machine to release its folder
 
 
-def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_experiment: Callable[..., Any]) -> Any:
+def _run_when_free(
+    task: Task,
+    cfg: Any,
+    emit: Callable[[Event], None],
+    run_experiment: Callable[..., Any],
+    on_sim: Callable[[Any], None] | None = None,
+) -> Any:
     """Run ``task`` from its folder's state *now* (another process may have started or finished it since the sweep
     was planned: the same spec swept twice at once); while a live process of this machine holds the folder, wait for
     it. Returns ``(outcome, state)``, or ``(None, result)`` when the run needs no running any more (finished
@@ -90,6 +166,12 @@ def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_expe
     from fedskew.results.rundir import RunDirError, RunLocked
 
     said, races = False, 0
+
+    def _started(sim: Any, first: int) -> None:
+        emit(("start", task.name, first, cfg.rounds, os.getpid()))
+        if on_sim is not None:
+            on_sim(sim)
+
     while True:
         state, detail = folder_state(cfg)
         done = settled(task.name, cfg, state, detail)
@@ -99,7 +181,7 @@ def _run_when_free(task: Task, cfg: Any, emit: Callable[[Event], None], run_expe
             outcome = run_experiment(
                 cfg,
                 overwrite=state == "restart",
-                on_start=lambda sim, first: emit(("start", task.name, first, cfg.rounds, os.getpid())),
+                on_start=lambda sim, first: _started(sim, first),
                 on_round=lambda r: emit(("round", task.name, r.record["round"], _info(r.record))),
                 on_note=lambda msg: emit(("note", task.name, msg)),
             )

@@ -1,0 +1,265 @@
+"""Several runs as rows of one stacked computation (issue 47): the seeds of one experiment share every shape, so their
+rounds' clients can be trained by one batched step instead of one per run.
+
+Each run keeps everything of its own (its thread, its :func:`~fedskew.runner.run_experiment`, run directory,
+checkpoints, sampling, server and evaluation); only the client training meets. A run's batched trainer is a
+:class:`Rendezvous` seat: at each round a run hands over its jobs and waits; when every run still running has handed
+over (or left), one thread trains all the jobs together through :func:`~fedskew.engine.batched.train_batched` on a
+:class:`StackedRuns` host, which numbers the runs' clients one after the other and gives each client its own run's
+seed, data and state, and every run gets its uploads back in its own order and numbering. The results are those of
+each run trained alone with ``--batched-clients``, to float32 rounding (``tests/test_stacked_runs.py``).
+
+Runs whose server sends a broadcast (SCAFFOLD's control variate, FedGen's generator) differ in what their clients
+receive beside the model: their jobs are trained per run, still at the rendezvous. A run whose method has no batched
+form trains its clients itself (it leaves the rendezvous at its start).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from fedskew.engine.batched import train_batched
+from fedskew.protocol import Params, Upload
+
+if TYPE_CHECKING:
+    from fedskew.config import RunConfig
+    from fedskew.engine.host import ClientHost, TrainJob
+    from fedskew.engine.loop import Simulation
+    from fedskew.runner import RunOutcome
+
+
+class _Clients(Sequence):
+    def __init__(self, runs: StackedRuns) -> None:
+        self.runs = runs
+
+    def __len__(self) -> int:
+        return self.runs.offsets[-1]
+
+    def __getitem__(self, cid: int) -> Any:  # type: ignore[override]
+        r, local = self.runs.locate(cid)
+        return self.runs.hosts[r].data.clients[local]
+
+
+class _States(MutableMapping):
+    def __init__(self, runs: StackedRuns) -> None:
+        self.runs = runs
+
+    def _at(self, cid: int) -> tuple[MutableMapping, int]:
+        r, local = self.runs.locate(cid)
+        return self.runs.hosts[r].client_states, local
+
+    def __getitem__(self, cid: int) -> dict[str, Any]:
+        states, local = self._at(cid)
+        return states[local]
+
+    def __setitem__(self, cid: int, value: dict[str, Any]) -> None:
+        states, local = self._at(cid)
+        states[local] = value
+
+    def __delitem__(self, cid: int) -> None:
+        states, local = self._at(cid)
+        del states[local]
+
+    def __iter__(self) -> Iterator[int]:
+        for r, host in enumerate(self.runs.hosts):
+            yield from (self.runs.offsets[r] + c for c in host.client_states)
+
+    def __len__(self) -> int:
+        return sum(len(h.client_states) for h in self.runs.hosts)
+
+
+class _Data:
+    def __init__(self, runs: StackedRuns) -> None:
+        self.clients = _Clients(runs)
+        self.num_classes = runs.hosts[0].data.num_classes
+
+
+class StackedRuns:
+    """The clients of several runs as one host for :func:`~fedskew.engine.batched.train_batched`: run ``r``'s client
+    ``c`` is client ``offsets[r] + c``; the method, the reusable model and the training settings are the first
+    run's (the runs share them: the same configuration but for the seed)."""
+
+    def __init__(self, hosts: Sequence[ClientHost]) -> None:
+        self.hosts = list(hosts)
+        first = self.hosts[0]
+        self.cfg, self.method, self.model, self.settings = first.cfg, first.method, first.model, first.settings
+        self.offsets = [0]
+        for h in self.hosts:
+            self.offsets.append(self.offsets[-1] + len(h.data.clients))
+        self.data = _Data(self)
+        self.client_states = _States(self)
+
+    def locate(self, cid: int) -> tuple[int, int]:
+        for r in range(len(self.hosts)):
+            if cid < self.offsets[r + 1]:
+                return r, cid - self.offsets[r]
+        raise IndexError(f"client {cid} is beyond the {self.offsets[-1]} clients of the stacked runs")
+
+    def seed_of(self, cid: int) -> int:
+        return int(self.hosts[self.locate(cid)[0]].cfg.seed)
+
+    def cid_in_run(self, cid: int) -> int:
+        return self.locate(cid)[1]
+
+
+def train_together(batch: dict[int, tuple[ClientHost, int, list[TrainJob]]]) -> dict[int, list[Upload]]:
+    """Every run's jobs of the round (``batch[r] = (host, round, jobs)``), trained as one batched step where the runs
+    share a round and send no broadcast, else per run; each run's uploads in its own order and numbering."""
+    out: dict[int, list[Upload]] = {}
+    together: dict[int, list[int]] = {}  # round -> runs
+    for r, (host, rnd, jobs) in batch.items():
+        if not jobs:
+            out[r] = []
+        elif any(sent for _, _, sent in jobs):  # a broadcast of its own: this run's clients alone
+            out[r] = train_batched(host, rnd, [c for c, _, _ in jobs], {c: p for c, p, _ in jobs}, jobs[0][2])
+        else:
+            together.setdefault(rnd, []).append(r)
+    for rnd, runs in together.items():
+        stacked = StackedRuns([batch[r][0] for r in runs])
+        cids: list[int] = []
+        received: dict[int, Params] = {}
+        for i, r in enumerate(runs):
+            for cid, params, _ in batch[r][2]:
+                cids.append(stacked.offsets[i] + cid)
+                received[cids[-1]] = params
+        uploads = train_batched(stacked, rnd, cids, received, {})
+        for i, r in enumerate(runs):
+            start, n = stacked.offsets[i], len(batch[r][2])
+            mine = [u for u in uploads if start <= u.cid < stacked.offsets[i + 1]]
+            assert len(mine) == n
+            out[r] = [replace(u, cid=u.cid - start) for u in mine]
+    return out
+
+
+class Rendezvous:
+    """Where ``runs`` runs' client training meets, round by round (module docstring)."""
+
+    def __init__(self, runs: int) -> None:
+        self._cond = threading.Condition()
+        self._active = set(range(runs))
+        self._waiting: dict[int, tuple[ClientHost, int, list[TrainJob]]] = {}
+        self._done: dict[int, list[Upload] | BaseException] = {}
+        self.meetings = 0  # the batched steps that trained more than one run's clients
+
+    def seat(self, r: int) -> _Seat:
+        return _Seat(self, r)
+
+    def submit(self, r: int, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
+        with self._cond:
+            self._waiting[r] = (host, rnd, list(jobs))
+            self._meet()
+            while r not in self._done:
+                self._cond.wait()
+            out = self._done.pop(r)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def leave(self, r: int) -> None:
+        """Run ``r`` trains no more clients here (it ended, failed, or trains its clients itself)."""
+        with self._cond:
+            self._active.discard(r)
+            self._meet()
+
+    def _meet(self) -> None:  # holding the lock: train when every active run is waiting
+        if not self._waiting or len(self._waiting) < len(self._active):
+            return
+        batch, self._waiting = self._waiting, {}
+        try:
+            results: dict[int, Any] = train_together(batch)
+            self.meetings += sum(len(b[2]) > 0 for b in batch.values()) > 1
+        except BaseException as exc:  # every waiting run fails with it (each then leaves)
+            results = dict.fromkeys(batch, exc)
+        self._done.update(results)
+        self._cond.notify_all()
+
+
+class _Seat:
+    """One run's batched trainer at a :class:`Rendezvous` (a ``ClientTrainer``)."""
+
+    def __init__(self, rendezvous: Rendezvous, r: int) -> None:
+        self.rendezvous, self.r = rendezvous, r
+
+    def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
+        return self.rendezvous.submit(self.r, host, rnd, jobs)
+
+    def close(self) -> None:
+        self.rendezvous.leave(self.r)
+
+
+def run_stacked(
+    cfgs: Sequence[RunConfig], on_note: Callable[[int, str], None] | None = None
+) -> list[RunOutcome | BaseException]:
+    """Run ``cfgs`` (one experiment's seeds: configurations equal but for the seed, the rounds and where the runs
+    go) with their
+    rounds' clients trained as rows of one stacked computation, each run in its own thread; every run's outcome, or
+    the exception that ended it, in order. Each run is recorded as a ``--batched-clients`` run (its records are one,
+    to float32 rounding)."""
+    from fedskew.runner import run_experiment
+
+    if not cfgs:
+        return []
+    base = experiment_key(cfgs[0])
+    for cfg in cfgs[1:]:
+        if experiment_key(cfg) != base:
+            changed = sorted(k for k, v in experiment_key(cfg).items() if base.get(k) != v)
+            raise ValueError(f"stacked runs must be one experiment's seeds; these differ in {', '.join(changed)}")
+    cfgs = [cfg.model_copy(update={"batched_clients": True}) for cfg in cfgs]
+    meeting = Rendezvous(len(cfgs))
+    results: list[RunOutcome | BaseException | None] = [None] * len(cfgs)
+
+    def one(r: int) -> None:
+        def seat_in(sim: Simulation, first: int) -> None:
+            if not sim.use_trainer(meeting.seat(r)):  # no batched form: it trains its clients itself
+                meeting.leave(r)
+
+        try:
+            results[r] = run_experiment(
+                cfgs[r], on_start=seat_in, on_note=None if on_note is None else (lambda msg: on_note(r, msg))
+            )
+        except BaseException as exc:  # reported with the others, not lost in the thread
+            results[r] = exc
+        finally:
+            meeting.leave(r)
+
+    run_in_threads([lambda r=r: one(r) for r in range(len(cfgs))])
+    return [res if res is not None else RuntimeError("the run's thread ended without a result") for res in results]
+
+
+def run_in_threads(bodies: Sequence[Callable[[], None]]) -> None:
+    """Run each body (a run) in its own thread and wait for all. Called on the main thread, SIGINT and SIGTERM are
+    passed on to the runs in those threads (:func:`fedskew.runner.stop_thread_runs`): each finishes its round,
+    checkpoints and ends ``interrupted``, as a run on the main thread does."""
+    from fedskew.runner import stop_thread_runs
+
+    def forward(signum: int, frame: object) -> None:
+        n = stop_thread_runs(signum)
+        print(f"\n{signal.Signals(signum).name}: {n} stacked runs finish this round, then checkpoint", flush=True)
+
+    on_main = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    threads = [threading.Thread(target=body, name=f"fedskew-stacked-{i}") for i, body in enumerate(bodies)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def experiment_key(cfg: RunConfig) -> dict[str, Any]:
+    """What stacked runs must share: everything but what only says where and how long a run goes (the device
+    too must be one)."""
+    from fedskew.config import NOT_IDENTITY
+
+    free = (NOT_IDENTITY - {"device"}) | {"rounds"}
+    return {k: v for k, v in cfg.model_dump().items() if k not in free}
+
+
+__all__ = ["Rendezvous", "StackedRuns", "experiment_key", "run_in_threads", "run_stacked", "train_together"]
