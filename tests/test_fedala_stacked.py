@@ -23,8 +23,9 @@ def _client(model, received, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 8, 8, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
+    settings = TrainSettings(1, 10, 0.1)
     ctx = LocalContext(
-        cid=seed, round=2, model=model, received=received, client_state={}, broadcast={}, settings=TrainSettings(1, 10, 0.1),
+        cid=seed, round=2, model=model, received=received, client_state={}, broadcast={}, settings=settings,
         x=x, y=y, generator=torch.Generator().manual_seed(100 + seed),
     )  # fmt: skip
     return ctx
