@@ -65,7 +65,9 @@ def cmd_partition(args: argparse.Namespace) -> int:
             print(f"{name:<10} {kind:<10} {SUMMARIES.get(name, RESERVED_SUMMARIES.get(name, ''))}")
         return 0
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in FIGURE_FORMATS:
-        print(f"error: --plot {args.plot}: a figure file ends in one of .{', .'.join(FIGURE_FORMATS)}", file=sys.stderr)
+        print(
+            f"error: --plot {args.plot}: a figure file ends in one of .{', .'.join(FIGURE_FORMATS)}", file=sys.stderr
+        )
         return 2
     file_values = load_yaml(args.config) if args.config else {}
     overrides = {key: getattr(args, flag[2:].replace("-", "_"), None) for flag, (key, _, _) in RUN_FLAGS.items()}

@@ -39,7 +39,9 @@ WIDTH = 100  # the prose around a table (settings, notes) is wrapped to this man
 
 def _wrapped(text: str, indent: str = "") -> str:
     """``text`` as a markdown paragraph of lines of at most :data:`WIDTH` columns (a word longer stays whole)."""
-    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(
+        text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def markdown_text(rep: Report) -> str:

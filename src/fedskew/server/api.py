@@ -367,3 +367,4 @@ class Aggregation:
             params, diagnostics, sstate = self.step(rin, params, weights, state.step)
         diagnostics = {"weights": weights.tolist(), **diagnostics}
         return ServerOutput(params, None, diagnostics), state._replace(step=sstate)
+

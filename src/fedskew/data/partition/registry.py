@@ -288,3 +288,4 @@ def _check_parts(name: str, parts: object, n: int, num_clients: int) -> None:
 # not a built-in (its parameters come from partition_args, -P partitioner=DirichletPartitioner -P alpha=0.5)
 register_partition("flwr", flwr_partition, "a flwr-datasets partitioner by name (-P partitioner=..., extra [hf])")
 SHIPPED = frozenset({"flwr"})  # the registered schemes fedskew ships (kept, like the built-in ones)
+
