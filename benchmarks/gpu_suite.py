@@ -19,6 +19,8 @@ there is skipped, so running the suite again continues where the last call stopp
   rounds on Flower's Simulation Engine (a plain PyTorch ``ClientApp``, Flower's ``FedAvg``, Ray) and as fedskew
   sequential and batched, on the same device: steady round times, their ratios, accuracies after the same rounds,
   and each side's arithmetic rate as a fraction of a dense matmul's on the device in the same run.
+- ``stacked-runs``: ``benchmarks/runs_per_gpu.py --jobs 1 --stacked``, the same 8 seeds as batched runs one at a time
+  and as rows of one stacked computation (``fedskew sweep --stack-seeds``): the speed-up, and whether the records agree.
 - ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
 - ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
   left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
@@ -137,6 +139,13 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--jobs", "1,2,4,8", "--runs", "8", "--rounds", "10"]
     found.append(Piece("runs-per-gpu", argv, 30 if smoke else 300, 300 if smoke else 540))
+    # the same seeds as rows of one stacked computation (sweep --stack-seeds) against one batched run at a time
+    argv = [sys.executable, str(HERE / "runs_per_gpu.py"), "--device", device, "--jobs", "1", "--stacked"]
+    if smoke:
+        argv += ["--smoke", "--runs", "2"]
+    else:
+        argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--runs", "8", "--rounds", "10"]
+    found.append(Piece("stacked-runs", argv, 30 if smoke else 300, 300 if smoke else 540))
     # the same FedAvg workload (1,000 MNIST users, 50 a round, batch 10, the CNN) on Flower's Simulation Engine with a
     # plain PyTorch ClientApp, beside fedskew sequential and batched on the same device (benchmarks/vs_flower_sim.py)
     figs = out / "vs-flower-figures.json"
@@ -203,7 +212,12 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
                 got[key] = float(m[1]) / 100
             elif m:
                 got[key] = float(m[1]) if key in ("max_error", "train_gflop") else m[1].strip()
-    if piece.name == "runs-per-gpu":
+    if piece.name == "stacked-runs":
+        m = re.search(r"^stacked: .* speed-up ([\d.]+)x", stdout, re.M)
+        got["stacked_speedup"] = float(m[1]) if m else None
+        m = re.search(r"^stacked metrics equal the batched runs' to 1e-5: (\w+)", stdout, re.M)
+        got["stacked_equal"] = m[1] == "True" if m else None
+    if piece.name in ("runs-per-gpu", "stacked-runs"):
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)
         }

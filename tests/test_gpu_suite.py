@@ -41,10 +41,13 @@ def test_smoke_suite_leaves_what_does_not_fit_then_resumes(tmp_path):
     assert "**batched-fedavg**: not run yet" in (out / "suite.md").read_text()  # the report says what is missing
 
     # these pieces fit this call's budget on a slow or busy machine
-    second = _suite(out, "--budget", "3000", "--only", "env,run100,runs-per-gpu")
+    second = _suite(out, "--budget", "3000", "--only", "env,run100,runs-per-gpu,stacked-runs")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "env: done earlier, skipped" in second.stdout
-    shared = _results(out, ["run100", "runs-per-gpu"])["runs-per-gpu"]
+    got = _results(out, ["run100", "runs-per-gpu", "stacked-runs"])
+    assert got["stacked-runs"]["stacked_speedup"] > 0 and got["stacked-runs"]["stacked_equal"] is True
+    assert got["run100"]["fraction_of_matmul_rate"] > 0  # the run's arithmetic against the env piece's matmul rate
+    shared = got["runs-per-gpu"]
     assert sorted(shared["speedup_by_jobs"]) == ["1", "2"] and shared["identical"] is True
     assert shared["best_jobs"] in (1, 2)
     assert "**runs-per-gpu**: {" in (out / "suite.md").read_text()
