@@ -215,8 +215,8 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
     if piece.name == "stacked-runs":
         m = re.search(r"^stacked: .* speed-up ([\d.]+)x", stdout, re.M)
         got["stacked_speedup"] = float(m[1]) if m else None
-        m = re.search(r"^stacked metrics equal the batched runs' to 1e-5: (\w+)", stdout, re.M)
-        got["stacked_equal"] = m[1] == "True" if m else None
+        m = re.search(r"^stacked metrics: largest difference from the batched runs' ([\d.e+-]+|inf)", stdout, re.M)
+        got["stacked_max_difference"] = float(m[1]) if m else None
     if piece.name in ("runs-per-gpu", "stacked-runs"):
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)

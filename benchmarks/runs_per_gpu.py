@@ -4,7 +4,8 @@ script prints runs per hour, the speed-up over one at a time, the best N, and wh
 whatever N (they must be on a CPU; on CUDA they are as far as cuDNN's kernels are deterministic, and the script says
 which). ``--stacked`` adds the same seeds run as rows of one stacked computation (``fedskew sweep --stack-seeds``,
 one process, every run's clients trained by one batched step per round): its speed-up beside the concurrent levels,
-and whether its metrics equal the batched runs' to float32 rounding (it implies ``--batched-clients``).
+and the largest difference of its metrics from the batched runs' (float32 rounding; it implies
+``--batched-clients``).
 
 A small model on a GPU leaves it mostly idle (a batch of 10 through PFLlib's CNN is a few microseconds of device
 work per kernel and tens of microseconds of Python per step), so runs that share the device overlap their CPU work
@@ -29,15 +30,17 @@ from sweep_scaling import metrics_of, one
 from fedskew.sweep.core import SweepSpec
 
 
-def within(a: object, b: object, tol: float) -> bool:
-    """Whether two metric trees agree, numbers within ``tol``."""
+def max_difference(a: object, b: object) -> float:
+    """The largest difference between two metric trees' numbers (``inf`` where their shapes or other values differ)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(within(a[k], b[k], tol) for k in a)
+        return max((max_difference(a[k], b[k]) for k in a), default=0.0) if a.keys() == b.keys() else float("inf")
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(within(x, y, tol) for x, y in zip(a, b, strict=True))
+        if len(a) != len(b):
+            return float("inf")
+        return max((max_difference(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
     if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= tol
-    return a == b
+        return abs(a - b)
+    return 0.0 if a == b else float("inf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"speed-up {walls[1] / stacked_wall:.2f}x over one at a time",
                 flush=True,
             )
-            close = within(metrics_of(base / "stacked"), metrics[1], 1e-5)
-            print(f"stacked metrics equal the batched runs' to 1e-5: {close}")
+            # float32 rounding of a step over more rows grows through training as batched against sequential does
+            # (MNIST CNN, 2 rounds, measured: 1.3e-6 in the training loss, 5.7e-5 in an accuracy)
+            diff = max_difference(metrics_of(base / "stacked"), metrics[1])
+            print(f"stacked metrics: largest difference from the batched runs' {diff:.2e}")
     same = all(m == metrics[1] for m in metrics.values())
     best = min(walls, key=lambda j: walls[j])
     print(f"best: jobs {best} ({walls[1] / walls[best]:.2f}x over one at a time)")

@@ -45,7 +45,7 @@ def test_smoke_suite_leaves_what_does_not_fit_then_resumes(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "env: done earlier, skipped" in second.stdout
     got = _results(out, ["run100", "runs-per-gpu", "stacked-runs"])
-    assert got["stacked-runs"]["stacked_speedup"] > 0 and got["stacked-runs"]["stacked_equal"] is True
+    assert got["stacked-runs"]["stacked_speedup"] > 0 and got["stacked-runs"]["stacked_max_difference"] < 1e-4
     assert got["run100"]["fraction_of_matmul_rate"] > 0  # the run's arithmetic against the env piece's matmul rate
     shared = got["runs-per-gpu"]
     assert sorted(shared["speedup_by_jobs"]) == ["1", "2"] and shared["identical"] is True
