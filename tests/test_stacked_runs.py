@@ -155,3 +155,16 @@ def test_interrupted_stacked_runs_checkpoint_and_resume_to_the_same_records(tmp_
         whole = {**values, "seed": s, "batched_clients": True, "out": str(tmp_path / f"whole{s}")}
         run_experiment(make_config(None, whole))
         _close(_records(tmp_path / f"whole{s}"), _records(tmp_path / f"s{s}"))
+
+
+def test_the_flag_on_sweep_and_reproduce_and_its_refusal_with_ray(tmp_path, capsys):
+    from fedskew.cli import main
+
+    out = tmp_path / "rep"
+    args = ["reproduce", "fedcac", "--scale", "smoke", "--rows", "fedavg", "--seeds", "0,1", "--out", str(out)]
+    assert main([*args, "--stack-seeds", "--quiet"]) == 0
+    configs = sorted((out / "runs").glob("*/config.yaml"))
+    assert len(configs) == 4 and all("batched_clients: true" in c.read_text() for c in configs)  # 2 cells x 2 seeds
+    capsys.readouterr()
+    assert main([*args, "--stack-seeds", "--executor", "ray"]) == 2
+    assert "not with --executor ray" in capsys.readouterr().err

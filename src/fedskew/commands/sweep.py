@@ -45,12 +45,7 @@ def add_parsers(sub: Any) -> None:
         "--device", default=None, help="every run's device: cpu, cuda (--jobs N: one GPU per worker), cuda:1"
     )
     add_executor_flags(sw)
-    sw.add_argument(
-        "--stack-seeds",
-        action="store_true",
-        help="run the seeds of each experiment together, their clients trained as rows of one batched step (each run "
-        "recorded as a --batched-clients run; a group takes one of --jobs; local executor; docs/sweeps.md)",
-    )
+    add_stack_flag(sw)
     sw.add_argument("--dry-run", action="store_true", help="list the runs and what would happen to each; run nothing")
     sw.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -91,6 +86,7 @@ def add_parsers(sub: Any) -> None:
     )
     rp.add_argument("--log", default=None, help="live loggers of every run: tensorboard,mlflow,wandb (docs/loggers.md)")
     add_executor_flags(rp)
+    add_stack_flag(rp)
     rp.add_argument("--dry-run", action="store_true", help="show the plan and the runs; run nothing")
     rp.add_argument(
         "--table-only",
@@ -99,6 +95,15 @@ def add_parsers(sub: Any) -> None:
         "nothing",
     )
     rp.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def add_stack_flag(p: Any) -> None:
+    p.add_argument(
+        "--stack-seeds",
+        action="store_true",
+        help="run the seeds of each experiment together, their clients trained as rows of one batched step (each run "
+        "recorded as a --batched-clients run; a group takes one of --jobs; local executor; docs/sweeps.md)",
+    )
 
 
 def add_executor_flags(p: Any) -> None:
@@ -131,6 +136,10 @@ def make_executor(args: argparse.Namespace, jobs: int | None, device: str | None
 
             raise ConfigError("--address and --gpus-per-run go with --executor ray")
         return None
+    if getattr(args, "stack_seeds", False):
+        from fedskew.config import ConfigError
+
+        raise ConfigError("--stack-seeds runs each group of seeds in one local process: not with --executor ray")
     from fedskew.sweep.ray import RayExecutor, check_ray
 
     check_ray()  # a clear message, before anything else, when Ray is not installed
@@ -308,8 +317,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     # on Ray, --device applies on the nodes (this machine may have no GPU); --jobs caps the runs at a time
     executor = make_executor(args, args.jobs or spec.jobs, args.device)
-    if args.stack_seeds and executor is not None:
-        raise ConfigError("--stack-seeds runs each group of seeds in one local process: not with --executor ray")
     runs = with_log(expand(spec, out=args.out, db=args.db), args.log)
     if args.device and executor is None:
         runs = with_device(runs, args.device)
@@ -397,7 +404,14 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return 0
     with Display(len(runs), args.quiet) as display:
         display.labels = {r.name: r.label for r in runs}
-        rep = run_reproduction(plan, jobs=jobs, on_event=display.event, on_result=display.result, executor=executor)
+        rep = run_reproduction(
+            plan,
+            jobs=jobs,
+            on_event=display.event,
+            on_result=display.result,
+            executor=executor,
+            stack_seeds=args.stack_seeds,
+        )
     print(rep.markdown)
     print(f"written: {', '.join(str(p) for p in rep.files[:3])}; {len(rep.files) - 3} figure(s) in {plan.out}/figures/")
     return _closing(rep.outcome, plan.out)

@@ -75,13 +75,17 @@ def run_reproduction(
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
     executor: Callable[..., bool] | None = None,
+    stack_seeds: bool = False,
 ) -> Reproduction:
-    """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``; ``executor``: see
-    :func:`fedskew.sweep.core.run_sweep` (the Ray executor)."""
+    """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``; ``executor`` and
+    ``stack_seeds``: see :func:`fedskew.sweep.core.run_sweep` (the Ray executor; a cell's seeds as rows of one
+    stacked computation)."""
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "sweep.yaml").write_text(dump_spec(plan.spec()))
     runs = planned_runs(plan)
-    outcome = run_sweep(runs, jobs=jobs, on_event=on_event, on_result=on_result, executor=executor)
+    outcome = run_sweep(
+        runs, jobs=jobs, on_event=on_event, on_result=on_result, executor=executor, stack_seeds=stack_seeds
+    )
     return assemble(plan, runs, outcome)
 
 
