@@ -87,3 +87,30 @@ def test_a_resume_on_the_same_kernels_keeps_one_segment(tmp_path):
     out = run_experiment(make_config(None, values), on_note=notes.append)
     assert out.summary["numerics"] == [{"from_round": 1, **numerics()}]
     assert not [n for n in notes if "other arithmetic" in n] and any("resuming" in n for n in notes)
+
+
+def test_seeded_sections_of_the_global_rng_do_not_interleave_across_threads():
+    """Runs in threads (engine/stacked_runs.py) draw their initial models from torch's global RNG under a seed: every
+    such section holds one lock (seeding.global_rng), so each thread gets what it would get alone."""
+    import threading
+
+    from fedskew.seeding import global_rng
+
+    def draw(seed):
+        with global_rng(seed):
+            return [torch.randn(64) for _ in range(50)]
+
+    alone = {s: draw(s) for s in range(8)}
+    got: dict[int, list] = {}
+
+    def worker(s):
+        for _ in range(5):
+            got[s] = draw(s)
+            assert all(torch.equal(a, b) for a, b in zip(got[s], alone[s], strict=True))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(all(torch.equal(a, b) for a, b in zip(got[s], alone[s], strict=True)) for s in range(8))
