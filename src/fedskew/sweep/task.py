@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import traceback
 import warnings
@@ -92,6 +93,11 @@ def execute_stacked(group: TaskGroup, emit: Callable[[Event], None]) -> list[Run
 
     meeting = Rendezvous(len(group.tasks))
     results: list[RunResult | None] = [None] * len(group.tasks)
+    said = threading.Lock()
+
+    def tell(ev: Event) -> None:  # the runs' threads report one at a time (a display need not be thread-safe)
+        with said:
+            emit(ev)
 
     def one(r: int) -> None:
         task = group.tasks[r]
@@ -102,7 +108,7 @@ def execute_stacked(group: TaskGroup, emit: Callable[[Event], None]) -> list[Run
                 meeting.leave(r)
 
         try:
-            results[r] = _execute_run(task, emit, seat_in)
+            results[r] = _execute_run(task, tell, seat_in)
         finally:
             meeting.leave(r)
 
