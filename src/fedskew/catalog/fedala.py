@@ -351,10 +351,9 @@ class FedALA(LocalAlgorithm):
         names = top_parameter_names(model, self.layer_idx)
         if not stacked_weight_learning_applies(model, names):
             return None
-        jobs, starts = [], []
-        for ctx in contexts:
+        jobs, learning, starts = [], [], []  # learning: each job's position among the contexts
+        for i, ctx in enumerate(contexts):
             local = ctx.kept(ALA_LOCAL)
-            passes = 0
             start = dict(ctx.received)
             if names and local is not None:
                 assert ctx.x is not None and ctx.y is not None and ctx.generator is not None
@@ -363,8 +362,9 @@ class FedALA(LocalAlgorithm):
                 m = int(self.rand_percent * ctx.x.shape[0])
                 first = int(torch.randint(0, ctx.x.shape[0] - m + 1, (1,), generator=ctx.generator)) if m > 0 else 0
                 jobs.append(AlaJob(ctx, local, weights, first, m, until_converged=previous is None))
+                learning.append(i)
             else:
-                ctx.metrics["ala_epochs"] = float(passes)
+                ctx.metrics["ala_epochs"] = 0.0
                 ctx.keep(ALA_INIT, {k: v.detach().clone() for k, v in start.items()})
             starts.append(start)
         if jobs:
@@ -378,13 +378,12 @@ class FedALA(LocalAlgorithm):
                 num_pre_loss=self.num_pre_loss,
                 max_epochs=self.max_start_epochs,
             )
-            at = {id(ctx): k for k, ctx in enumerate(contexts)}
-            for job, (blended, weights, passes) in zip(jobs, learned, strict=True):
+            for i, job, (blended, weights, passes) in zip(learning, jobs, learned, strict=True):
                 job.ctx.keep(ALA_WEIGHTS, weights)
                 job.ctx.metrics["ala_epochs"] = float(passes)
                 start = {**job.ctx.received, **blended}
                 job.ctx.keep(ALA_INIT, {k: v.detach().clone() for k, v in start.items()})
-                starts[at[id(job.ctx)]] = start
+                starts[i] = start
         return starts
 
     def batched_step(self) -> BatchedStep:
