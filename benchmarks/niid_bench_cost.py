@@ -198,7 +198,8 @@ def rounds(workers: int) -> None:
             finally:
                 sim.close()
         one = times["one process"]
-        print(f"\na NIID-Bench round of 1 local epoch (10 clients, {TRAIN:,} images, evaluation included; median of 3):")
+        head = f"a NIID-Bench round of 1 local epoch (10 clients, {TRAIN:,} images, evaluation included; median of 3)"
+        print(f"\n{head}:")
         for label, t in times.items():
             print(
                 f"  {label}: {t:.1f} s ({one / t:.2f}x one process); a run at the published settings "
