@@ -100,9 +100,14 @@ def add_parsers(sub: Any) -> None:
 def add_stack_flag(p: Any) -> None:
     p.add_argument(
         "--stack-seeds",
-        action="store_true",
+        nargs="?",
+        const="on",
+        choices=("on", "auto"),
+        default=None,
         help="run the seeds of each experiment together, their clients trained as rows of one batched step (each run "
-        "recorded as a --batched-clients run; a group takes one of --jobs; local executor; docs/sweeps.md)",
+        "recorded as a --batched-clients run; a group takes one of --jobs; local executor; docs/sweeps.md); "
+        "'--stack-seeds auto': each experiment's seeds stacked or as separate runs, by what a short probe of both "
+        "measures faster",
     )
 
 
@@ -263,7 +268,7 @@ def _states(runs: list[Any]) -> list[str]:
     return lines
 
 
-def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None, stack_seeds: bool = False) -> Any:
+def _run_all(runs: list[Any], jobs: int, quiet: bool, executor: Any = None, stack_seeds: bool | str = False) -> Any:
     from fedskew.sweep.core import run_sweep
 
     with Display(len(runs), quiet) as display:

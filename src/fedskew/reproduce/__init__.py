@@ -75,7 +75,7 @@ def run_reproduction(
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
     executor: Callable[..., bool] | None = None,
-    stack_seeds: bool = False,
+    stack_seeds: bool | str = False,
 ) -> Reproduction:
     """Run the plan (skipping what is done) and write the tables and figures into ``plan.out``; ``executor`` and
     ``stack_seeds``: see :func:`fedskew.sweep.core.run_sweep` (the Ray executor; a cell's seeds as rows of one

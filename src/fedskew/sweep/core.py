@@ -338,7 +338,7 @@ def run_sweep(
     on_event: Callable[[Event], None] | None = None,
     on_result: Callable[[RunResult], None] | None = None,
     executor: Callable[..., bool] | None = None,
-    stack_seeds: bool = False,
+    stack_seeds: bool | str = False,
 ) -> SweepOutcome:
     """Run every planned run that is not done: ``jobs`` at a time in worker processes (``jobs=1``: one after the
     other in this process; with ``cuda`` and several GPUs, one GPU per worker), or by ``executor`` (called as
@@ -347,7 +347,8 @@ def run_sweep(
     (skipped runs first). Ctrl-C (or SIGTERM) lets the running runs finish their round and checkpoint, starts no new
     one, and returns with ``interrupted``; running the sweep again continues where it stopped. ``stack_seeds``: the
     runs that differ only in their seed run together, their clients trained as rows of one batched step
-    (:mod:`fedskew.engine.stacked_runs`; a group takes one of the ``jobs``)."""
+    (:mod:`fedskew.engine.stacked_runs`; a group takes one of the ``jobs``); ``"auto"``: each group stacked or run
+    as separate runs by what a short probe measures faster (:mod:`fedskew.sweep.stack_choice`)."""
     emit = on_event or (lambda ev: None)
     report = on_result or (lambda r: None)
     results: dict[str, RunResult] = {}
@@ -367,6 +368,15 @@ def run_sweep(
     if executor is not None and stack_seeds:
         raise ValueError("stacked seeds run on the local executor (one process per group), not on Ray")
     units: list[Task | TaskGroup] = group_seeds(todo) if stack_seeds else list(todo)
+    if stack_seeds == "auto":
+        from fedskew.sweep.stack_choice import choose_stacking
+
+        try:
+            units = choose_stacking(units, jobs, emit)
+        except KeyboardInterrupt:  # during a probe: nothing of the sweep has started
+            for t in todo:
+                results[t.name] = RunResult(t.name, "not started", str(t.values.get("out")))
+            return SweepOutcome([results[r.name] for r in runs if r.name in results], True)
     if executor is not None:
         interrupted = bool(todo) and executor(todo, emit, results, report)
     elif jobs <= 1 or len(units) <= 1:
