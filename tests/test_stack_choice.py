@@ -103,3 +103,18 @@ def test_the_sweep_follows_the_choice(tmp_path, monkeypatch, capsys, stacked):
                                       if line.startswith("seed:")))  # fmt: skip
             run_experiment(make_config(None, values))
             assert _records(tmp_path / "plain" / c.parent.name) == _records(c.parent)
+
+
+def test_a_probe_interrupted_stops_the_sweep_before_anything_runs(tmp_path, monkeypatch):
+    import fedskew.sweep.stack_choice as stack_choice
+    from fedskew.sweep.core import SweepSpec, expand, run_sweep
+    from fedskew.sweep.task import RunResult
+
+    def stopped(group, emit):
+        return [RunResult(t.name, "interrupted", str(t.values["out"])) for t in group.tasks]
+
+    monkeypatch.setattr(stack_choice, "execute_stacked", stopped)
+    spec = SweepSpec(base={**BASE, "rounds": MIN_ROUNDS}, methods=["fedavg"], seeds=[0, 1])
+    outcome = run_sweep(expand(spec, out=tmp_path / "sweep", db=None), jobs=1, stack_seeds="auto")
+    assert outcome.interrupted and [r.status for r in outcome.results] == ["not started"] * 2
+    assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())

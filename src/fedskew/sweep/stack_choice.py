@@ -72,6 +72,7 @@ class _Clock:
     def __init__(self) -> None:
         self.ends: dict[str, dict[int, float]] = {}
         self.failures: list[str] = []
+        self.interrupted = False
         self._lock = threading.Lock()
 
     def emit(self, ev: Event) -> None:
@@ -80,6 +81,7 @@ class _Clock:
                 self.ends.setdefault(ev[1], {})[int(ev[2])] = time.perf_counter()
 
     def result(self, res: RunResult) -> None:
+        self.interrupted = self.interrupted or res.status in ("interrupted", "not started")
         if res.status != "finished":
             self.failures.append(f"{res.name}: {res.status}{': ' + res.error if res.error else ''}")
 
@@ -115,6 +117,8 @@ def probe_group(group: TaskGroup, jobs: int) -> StackChoice:
         stacked = _probe_tasks(group, root, "stacked", seeds)
         for res in execute_stacked(TaskGroup(tuple(stacked)), clock.emit):
             clock.result(res)
+        if clock.interrupted:  # Ctrl-C or SIGTERM during a probe: the sweep stops before it starts
+            raise KeyboardInterrupt
         apart = _probe_tasks(group, root, "apart", at_once)
         if at_once == 1:
             clock.result(execute_run(apart[0], clock.emit))
@@ -122,9 +126,8 @@ def probe_group(group: TaskGroup, jobs: int) -> StackChoice:
             from fedskew.sweep.pool import run_pool
 
             got: dict[str, RunResult] = {}
-            if run_pool(list(apart), at_once, clock.emit, got, clock.result):
-                raise KeyboardInterrupt
-        if any(": interrupted" in f for f in clock.failures):
+            clock.interrupted = run_pool(list(apart), at_once, clock.emit, got, clock.result) or clock.interrupted
+        if clock.interrupted:  # Ctrl-C or SIGTERM during a probe: the sweep stops before it starts
             raise KeyboardInterrupt
         if clock.failures:
             return StackChoice(False, None, None, at_once, "the probe did not finish: " + "; ".join(clock.failures))
