@@ -368,3 +368,24 @@ def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, met
     for a, b in zip(records(tmp_path / "seq")[:compared], seq[:compared], strict=True):
         assert a["participants"] == b["participants"] and a.get("dropped_out") == b.get("dropped_out")
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+def test_a_phase_with_its_own_lr_trains_at_it_batched_as_sequentially(one_thread, monkeypatch):
+    """``Phase.lr`` (FedPAC's ``head_lr``): the batched engine steps the phase at its own rate, as ``local_train``."""
+    from fedskew.catalog.fedrep import FedRep
+    from fedskew.client.kernels import is_head
+    from fedskew.client.local import Phase
+
+    def phases(self, ctx):
+        return [
+            Phase(self.head_epochs, name="head", trains=is_head, lr=0.2),
+            Phase(ctx.settings.epochs, name="body", trains=lambda n: not is_head(n)),
+        ]
+
+    _, _, plain = _side_by_side("fedrep", {"head_epochs": 2}, rounds=1, **BN, batch_size=32)
+    monkeypatch.setattr(FedRep, "phases", phases)
+    _, _, own = _side_by_side("fedrep", {"head_epochs": 2}, rounds=1, **BN, batch_size=32)
+    _same_updates(own[0][2], own[0][3])  # batched = sequential at the phase's lr
+    pairs = zip(own[0][2], plain[0][2], strict=True)
+    moved = [(o.params["head.weight"] - p.params["head.weight"]).abs().max().item() for o, p in pairs]
+    assert min(moved) > 1e-3  # and that lr is not the run's

@@ -72,3 +72,38 @@ def test_mean_step_loss_equals_a_running_float64_sum() -> None:
         running += loss * n
     assert mean_step_loss(losses, sizes) == float(running) / sum(sizes)
     assert mean_step_loss([], []) == 0.0
+
+
+@pytest.mark.parametrize("head_lr", [None, 0.0])
+def test_a_phase_trains_at_its_own_lr(head_lr) -> None:
+    """``Phase.lr`` replaces the run's learning rate for that phase only: a head phase at lr 0 leaves the head as it
+    was received, the body phase after it still trains; without it the head moves."""
+    from fedskew.client.kernels import is_head
+    from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSettings, local_train
+    from fedskew.models import build_model
+
+    class TwoPhases(LocalAlgorithm):
+        def phases(self, ctx):
+            body = Phase(1, name="body", trains=lambda n: not is_head(n))
+            return [Phase(1, name="head", trains=is_head, lr=head_lr), body]
+
+    torch.manual_seed(0)
+    model = build_model("mlp", in_channels=1, image_size=8, num_classes=3)
+    received = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 3, (40,), generator=g)
+    ctx = LocalContext(0, 1, model, received, {}, {}, TrainSettings(epochs=1, batch_size=10, lr=0.1, momentum=0.9))
+    up = local_train(TwoPhases(), ctx, x, y, torch.Generator().manual_seed(0))
+    head = max((up.params[k] - received[k]).abs().max().item() for k in received if is_head(k))
+    body = max((up.params[k] - received[k]).abs().max().item() for k in received if not is_head(k))
+    assert body > 1e-3
+    assert (head == 0.0) if head_lr == 0.0 else (head > 1e-3)
+
+
+def test_fedpac_head_lr_is_its_head_phase_lr() -> None:
+    from fedskew.methods import resolve_method
+
+    client = resolve_method("fedpac", {"head_lr": 0.1}).client
+    ctx = type("Ctx", (), {"settings": type("S", (), {"epochs": 3})()})()
+    assert [(p.name, p.epochs, p.lr) for p in client.phases(ctx)] == [("head", 1, 0.1), ("body", 3, None)]
+    assert [p.lr for p in resolve_method("fedpac", {}).client.phases(ctx)] == [None, None]

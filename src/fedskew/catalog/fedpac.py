@@ -22,7 +22,9 @@ use the received model in evaluation mode and ``V`` is divided by the sample cou
 positive semi-definite is rebuilt from its eigenpairs of eigenvalue ≥ 0.01; weights below 1e-3 are set to zero without
 renormalizing; a client whose program still has no PSD matrix keeps its own head. Departure, named: the program is
 solved by SciPy's SLSQP to 1e-12 rather than by cvxpy (the same problem; ``tests/test_pfl_fedpac.py`` checks it
-against an exact active-set enumeration). ``lam = 1`` (PFLlib's default).
+against an exact active-set enumeration). ``lam = 1`` (PFLlib's default). ``head_lr``: the head epoch's own learning
+rate (default: the run's, as PFLlib; the official code, JianXu95/FedPAC, trains the head at 0.1 and the body at the
+run's lr 0.01 with momentum 0.5).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class FedPAC(LocalAlgorithm):
 
     lam: float = 1.0
     head_epochs: int = 1
+    head_lr: float | None = None
 
     def begin(self, ctx: LocalContext) -> None:
         assert ctx.y is not None
@@ -110,7 +113,7 @@ class FedPAC(LocalAlgorithm):
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         return [
-            Phase(self.head_epochs, name="head", trains=is_head),
+            Phase(self.head_epochs, name="head", trains=is_head, lr=self.head_lr),
             Phase(ctx.settings.epochs, name="body", trains=lambda n: not is_head(n)),
         ]
 
@@ -291,6 +294,7 @@ class PacHeads:
 class FedPACParams(StrictSettings):
     lam: float = Field(1.0, ge=0)  # the feature alignment's weight (PFLlib: -lam 1)
     head_epochs: int = Field(1, ge=1)  # epochs on the head before the body (PFLlib: one pass)
+    head_lr: float | None = Field(None, gt=0)  # the head epoch's lr (None: the run's, as PFLlib; official code: 0.1)
 
 
 CLIENTS: dict[str, ClientPart] = {
@@ -301,7 +305,7 @@ CLIENTS: dict[str, ClientPart] = {
         "Xu, Tong, Huang, Personalized Federated Learning with Feature Alignment and Classifier Collaboration, "
         "ICLR 2023",
         FedPACParams,
-        lambda p: FedPAC(lam=p.lam, head_epochs=p.head_epochs),
+        lambda p: FedPAC(lam=p.lam, head_epochs=p.head_epochs, head_lr=p.head_lr),
         server_half=lambda p: PacServer(),
         implies=("pac",),
         personalized=True,

@@ -181,8 +181,8 @@ class Phase:
     ``start``: weights loaded before the phase (``None``: continue from the current ones; the first phase continues
     from the received model). ``trains``: which trainable parameters get updated (a predicate on the state-dict name;
     ``None``: all); the others are frozen for the phase. ``keep``: store a snapshot of the model after the phase in
-    the client's state under that key. Each phase has its own optimizer (momentum restarts, as in FedRep's and
-    Ditto's code).
+    the client's state under that key. ``lr``: the phase's learning rate (``None``: the run's). Each phase has its own
+    optimizer (momentum restarts, as in FedRep's and Ditto's code).
     """
 
     epochs: int
@@ -190,6 +190,7 @@ class Phase:
     start: Params | None = None
     trains: Callable[[str], bool] | None = None
     keep: StateKey[Params] | None = None
+    lr: float | None = None
 
 
 class UploadExtras(Protocol):
@@ -495,7 +496,9 @@ def local_train(
         params = [p for name, p in named if phase.trains is None or phase.trains(name)]
         for p in frozen:
             p.requires_grad_(False)
-        opt = LocalSGD(params, lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+        opt = LocalSGD(
+            params, lr=s.lr if phase.lr is None else phase.lr, momentum=s.momentum, weight_decay=s.weight_decay
+        )
         try:
             for _ in range(phase.epochs):
                 perm = torch.randperm(n, generator=generator).to(x.device)

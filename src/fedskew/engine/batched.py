@@ -205,6 +205,7 @@ class _PhasePlan:
     epochs: int
     trains: list[str]
     keep: str | None
+    lr: float | None
     starts: list[Params | None]
 
 
@@ -214,14 +215,15 @@ def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: 
     per_client = [algo.phases(ctx) for ctx in contexts]
     for k, phases in enumerate(per_client):
         shape = [
-            (ph.name, ph.epochs, [n for n in trainable if ph.trains is None or ph.trains(n)], ph.keep) for ph in phases
+            (ph.name, ph.epochs, [n for n in trainable if ph.trains is None or ph.trains(n)], ph.keep, ph.lr)
+            for ph in phases
         ]
         if k == 0:
-            plans = [_PhasePlan(name, ep, tr, keep, []) for name, ep, tr, keep in shape]
-        elif shape != [(p.name, p.epochs, p.trains, p.keep) for p in plans]:
+            plans = [_PhasePlan(name, ep, tr, keep, lr, []) for name, ep, tr, keep, lr in shape]
+        elif shape != [(p.name, p.epochs, p.trains, p.keep, p.lr) for p in plans]:
             raise ValueError(
                 f"batched clients need the same phases on every client: client {contexts[k].cid} has "
-                f"{[(n, e) for n, e, _, _ in shape]}, client {contexts[0].cid} {[(p.name, p.epochs) for p in plans]}"
+                f"{[(n, e) for n, e, *_ in shape]}, client {contexts[0].cid} {[(p.name, p.epochs) for p in plans]}"
             )
         for plan, ph in zip(plans, phases, strict=True):
             plan.starts.append(ph.start)
@@ -372,6 +374,7 @@ def _run_phase(
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
     model, s = sim.model, sim.settings
+    lr = s.lr if phase.lr is None else phase.lr
     names = phase.trains  # this phase's trained parameters; every other entry is carried per client
     flat = _Flat(names, [starts[0][n].shape for n in names])
     others = [k for k in order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen parameters
@@ -473,7 +476,7 @@ def _run_phase(
                     if pos is not None:
                         stack.buf.index_copy_(0, pos, b_rows)
                     g = b_list
-                torch._foreach_add_(p_list, g, alpha=-s.lr)
+                torch._foreach_add_(p_list, g, alpha=-lr)
                 if stack.shift is not None:  # SCAFFOLD's after_step: w += −lr·(c − c_i), outside the optimizer
                     p_rows.add_(take(stack.shift), alpha=alpha)
                 batch_loss = (loss * size).double()  # local_train: loss_sum += loss · batch size (float64)
