@@ -30,7 +30,7 @@ def test_groups_kept_or_split_in_place_and_each_choice_said():
     lone = _task("c", 0)
     said = []
 
-    def probe(group, jobs):
+    def probe(group, jobs, emit):
         assert jobs == 3
         fast = group is a
         return StackChoice(fast, 1.0, 0.75 if fast else 0.2, min(jobs, len(group.tasks)), "test")
@@ -78,7 +78,7 @@ def test_the_sweep_follows_the_choice(tmp_path, monkeypatch, capsys, stacked):
     import fedskew.sweep.stack_choice as stack_choice
     from fedskew.cli import main
 
-    def probe(group, jobs):
+    def probe(group, jobs, emit):
         return StackChoice(stacked, 1.0, 1.0, 1, "chosen by the test")
 
     monkeypatch.setattr(stack_choice, "probe_group", probe)

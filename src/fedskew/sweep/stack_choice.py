@@ -85,6 +85,11 @@ class _Clock:
         if res.status != "finished":
             self.failures.append(f"{res.name}: {res.status}{': ' + res.error if res.error else ''}")
 
+    def stop_if_interrupted(self) -> None:
+        """Ctrl-C or SIGTERM during a probe: the sweep stops before it starts."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
     def steady(self, names: list[str]) -> float:
         """The median over ``names`` of one steady round (round 1's end to the last round's, per round)."""
         per_run = []
@@ -104,21 +109,21 @@ def _probe_tasks(group: TaskGroup, root: Path, mode: str, count: int) -> list[Ta
     return tasks
 
 
-def probe_group(group: TaskGroup, jobs: int) -> StackChoice:
-    """Measure ``group`` stacked and as separate runs (module docstring) and choose."""
+def probe_group(group: TaskGroup, jobs: int, emit: Callable[[Event], None] = lambda ev: None) -> StackChoice:
+    """Measure ``group`` stacked and as separate runs (module docstring) and choose; ``emit`` hears when it starts."""
     seeds = len(group.tasks)
     at_once = max(1, min(jobs, seeds))
     rounds = int(group.values.get("rounds") or 0)
     if rounds < MIN_ROUNDS:
         return StackChoice(False, None, None, at_once, f"{rounds} rounds: too few to repay a probe of {PROBE_ROUNDS}")
+    emit(("note", group.name, f"--stack-seeds auto: timing {PROBE_ROUNDS} rounds stacked and as separate runs"))
     root = Path(tempfile.mkdtemp(prefix="fedskew-stack-probe-"))
     try:
         clock = _Clock()
         stacked = _probe_tasks(group, root, "stacked", seeds)
         for res in execute_stacked(TaskGroup(tuple(stacked)), clock.emit):
             clock.result(res)
-        if clock.interrupted:  # Ctrl-C or SIGTERM during a probe: the sweep stops before it starts
-            raise KeyboardInterrupt
+        clock.stop_if_interrupted()
         apart = _probe_tasks(group, root, "apart", at_once)
         if at_once == 1:
             clock.result(execute_run(apart[0], clock.emit))
@@ -127,8 +132,7 @@ def probe_group(group: TaskGroup, jobs: int) -> StackChoice:
 
             got: dict[str, RunResult] = {}
             clock.interrupted = run_pool(list(apart), at_once, clock.emit, got, clock.result) or clock.interrupted
-        if clock.interrupted:  # Ctrl-C or SIGTERM during a probe: the sweep stops before it starts
-            raise KeyboardInterrupt
+        clock.stop_if_interrupted()
         if clock.failures:
             return StackChoice(False, None, None, at_once, "the probe did not finish: " + "; ".join(clock.failures))
         stacked_s = clock.steady([t.name for t in stacked])
@@ -143,7 +147,7 @@ def choose_stacking(
     units: list[Task | TaskGroup],
     jobs: int,
     emit: Callable[[Event], None],
-    probe: Callable[[TaskGroup, int], StackChoice] = probe_group,
+    probe: Callable[[TaskGroup, int, Callable[[Event], None]], StackChoice] = probe_group,
 ) -> list[Task | TaskGroup]:
     """``units`` with each group of seeds kept as a group where ``probe`` finds stacking faster, else split back
     into its runs (in their places); each choice is a note of the group's first run."""
@@ -152,9 +156,7 @@ def choose_stacking(
         if not isinstance(unit, TaskGroup):
             out.append(unit)
             continue
-        if int(unit.values.get("rounds") or 0) >= MIN_ROUNDS:
-            emit(("note", unit.name, f"--stack-seeds auto: timing {PROBE_ROUNDS} rounds stacked and as separate runs"))
-        choice = probe(unit, jobs)
+        choice = probe(unit, jobs, emit)
         emit(("note", unit.name, choice.note(len(unit.tasks))))
         out.extend([unit] if choice.stacked else unit.tasks)
     return out
