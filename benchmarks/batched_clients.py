@@ -184,9 +184,10 @@ def main() -> None:
     )
     p.add_argument(
         "--path",
-        choices=("auto", "vmap"),
+        choices=("auto", "vmap", "captured"),
         default="auto",
-        help="the batched step: auto (the stacked autograd graph for Sequential models, else vmap) or vmap always",
+        help="the batched step: auto (the stacked autograd graph for Sequential models, else vmap), vmap always, or "
+        "captured (every step at a few padded shapes, replayed as CUDA graphs on a GPU: --capture-steps)",
     )
     args = p.parse_args()
     torch.backends.cudnn.allow_tf32 = args.tf32
@@ -239,6 +240,14 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}, TF32 {'on' if args.tf32 else 'off'}, batched step {args.path}"
     )
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
+    if args.path == "captured":  # the rows the padded steps run (engine/captured.py) against the clients' real steps
+        from fedskew.engine.captured import step_widths
+
+        widths = step_widths(np.asarray(steps))
+        print(
+            f"padded rows: {sum(widths)} client-steps run for {sum(steps)} real ones "
+            f"({sum(widths) / sum(steps):.2f}x), at {len(set(widths))} widths"
+        )
     # the plain SGD arithmetic of the clients' training (a method's own terms come on top): a training pass of a
     # sample is 3 forwards at 2 FLOP per multiply-add (benchmarks/flops.py)
     train_gflop = sum(sizes) * args.epochs * 6 * macs_per_sample(seq.model, data.x_test[:1].to(device)) / 1e9
@@ -257,7 +266,7 @@ def main() -> None:
             return [seq._train(c, rnd, received[c], broadcast) for c in cids]
 
         def batched(received=received, broadcast=broadcast, rnd=rnd) -> list[Upload]:
-            return train_batched(bat, rnd, cids, received, broadcast, args.max_clients)
+            return train_batched(bat, rnd, cids, received, broadcast, args.max_clients, args.path == "captured")
 
         sampler = UtilizationSampler(device)
         if rep % 2 == 0:

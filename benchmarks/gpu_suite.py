@@ -8,11 +8,13 @@ there is skipped, so running the suite again continues where the last call stopp
   against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
   clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
   the speedup (median of the timed repeats) and the largest difference between the two paths' uploads;
-  ``batched-fedavg-vmap`` the same with the general ``vmap`` step instead of the stacked autograd graph.
+  ``batched-fedavg-vmap`` the same with the general ``vmap`` step instead of the stacked autograd graph;
+  ``batched-<method>-captured`` (:data:`CAPTURED`) with the steps at padded shapes replayed as CUDA graphs
+  (``--capture-steps``, engine/captured.py): the speed-up over the sequential loop and the device's busy share.
 - ``pfl-batched`` / ``pfl-sequential``: the pfl-research-shaped workload (1,000 users, 50 per round, batch 10,
   1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
   (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
-  round times.
+  round times; ``pfl-captured`` the batched run with ``--capture-steps``.
 - ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
   device: the speed-up per level and the best (what a sweep on CUDA should use).
 - ``vs-flower``: ``benchmarks/vs_flower_sim.py``, the pfl-research-shaped FedAvg workload for ``--flower-rounds``
@@ -74,6 +76,11 @@ BATCHED_METHODS = (
 )
 
 
+# the batched step at padded shapes, replayed as CUDA graphs (engine/captured.py, --capture-steps): plain SGD, a
+# proximal term, a shift after the step
+CAPTURED = ("fedavg", "fedprox", "scaffold")
+
+
 @dataclass(frozen=True)
 class Piece:
     name: str
@@ -96,7 +103,8 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
         ["--dataset", "digits"] if smoke else ["--dataset", "mnist", "--data-dir", str(Path(args.data_dir) / "mnist")]
     )
     found: list[Piece] = []
-    for m, path in [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")]:
+    paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
+    for m, path in paths:
         argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
         argv += ["--clients", "10", "--fraction", "0.03", "--repeats", "1"] if smoke else ["--clients", "100"]
         if smoke:  # the same random workload on every machine; FedBABU with one fine-tuning epoch (of 10) to stay small
@@ -112,7 +120,10 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
             ]
         found.append(
             Piece(
-                f"batched-{m}" + ("-vmap" if path == "vmap" else ""), argv, 20 if smoke else 45, 300 if smoke else 240
+                f"batched-{m}" + ("" if path == "auto" else f"-{path}"),
+                argv,
+                20 if smoke else 45,
+                300 if smoke else 240,
             )
         )
     # what every whole-run piece shares: the CNN, batch 10, no probes, no database, a fresh run directory
@@ -122,7 +133,11 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     pfl += ["--local-epochs", "1", "--lr", "0.05", *common]
     rounds = 3 if smoke else args.pfl_rounds
     seq_rounds = 2 if smoke else max(1, args.pfl_rounds // 30)
-    for name, extra, r in (("pfl-batched", ["--batched-clients"], rounds), ("pfl-sequential", [], seq_rounds)):
+    for name, extra, r in (
+        ("pfl-batched", ["--batched-clients"], rounds),
+        ("pfl-captured", ["--batched-clients", "--capture-steps"], rounds),
+        ("pfl-sequential", [], seq_rounds),
+    ):
         run_dir = out / "runs" / name
         argv = fedskew("run", *pfl, *extra, "--rounds", str(r), "--eval-every", str(r), "--out", str(run_dir))
         found.append(Piece(name, argv, 20 if smoke else 150, 300 if smoke else 400, run_dir))
@@ -273,6 +288,14 @@ def report(out: Path, order: list[str]) -> str:
             lines.append(
                 f"- pfl-research workload: {b['rounds']} rounds batched in {b['wall_time']:.1f}s; round time "
                 f"sequential/batched {s['mean_time_round'] / b['mean_time_round']:.2f}x"
+            )
+    pc = out / "pfl-captured.json"
+    if pb.exists() and pc.exists():
+        b, c = json.loads(pb.read_text()), json.loads(pc.read_text())
+        if b.get("ok") and c.get("ok"):
+            lines.append(
+                f"- pfl-research workload with --capture-steps: {c['rounds']} rounds in {c['wall_time']:.1f}s; round "
+                f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
             )
     vf = out / "vs-flower.json"
     if vf.exists() and (v := json.loads(vf.read_text())).get("ok"):

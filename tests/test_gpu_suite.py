@@ -14,7 +14,8 @@ import pytest
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 BATCHED = [f"batched-{m}" for m in ("fedavg", "fedprox", "scaffold", "feddyn", "moon", "fedntd", "fedgen")]
 BATCHED += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "fedcac", "fedavg-vmap")]
-WHOLE_RUNS = ["pfl-batched", "pfl-sequential", "reproduce-feddisco"]
+BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
+WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -68,6 +69,8 @@ def test_smoke_suite_runs_the_batched_pieces(tmp_path, part):
         assert batched["speedup"] > 0 and batched["max_error"] < 1e-2, (name, batched)
     if "batched-fedavg-vmap" in part:
         assert "batched step vmap" in json.loads((out / "batched-fedavg-vmap.json").read_text())["workload"]
+    for name in (n for n in part if n.endswith("-captured")):
+        assert "batched step captured" in json.loads((out / f"{name}.json").read_text())["workload"]
 
 
 def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
@@ -79,6 +82,9 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert (out / "reproduce" / "feddisco" / "table.md").exists()
     report = (out / "suite.md").read_text()
     assert "pfl-research workload: 3 rounds batched" in report
+    assert "pfl-research workload with --capture-steps: 3 rounds" in report
+    captured = _results(out, ["pfl-captured"])["pfl-captured"]
+    assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)

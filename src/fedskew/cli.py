@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the sampled clients together (vmapped; for a GPU; equal up to float rounding, docs/design.md)",
     )
     run.add_argument(
+        "--capture-steps",
+        action="store_true",
+        help="with --batched-clients: each step at one of a few padded shapes, replayed as a CUDA graph on a GPU "
+        "(engine/captured.py; equal up to float rounding)",
+    )
+    run.add_argument(
         "--channels-last",
         action="store_true",
         help="channels-last memory order for convolutions (faster on CPU; equal up to float rounding)",

@@ -249,6 +249,12 @@ class RunConfig(StrictSettings):
         description="train the sampled clients together, vmapped over stacked parameters (engine/batched.py; for a "
         "GPU); equal to the sequential loop up to float32 rounding; methods it cannot batch fall back, with a warning",
     )
+    capture_steps: bool = Field(
+        False,
+        description="with batched_clients: every step at one of a few padded, masked shapes (engine/captured.py), "
+        "captured once per shape as a CUDA graph and replayed on a CUDA device (run eagerly elsewhere); equal to the "
+        "sequential loop up to float32 rounding; BatchNorm models and loss terms fall back, with a warning",
+    )
     aggregation: Literal["auto", "stacked", "streaming", "disk"] = Field(
         "auto",
         description="the server's uploads: stacked ([clients, ...] buffers, what every server method can read), "
@@ -426,6 +432,8 @@ class RunConfig(StrictSettings):
                 raise ValueError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
             if self.batched_clients:
                 raise ValueError("differential privacy clips each client's update: batched_clients is not supported")
+        if self.capture_steps and not self.batched_clients:
+            raise ValueError("capture_steps shapes the batched step: it needs batched_clients")
         if self.aggregation == "disk" and self.device.split(":")[0] != "cpu":
             raise ValueError(f"aggregation disk maps the uploads from files on the CPU; device is {self.device!r}")
         if self.aggregation == "streaming":

@@ -26,6 +26,7 @@ NOT_IDENTITY = frozenset(
         "checkpoint_every",
         "workers",
         "batched_clients",
+        "capture_steps",
         "aggregation",
         "channels_last",
         "state_store",

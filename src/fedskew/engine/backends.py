@@ -7,20 +7,26 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+from fedskew.client.local import batched_form
 from fedskew.engine.batched import batchable, train_batched
+from fedskew.engine.captured import capture_refusal
 from fedskew.engine.host import ClientHost, ClientPool, ClientTrainer, TrainJob
 from fedskew.engine.workers import ClientWorkers
 from fedskew.protocol import Upload
 
 
 class BatchedClients:
-    """All of a round's clients trained together, vmapped (``batched_clients``; equal up to float32 rounding)."""
+    """All of a round's clients trained together, vmapped (``batched_clients``; equal up to float32 rounding);
+    ``capture``: at a few padded shapes, replayed as CUDA graphs on a CUDA device (``capture_steps``)."""
+
+    def __init__(self, capture: bool = False) -> None:
+        self.capture = capture
 
     def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
         cids = [cid for cid, _, _ in jobs]
         received = {cid: params for cid, params, _ in jobs}
         broadcast = jobs[0][2] if jobs else {}
-        return train_batched(host, rnd, cids, received, broadcast)
+        return train_batched(host, rnd, cids, received, broadcast, capture=self.capture)
 
     def close(self) -> None:
         pass
@@ -36,7 +42,14 @@ def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | No
     if why is not None:
         warnings.warn(f"batched_clients: {why}; training the clients one after the other", stacklevel=stacklevel + 1)
         return None
-    return BatchedClients()
+    capture = bool(getattr(getattr(host, "cfg", None), "capture_steps", False))
+    if capture:
+        form = batched_form(host.method.client)
+        refusal = capture_refusal(form, host.model) if not isinstance(form, str) else form
+        if refusal is not None:
+            warnings.warn(f"capture_steps: {refusal}; batched steps in buckets", stacklevel=stacklevel + 1)
+            capture = False
+    return BatchedClients(capture)
 
 
 def worker_pool(host: ClientHost, n: int) -> ClientPool:

@@ -37,7 +37,6 @@ the branch. The sequential loop started from its input moved by one ulp differs 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -51,7 +50,8 @@ from torch.func import functional_call, grad, vmap
 from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn, GeneratedTerm, HeadTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
-from fedskew.engine.batched_steps import batchable, clip_rows, pull_rows
+from fedskew.engine.batched_steps import Flat, batchable, clip_rows, pull_rows
+from fedskew.engine.captured import capture_refusal, run_padded
 from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
@@ -59,23 +59,6 @@ from fedskew.seeding import Purpose, torch_generator
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
     from fedskew.engine.rounds import RoundResult
-
-
-class _Flat:
-    """The trainable parameters of K clients as one ``[K, D]`` tensor, and named views into any rows of it."""
-
-    def __init__(self, names: list[str], shapes: list[torch.Size]) -> None:
-        self.names = names
-        self.shapes = shapes
-        self.sizes = [math.prod(s) for s in shapes]
-
-    def stack(self, rows: Sequence[Sequence[Tensor]]) -> Tensor:
-        """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``."""
-        return torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows])
-
-    def views(self, flat: Tensor) -> dict[str, Tensor]:
-        parts = flat.split(self.sizes, dim=-1)
-        return {n: p.view(*flat.shape[:-1], *s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
 
 
 def _step_function(
@@ -126,11 +109,14 @@ def train_batched(
     received: dict[int, Params],
     broadcast: Params,
     max_clients: int | None = None,
+    capture: bool = False,
 ) -> list[Upload]:
     """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
     order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
 
     ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
+    ``capture``: every step at one of a few shapes, padded and masked (:mod:`fedskew.engine.captured`), replayed as
+    CUDA graphs on a CUDA device; ``ValueError`` when :func:`~fedskew.engine.captured.capture_refusal` refuses it.
     Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
     """
     reason = batchable(sim.method, sim.model)
@@ -142,7 +128,7 @@ def train_batched(
     updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
-        updates += _train_group(sim, rnd, chunk, received, broadcast)
+        updates += _train_group(sim, rnd, chunk, received, broadcast, capture)
     return updates
 
 
@@ -231,7 +217,7 @@ def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: 
 
 
 def _train_group(
-    sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params
+    sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params, capture: bool = False
 ) -> list[Upload]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
@@ -243,6 +229,9 @@ def _train_group(
     contexts = []
     rule = batched_form(algo)
     assert not isinstance(rule, str), rule  # train_batched checked batchable()
+    why = capture_refusal(rule, model) if capture else None
+    if why is not None:
+        raise ValueError(f"batched clients cannot run method {method.name!r} at one shape: {why}")
     begun: dict[int, Params] = {}
     own_begin = type(algo).begin is not LocalAlgorithm.begin  # the default begin reads nothing of the model
     for cid in cids:
@@ -294,7 +283,7 @@ def _train_group(
         draw = generated.draw if generated is not None else None
         sched = schedule(ns, offsets, replace(s, epochs=phase.epochs), gens, draw)  # type: ignore[arg-type]
         states, phase_loss = _run_phase(
-            sim, rule, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated
+            sim, rule, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated, capture
         )
         loss_sums += phase_loss
         seen += (sched.nb * sched.bs if s.drop_last else sched.n) * phase.epochs
@@ -370,13 +359,14 @@ def _run_phase(
     y_all: Tensor,
     order: list[str],
     generated: GeneratedTerm | None = None,
+    capture: bool = False,
 ) -> tuple[list[Params], Tensor]:
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
     model, s = sim.model, sim.settings
     lr = s.lr if phase.lr is None else phase.lr
     names = phase.trains  # this phase's trained parameters; every other entry is carried per client
-    flat = _Flat(names, [starts[0][n].shape for n in names])
+    flat = Flat(names, [starts[0][n].shape for n in names])
     others = [k for k in order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen parameters
     mutable = {n for n, _ in model.named_buffers()}
     device = x_all.device
@@ -413,6 +403,28 @@ def _run_phase(
                 for m, states in models.items()
                 if m in rule.frozen
             }
+    if capture:  # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
+        trained, losses = run_padded(
+            model,
+            rule,
+            s,
+            lr,
+            mu,
+            flat,
+            sched,
+            x_all,
+            y_all,
+            stack.params,
+            stack.extra,
+            stack.anchor,
+            None if stack.shift is None else (stack.shift, alpha),
+            None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
+        )
+        states = []
+        for k in range(len(cids)):
+            mine = flat.views(trained[k])
+            states.append({key: (mine[key] if key in mine else stack.extra[key][k]) for key in order})
+        return states, losses
     step = _step_function(model, names, mu, term, generated.term if generated is not None else None)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = _Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None

@@ -10,6 +10,8 @@ beside its hooks and an equivalence case in tests/test_batched_clients.py.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +26,23 @@ if TYPE_CHECKING:
 
 
 _RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+class Flat:
+    """The trainable parameters of K clients as one ``[K, D]`` tensor, and named views into any rows of it."""
+
+    def __init__(self, names: list[str], shapes: list[torch.Size]) -> None:
+        self.names = names
+        self.shapes = shapes
+        self.sizes = [math.prod(s) for s in shapes]
+
+    def stack(self, rows: Sequence[Sequence[Tensor]]) -> Tensor:
+        """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``."""
+        return torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows])
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        parts = flat.split(self.sizes, dim=-1)
+        return {n: p.view(*flat.shape[:-1], *s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
 
 
 def batchable(method: Method, model: nn.Module | None = None) -> str | None:

@@ -138,7 +138,11 @@ def stacked_step_function(
     clients the term applies to (``None``: all; a masked client's loss is exactly the cross-entropy).
 
     ``head_term``: a loss term through the trained head on inputs drawn for the step (FedGen's generated features),
-    for which ``step`` takes ``drawn``, the step's inputs (``None``: the term is off for the step)."""
+    for which ``step`` takes ``drawn``, the step's inputs (``None``: the term is off for the step).
+
+    ``padding``: ``(weights [K, B], counts [K])`` for batches padded to one shape (:mod:`fedskew.engine.captured`): each
+    client's cross-entropy is the sum of its samples' losses times their 0/1 weights over its count (at least 1), the
+    mean over its real samples; ``None``: every sample is real."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -152,6 +156,7 @@ def stacked_step_function(
         y: Tensor,
         rows: tuple[dict[str, dict[str, Tensor]], Tensor | None] | None = None,
         drawn: Any = None,
+        padding: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         new_buffers = {n: v.clone() for n, v in buffers.items()}
@@ -160,7 +165,8 @@ def stacked_step_function(
             feats = stacked_forward(body, part(state, "body."), x)
             logits = stacked_forward(head, part(state, "head."), feats)
             k, b = logits.shape[0], logits.shape[1]
-            loss = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b).mean(1)
+            ce = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
+            loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
             if mu != 0:
                 loss = loss + 0.5 * mu * torch.stack(
                     [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1

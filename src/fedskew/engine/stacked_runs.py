@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from fedskew.client.local import batched_form
 from fedskew.engine.batched import train_batched
+from fedskew.engine.captured import capture_refusal
 from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
@@ -106,6 +108,15 @@ class StackedRuns:
         return self.locate(cid)[1]
 
 
+def _captures(hosts: list[ClientHost]) -> bool:
+    """Whether the stacked runs' steps run at padded shapes: every run asks for it (``capture_steps``) and
+    :func:`~fedskew.engine.captured.capture_refusal` lets them (the runs share their method and model)."""
+    if not all(getattr(getattr(h, "cfg", None), "capture_steps", False) for h in hosts):
+        return False
+    form = batched_form(hosts[0].method.client)
+    return not isinstance(form, str) and capture_refusal(form, hosts[0].model) is None
+
+
 def train_together(batch: dict[int, tuple[ClientHost, int, list[TrainJob]]]) -> dict[int, list[Upload]]:
     """Every run's jobs of the round (``batch[r] = (host, round, jobs)``), trained as one batched step where the runs
     share a round and send no broadcast, else per run; each run's uploads in its own order and numbering."""
@@ -126,7 +137,7 @@ def train_together(batch: dict[int, tuple[ClientHost, int, list[TrainJob]]]) -> 
             for cid, params, _ in batch[r][2]:
                 cids.append(stacked.offsets[i] + cid)
                 received[cids[-1]] = params
-        uploads = train_batched(stacked, rnd, cids, received, {})
+        uploads = train_batched(stacked, rnd, cids, received, {}, capture=_captures([batch[r][0] for r in runs]))
         for i, r in enumerate(runs):
             start, n = stacked.offsets[i], len(batch[r][2])
             mine = [u for u in uploads if start <= u.cid < stacked.offsets[i + 1]]
