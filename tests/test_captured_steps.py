@@ -156,3 +156,32 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
     bn = {**values, "model": "lenet_bn", "rounds": 1, "capture_steps": True, "out": str(tmp_path / "bn")}
     with pytest.warns(UserWarning, match="capture_steps: the model has buffers"):
         run_experiment(make_config(None, bn))
+
+
+def test_a_run_replays_its_buffers_round_after_round(one_thread):
+    """A trainer's cache keeps one set of buffers (and, on a GPU, graphs) per shape of phase: the rounds that reuse
+    them give bit for bit what fresh buffers give (momentum restarted, losses and rows replaced), and a phase of
+    another shape gets its own."""
+    from fedskew.engine.captured import PaddedCache
+
+    over = {"momentum": 0.9, "weight_decay": 1e-3, "local_epochs": 2}
+    kept_sim, fresh_sim = (digits_simulation("scaffold", rounds=3, **over) for _ in range(2))
+    cache = PaddedCache()
+    for rnd in (1, 2, 3):
+        ups = []
+        for sim, capture in ((kept_sim, cache), (fresh_sim, True)):
+            plan = sim.open_round(rnd)
+            cids = [c for c in plan.sampled if c not in plan.gone]
+            ups.append(
+                train_batched(sim, rnd, cids, {c: sim.params_for(c) for c in cids}, plan.broadcast, None, capture)
+            )
+            for u in ups[-1]:
+                sim.take_upload(plan, u)
+            sim.close_round(plan)
+        for u, v in zip(*ups, strict=True):
+            assert u.metrics == v.metrics
+            assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
+    assert len(cache.steps) == 1  # every round had the same shape
+    ditto = digits_simulation("ditto", {"lam": 0.5})
+    train_batched(ditto, 1, [0, 1, 2, 3], {c: ditto.params_for(c) for c in range(4)}, {}, None, cache)
+    assert len(cache.steps) == 3  # Ditto's two phases (a proximal one and a plain one): two more shapes

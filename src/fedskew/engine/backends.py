@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from fedskew.client.local import batched_form
 from fedskew.engine.batched import batchable, train_batched
-from fedskew.engine.captured import capture_refusal
+from fedskew.engine.captured import PaddedCache, capture_refusal
 from fedskew.engine.host import ClientHost, ClientPool, ClientTrainer, TrainJob
 from fedskew.engine.workers import ClientWorkers
 from fedskew.protocol import Upload
@@ -20,7 +20,7 @@ class BatchedClients:
     ``capture``: at a few padded shapes, replayed as CUDA graphs on a CUDA device (``capture_steps``)."""
 
     def __init__(self, capture: bool = False) -> None:
-        self.capture = capture
+        self.capture = PaddedCache() if capture else False  # the run's graphs, replayed round after round
 
     def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
         cids = [cid for cid, _, _ in jobs]

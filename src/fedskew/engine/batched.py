@@ -51,7 +51,7 @@ from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn, Ge
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import Flat, batchable, clip_rows, pull_rows
-from fedskew.engine.captured import capture_refusal, run_padded
+from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
 from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
@@ -109,7 +109,7 @@ def train_batched(
     received: dict[int, Params],
     broadcast: Params,
     max_clients: int | None = None,
-    capture: bool = False,
+    capture: bool | PaddedCache = False,
 ) -> list[Upload]:
     """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
     order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
@@ -117,6 +117,7 @@ def train_batched(
     ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
     ``capture``: every step at one of a few shapes, padded and masked (:mod:`fedskew.engine.captured`), replayed as
     CUDA graphs on a CUDA device; ``ValueError`` when :func:`~fedskew.engine.captured.capture_refusal` refuses it.
+    A :class:`~fedskew.engine.captured.PaddedCache` keeps the graphs for the next call of the same shape.
     Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
     """
     reason = batchable(sim.method, sim.model)
@@ -125,10 +126,11 @@ def train_batched(
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
+    cache = capture if isinstance(capture, PaddedCache) else PaddedCache() if capture else None
     updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
-        updates += _train_group(sim, rnd, chunk, received, broadcast, capture)
+        updates += _train_group(sim, rnd, chunk, received, broadcast, cache)
     return updates
 
 
@@ -217,7 +219,12 @@ def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: 
 
 
 def _train_group(
-    sim: ClientHost, rnd: int, cids: list[int], received: dict[int, Params], broadcast: Params, capture: bool = False
+    sim: ClientHost,
+    rnd: int,
+    cids: list[int],
+    received: dict[int, Params],
+    broadcast: Params,
+    capture: PaddedCache | None = None,
 ) -> list[Upload]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
@@ -229,7 +236,7 @@ def _train_group(
     contexts = []
     rule = batched_form(algo)
     assert not isinstance(rule, str), rule  # train_batched checked batchable()
-    why = capture_refusal(rule, model) if capture else None
+    why = capture_refusal(rule, model) if capture is not None else None
     if why is not None:
         raise ValueError(f"batched clients cannot run method {method.name!r} at one shape: {why}")
     begun: dict[int, Params] = {}
@@ -359,7 +366,7 @@ def _run_phase(
     y_all: Tensor,
     order: list[str],
     generated: GeneratedTerm | None = None,
-    capture: bool = False,
+    capture: PaddedCache | None = None,
 ) -> tuple[list[Params], Tensor]:
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
@@ -403,7 +410,9 @@ def _run_phase(
                 for m, states in models.items()
                 if m in rule.frozen
             }
-    if capture:  # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
+    if (
+        capture is not None
+    ):  # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
         trained, losses = run_padded(
             model,
             rule,
@@ -419,6 +428,7 @@ def _run_phase(
             stack.anchor,
             None if stack.shift is None else (stack.shift, alpha),
             None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
+            capture,
         )
         states = []
         for k in range(len(cids)):

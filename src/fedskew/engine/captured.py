@@ -27,7 +27,9 @@ and models without a stacked form (``vmap``).
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -137,6 +139,154 @@ class StepReplay:
         graph.replay()  # the capture recorded the step without running it
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """Everything a phase's captured steps bake in: the sizes of their buffers and the optimizer's constants."""
+
+    rows: int
+    batch: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # the trained tensors' shapes, in ``names`` order
+    dim: int
+    fixed: tuple[tuple[str, tuple[int, ...]], ...]
+    x: tuple[int, ...]
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # the parameters', the inputs' and the labels'
+    lr: float
+    mu: float
+    momentum: float
+    weight_decay: float
+    anchor: bool
+    shift: float | None
+    pull: tuple[bool, float] | None  # (a linear term, the clip)
+
+
+class PaddedSteps:
+    """One shape of phase (:class:`_Shape`): its buffers, kept across rounds, and its step at each width, captured
+    once per width on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows into the buffers, runs
+    its steps and returns the trained rows; the graphs read and write only these buffers, so the next round of the
+    same shape replays them."""
+
+    def __init__(self, model: nn.Module, shape: _Shape, device: torch.device) -> None:
+        self.shape = shape
+        k, f32 = shape.rows, shape.dtypes[0]
+
+        def zeros(*size: int, dtype: torch.dtype = f32) -> Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        self.flat = Flat(list(shape.names), [torch.Size(s) for s in shape.shapes])
+        self.p = zeros(k, shape.dim)
+        self.fix = {name: zeros(k, *size) for name, size in shape.fixed}
+        self.anchor = zeros(k, shape.dim) if shape.anchor else None
+        self.shift = zeros(k, shape.dim) if shape.shift is not None else None
+        self.pull = None
+        if shape.pull is not None:
+            self.pull = (zeros(k), zeros(k, shape.dim), zeros(k, shape.dim) if shape.pull[0] else None)
+        self.buf = zeros(k, shape.dim) if shape.momentum != 0 else None
+        self.loss = zeros(k, dtype=torch.float64)
+        self.arange = torch.arange(shape.batch, device=device)
+        self.inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # width -> its x, y and count buffers
+        self.forward = stacked_step_function(model, list(shape.names), shape.mu)
+        self.replay = StepReplay(self._step, device)
+
+    def _inputs(self, w: int) -> tuple[Tensor, Tensor, Tensor]:
+        if w not in self.inputs:
+            dev, (_, fx, fy), b = self.p.device, self.shape.dtypes, self.shape.batch
+            self.inputs[w] = (
+                torch.zeros((w * b, *self.shape.x), dtype=fx, device=dev),
+                torch.zeros(w * b, dtype=fy, device=dev),
+                torch.zeros(w, dtype=torch.int64, device=dev),
+            )
+        return self.inputs[w]
+
+    def _step(self, w: int) -> None:
+        sh, b = self.shape, self.shape.batch
+        x, y, count = self.inputs[w]
+        live = (count > 0).to(self.p.dtype).unsqueeze(1)  # [w, 1]: rows with a batch at this step
+        weights = (self.arange < count.unsqueeze(1)).to(self.p.dtype)
+        denom = count.clamp(min=1).to(self.p.dtype)
+        p_w = self.p[:w]
+        state = {**self.flat.views(p_w), **{k: v[:w] for k, v in self.fix.items()}}
+        anchor = self.flat.views(self.anchor[:w]) if self.anchor is not None else {}
+        xs, ys = x.view(w, b, *sh.x), y.view(w, b)
+        grads, (loss, _, _) = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom))
+        with torch.no_grad():
+            g = torch.cat([grads[n].reshape(w, -1) for n in sh.names], dim=1)
+            if self.pull is not None and sh.pull is not None:  # grad += α(θ − anchor) − linear, then the norm clip
+                alpha, p_anchor, linear = self.pull
+                g.add_(alpha[:w].unsqueeze(1) * (p_w - p_anchor[:w]))
+                if linear is not None:
+                    g.sub_(linear[:w])
+                if sh.pull[1] > 0:
+                    g.mul_((sh.pull[1] / (torch.linalg.vector_norm(g, dim=1, keepdim=True) + 1e-6)).clamp(max=1.0))
+            # each pass below reads and writes the [w, D] rows once; a row without a batch (live 0) keeps its
+            # parameters and momentum exactly: b·1 + g·0 = b, p + (−lr)·b·0 = p
+            if sh.weight_decay != 0:
+                g.add_(p_w, alpha=sh.weight_decay)
+            if self.buf is not None:
+                b_w = self.buf[:w]
+                b_w.mul_(torch.where(live > 0, sh.momentum, 1.0)).addcmul_(g, live)  # live rows: b·β + g
+                g = b_w
+            p_w.addcmul_(g, live, value=-sh.lr)
+            if self.shift is not None and sh.shift is not None:  # SCAFFOLD's after_step, outside the optimizer
+                p_w.addcmul_(self.shift[:w], live, value=sh.shift)
+            self.loss[:w] += (loss * count).double()
+
+    def run(
+        self,
+        plan: PaddedPlan,
+        x_all: Tensor,
+        y_all: Tensor,
+        params: Tensor,
+        fixed: dict[str, Tensor],
+        anchor: Tensor | None,
+        shift: Tensor | None,
+        pull: tuple[Tensor, Tensor, Tensor | None] | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows and the summed
+        losses, in client order, in new tensors (the buffers are the next round's)."""
+        order = torch.as_tensor(plan.order, device=self.p.device)
+        with torch.no_grad():
+            self.p.copy_(params.index_select(0, order))
+            for k, v in fixed.items():
+                self.fix[k].copy_(v.index_select(0, order))
+            for mine, given in ((self.anchor, anchor), (self.shift, shift)):
+                if mine is not None and given is not None:
+                    mine.copy_(given.index_select(0, order))
+            if self.pull is not None and pull is not None:
+                for mine, given in zip(self.pull, pull, strict=True):
+                    if mine is not None and given is not None:
+                        mine.copy_(given.index_select(0, order))
+            if self.buf is not None:
+                self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
+            self.loss.zero_()
+        for t, w in enumerate(plan.widths):
+            x, y, count = self._inputs(w)
+            idx = plan.index[t, :w].reshape(-1)
+            torch.index_select(x_all, 0, idx, out=x)
+            torch.index_select(y_all, 0, idx, out=y)
+            count.copy_(plan.count[t, :w])
+            self.replay(w)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return self.p.index_select(0, back), self.loss.index_select(0, back)
+
+
+class PaddedCache:
+    """The :class:`PaddedSteps` of the shapes a run's phases have had (at most ``size``, the least recently used
+    dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.steps: OrderedDict[_Shape, PaddedSteps] = OrderedDict()
+
+    def get(self, model: nn.Module, shape: _Shape, device: torch.device) -> PaddedSteps:
+        found = self.steps.pop(shape, None) or PaddedSteps(model, shape, device)
+        self.steps[shape] = found
+        while len(self.steps) > self.size:
+            self.steps.popitem(last=False)
+        return found
+
+
 def run_padded(
     model: nn.Module,
     rule: BatchedStep,
@@ -152,74 +302,32 @@ def run_padded(
     anchor: Tensor | None,
     shift: tuple[Tensor, float] | None,
     pull: tuple[Tensor, Tensor, Tensor | None] | None,
+    cache: PaddedCache | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
     summed ``batch loss × batch size`` (float64), in client order, as the bucketed loop returns them. ``anchor``:
     FedProx's received rows; ``shift``: SCAFFOLD's ``(c − c_i rows, scale)`` after each step; ``pull``: FedDyn's
-    ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``."""
+    ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``. ``cache``: where the
+    phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only)."""
     device = params.device
     plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), device)
-    order = torch.as_tensor(plan.order, device=device)
-
-    def rows(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.index_select(0, order).contiguous()
-
-    p = rows(params)
-    assert p is not None
-    fix = {k: v.index_select(0, order).contiguous() for k, v in fixed.items()}
-    anc, sh = rows(anchor), rows(shift[0]) if shift is not None else None
-    pull_rows = None if pull is None else (rows(pull[0]), rows(pull[1]), rows(pull[2]))
-    buf = torch.zeros_like(p) if settings.momentum != 0 else None  # 0·β + g = g exactly: the first step's buf = g
-    loss_sum = torch.zeros(p.shape[0], dtype=torch.float64, device=device)
-    forward = stacked_step_function(model, flat.names, mu)
-    arange = torch.arange(plan.batch, device=device)
-    inputs = {
-        w: (
-            torch.zeros((w, plan.batch), dtype=torch.int64, device=device),
-            torch.zeros(w, dtype=torch.int64, device=device),
-        )
-        for w in set(plan.widths)
-    }
-
-    def step(w: int) -> None:
-        idx, count = inputs[w]
-        live = (count > 0).to(p.dtype).unsqueeze(1)  # [w, 1]: rows with a batch at this step
-        weights = (arange < count.unsqueeze(1)).to(p.dtype)
-        denom = count.clamp(min=1).to(p.dtype)
-        p_w = p[:w]
-        state = {**flat.views(p_w), **{k: v[:w] for k, v in fix.items()}}
-        grads, (loss, _, _) = forward(
-            state, {}, flat.views(anc[:w]) if anc is not None else {}, x_all[idx], y_all[idx], padding=(weights, denom)
-        )
-        with torch.no_grad():
-            g = torch.cat([grads[n].reshape(w, -1) for n in flat.names], dim=1)
-            if pull_rows is not None:  # grad += α(θ − anchor) − linear, then the client's norm clip
-                alpha, p_anchor, linear = pull_rows
-                g = g + alpha[:w].unsqueeze(1) * (p_w - p_anchor[:w])
-                if linear is not None:
-                    g = g - linear[:w]
-                if rule.clip > 0:
-                    g = g * (rule.clip / (torch.linalg.vector_norm(g, dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
-            # each pass below reads and writes the [w, D] rows once; a row without a batch (live 0) keeps its
-            # parameters and momentum exactly: b·1 + g·0 = b, p + (−lr)·b·0 = p
-            if settings.weight_decay != 0:
-                g.add_(p_w, alpha=settings.weight_decay)
-            if buf is not None:
-                b_w = buf[:w]
-                b_w.mul_(torch.where(live > 0, settings.momentum, 1.0)).addcmul_(g, live)  # live rows: b·β + g
-                g = b_w
-            p_w.addcmul_(g, live, value=-lr)
-            if sh is not None:  # SCAFFOLD's after_step, outside the optimizer
-                p_w.addcmul_(sh[:w], live, value=shift[1])  # type: ignore[index]
-            loss_sum[:w] += (loss * count).double()
-
-    replay = StepReplay(step, device)
-    for t, w in enumerate(plan.widths):
-        idx, count = inputs[w]
-        idx.copy_(plan.index[t, :w])
-        count.copy_(plan.count[t, :w])
-        replay(w)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=device)
-    return p.index_select(0, back), loss_sum.index_select(0, back)
+    shape = _Shape(
+        rows=int(params.shape[0]),
+        batch=plan.batch,
+        names=tuple(flat.names),
+        shapes=tuple(tuple(s) for s in flat.shapes),
+        dim=int(params.shape[1]),
+        fixed=tuple((k, tuple(v.shape[1:])) for k, v in fixed.items()),
+        x=tuple(x_all.shape[1:]),
+        dtypes=(params.dtype, x_all.dtype, y_all.dtype),
+        lr=float(lr),
+        mu=float(mu),
+        momentum=float(settings.momentum),
+        weight_decay=float(settings.weight_decay),
+        anchor=anchor is not None,
+        shift=None if shift is None else float(shift[1]),
+        pull=None if pull is None else (pull[2] is not None, float(rule.clip)),
+    )
+    steps = (cache if cache is not None else PaddedCache()).get(model, shape, device)
+    return steps.run(plan, x_all, y_all, params, fixed, anchor, None if shift is None else shift[0], pull)
