@@ -271,6 +271,13 @@ def run_piece(piece: Piece, out: Path) -> dict:
     return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout, rate)}
 
 
+def _done(out: Path, name: str) -> dict | None:
+    """A finished piece's result, or ``None`` (not run yet, or failed)."""
+    f = out / f"{name}.json"
+    found = json.loads(f.read_text()) if f.exists() else None
+    return found if found and found.get("ok") else None
+
+
 def report(out: Path, order: list[str]) -> str:
     lines = ["# fedskew GPU suite", ""]
     for name in order:
@@ -281,24 +288,18 @@ def report(out: Path, order: list[str]) -> str:
         r = json.loads(f.read_text())
         shown = {k: v for k, v in r.items() if k not in ("piece", "tail")}
         lines.append(f"- **{name}**: {json.dumps(shown)}")
-    pb, ps = (out / "pfl-batched.json", out / "pfl-sequential.json")
-    if pb.exists() and ps.exists():
-        b, s = json.loads(pb.read_text()), json.loads(ps.read_text())
-        if b.get("ok") and s.get("ok"):
-            lines.append(
-                f"- pfl-research workload: {b['rounds']} rounds batched in {b['wall_time']:.1f}s; round time "
-                f"sequential/batched {s['mean_time_round'] / b['mean_time_round']:.2f}x"
-            )
-    pc = out / "pfl-captured.json"
-    if pb.exists() and pc.exists():
-        b, c = json.loads(pb.read_text()), json.loads(pc.read_text())
-        if b.get("ok") and c.get("ok"):
-            lines.append(
-                f"- pfl-research workload with --capture-steps: {c['rounds']} rounds in {c['wall_time']:.1f}s; round "
-                f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
-            )
-    vf = out / "vs-flower.json"
-    if vf.exists() and (v := json.loads(vf.read_text())).get("ok"):
+    b, s, c = (_done(out, f"pfl-{side}") for side in ("batched", "sequential", "captured"))
+    if b and s:
+        lines.append(
+            f"- pfl-research workload: {b['rounds']} rounds batched in {b['wall_time']:.1f}s; round time "
+            f"sequential/batched {s['mean_time_round'] / b['mean_time_round']:.2f}x"
+        )
+    if b and c:
+        lines.append(
+            f"- pfl-research workload with --capture-steps: {c['rounds']} rounds in {c['wall_time']:.1f}s; round "
+            f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
+        )
+    if v := _done(out, "vs-flower"):
         ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)
         accs = ", ".join(f"{k} {x['final_acc'] * 100:.2f}" for k, x in v["sides"].items())
         lines.append(f"- fedskew vs Flower's Simulation Engine (steady round time): {ratios}; accuracy: {accs}")

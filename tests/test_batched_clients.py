@@ -62,8 +62,9 @@ def _same_states(a, b) -> None:
 SERVER_AMPLIFIES = ("fedgen",)
 
 
-def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, **over):
-    """Rounds of the sequential and the batched simulation; per round (received, sequential, batched uploads)."""
+def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, capture: bool = False, **over):
+    """Rounds of the sequential and the batched simulation; per round (received, broadcast, sequential, batched
+    uploads). ``capture``: the batched steps at padded shapes (tests/test_captured_steps.py)."""
     seq, bat = digits_simulation(method, args, rounds=rounds, **over), digits_simulation(method, args, rounds, **over)
     same_inputs = method.startswith(SERVER_AMPLIFIES)
     out = []
@@ -73,7 +74,7 @@ def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, **over
         received = [{c: sim.params_for(c) for c in cids} for sim in (seq, bat)]
         ups_seq = [seq._train(c, rnd, received[0][c], plans[0].broadcast) for c in cids]
         inputs = (received[0], plans[0].broadcast) if same_inputs else (received[1], plans[1].broadcast)
-        ups_bat = train_batched(bat, rnd, cids, *inputs)
+        ups_bat = train_batched(bat, rnd, cids, *inputs, capture=capture)
         for sim, plan, ups in ((seq, plans[0], ups_seq), (bat, plans[1], ups_bat)):
             for u in ups:
                 sim.take_upload(plan, u)

@@ -11,30 +11,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import digits_simulation
-from test_batched_clients import _close, _same_states, _same_updates
+from test_batched_clients import _close, _same_states, _same_updates, _side_by_side
 
 from fedskew.client.batched_form import BatchedStep
 from fedskew.engine.batched import train_batched
 from fedskew.engine.batched_schedule import schedule
 from fedskew.engine.captured import PaddedPlan, StepReplay, capture_refusal, ladder
 from fedskew.models import build_model
-
-
-def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, **over):
-    seq, bat = digits_simulation(method, args, rounds=rounds, **over), digits_simulation(method, args, rounds, **over)
-    out = []
-    for rnd in range(1, rounds + 1):
-        plans = [sim.open_round(rnd) for sim in (seq, bat)]
-        cids = [c for c in plans[0].sampled if c not in plans[0].gone]
-        received = [{c: sim.params_for(c) for c in cids} for sim in (seq, bat)]
-        ups_seq = [seq._train(c, rnd, received[0][c], plans[0].broadcast) for c in cids]
-        ups_bat = train_batched(bat, rnd, cids, received[1], plans[1].broadcast, capture=True)
-        for sim, plan, ups in ((seq, plans[0], ups_seq), (bat, plans[1], ups_bat)):
-            for u in ups:
-                sim.take_upload(plan, u)
-            sim.close_round(plan)
-        out.append((received[0], ups_seq, ups_bat))
-    return seq, bat, out
 
 
 @pytest.mark.parametrize(
@@ -52,13 +35,13 @@ def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, **over
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
-    seq, bat, rounds = _side_by_side(method, args, **over)
-    for received, ups_seq, ups_bat in rounds:
+    seq, bat, rounds = _side_by_side(method, args, capture=True, **over)
+    for received, _, ups_seq, ups_bat in rounds:
         _same_updates(ups_seq, ups_bat)
         for u in ups_seq:  # the clients did train
             moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
             assert moved > 1e-3
-    assert len({u.metrics["steps"] for u in rounds[0][1]}) > 1  # clients finish at different steps (masked rows)
+    assert len({u.metrics["steps"] for u in rounds[0][2]}) > 1  # clients finish at different steps (masked rows)
     _same_states(seq.client_states, bat.client_states)
     for k in seq.global_params:
         _close(seq.global_params[k], bat.global_params[k], f"global {k}")
