@@ -36,17 +36,33 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.parametrize("with_pid", [False, True])
-def test_a_worker_is_killed_when_its_parent_is_killed(with_pid):
+def _spawn(with_pid: bool) -> tuple[subprocess.Popen, int] | str:
+    """A parent process and its forked worker's pid, or why the parent gave no pid (its exit status and stderr)."""
     parent = subprocess.Popen(
         [sys.executable, "-c", CHILD.format(parent="os.getppid()" if with_pid else "None")],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     lines = {parent.stdout.readline().strip() for _ in range(2)}  # the worker's pid and its "ready", in either order
-    worker = int(next(line for line in lines if line != "ready"))
-    assert "ready" in lines and _alive(worker)
+    if "ready" in lines and len(lines) == 2:
+        return parent, int(next(line for line in lines if line != "ready"))
+    parent.kill()
+    _, err = parent.communicate(timeout=30)
+    return f"the parent printed {sorted(lines)} and ended with status {parent.returncode}: {err[-2000:]}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("with_pid", [False, True])
+def test_a_worker_is_killed_when_its_parent_is_killed(with_pid):
+    # once in a full suite on the loaded 2-core machine the parent printed nothing (stdout at EOF, cause not seen):
+    # a parent that never started its worker is started again, once, and its exit status and stderr are reported
+    spawned = _spawn(with_pid)
+    if isinstance(spawned, str):
+        spawned = _spawn(with_pid)
+    assert not isinstance(spawned, str), spawned
+    parent, worker = spawned
+    assert _alive(worker)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     for _ in range(100):  # the kernel's signal arrives at once; poll briefly rather than assume
