@@ -9,8 +9,9 @@ fedskew's partition of the data (each SuperNode's ``partition-id`` is a fedskew 
 (PFLlib's CNN, ``--model``), batch size, learning rate, local epochs, participation and rounds; each side samples its
 own clients (Flower's FedAvg with its RNG, fedskew with its seed), so accuracies agree statistically, not exactly.
 
-fedskew runs the workload twice, sequential (one client after the other) and with ``--batched-clients`` (a round's
-clients as one stacked computation). Printed: each side's steady round time (median over rounds 2..R, evaluation
+fedskew runs the workload three times, sequential (one client after the other), with ``--batched-clients`` (a round's
+clients as one stacked computation) and with ``--capture-steps`` besides (the stacked steps at padded shapes, replayed
+as CUDA graphs on a GPU). Printed: each side's steady round time (median over rounds 2..R, evaluation
 included: Flower's first round carries Ray's start and its actors' imports, so it is reported apart), the ratios
 against Flower measured in this run, the global test accuracy after the same rounds, and the arithmetic of a round
 (the model's multiply-adds counted by hooks; a training pass taken as 3 forwards at 2 FLOP per multiply-add) against
@@ -145,9 +146,15 @@ def flower_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
 
 
 # ---- fedskew -------------------------------------------------------------------------------------------------------
-def fedskew_fedavg(values: dict, folder: Path, batched: bool) -> dict:
-    name = "batched" if batched else "sequential"
-    cfg = make_config(None, {**values, "batched_clients": batched, "out": str(folder / name)})
+FEDSKEW_SIDES = {  # fedskew's ways of training a round's clients: the settings each side sets
+    "sequential": {},
+    "batched": {"batched_clients": True},
+    "captured": {"batched_clients": True, "capture_steps": True},  # padded steps replayed as CUDA graphs
+}
+
+
+def fedskew_fedavg(values: dict, folder: Path, side: str) -> dict:
+    cfg = make_config(None, {**values, **FEDSKEW_SIDES[side], "out": str(folder / side)})
     t0 = time.perf_counter()
     out = run_experiment(cfg)
     total = time.perf_counter() - t0
@@ -171,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=float, default=1.0, help="Flower: CPUs per ClientApp")
     p.add_argument("--num-gpus", type=float, default=0.1, help="Flower: GPUs per ClientApp (CUDA only)")
-    p.add_argument("--skip", default="", help="comma-separated sides to leave out: flower, sequential, batched")
+    p.add_argument(
+        "--skip", default="", help="comma-separated sides to leave out: flower, sequential, batched, captured"
+    )
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--smoke", action="store_true", help="digits, 20 clients, 5 a round, 3 rounds (CI, CPU)")
     args = p.parse_args(argv)
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"data_dir": args.data_dir} if args.data_dir else {}),
     }
     skip = {s for s in args.skip.split(",") if s}
-    unknown = skip - {"flower", "sequential", "batched"}
+    unknown = skip - {"flower", *FEDSKEW_SIDES}
     if unknown:
         p.error(f"--skip: unknown sides {sorted(unknown)}")
     data = build_federated(make_config(None, values))
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     # Flower's app scores the global test set; fedskew's round also scores every client's own test split (its
     # per-client views): more work in fedskew's round, counted in its FLOP
     eval_flop = {"flower": len(data.y_test) * 2 * macs}
-    eval_flop["sequential"] = eval_flop["batched"] = (len(data.y_test) + len(data.local_y)) * 2 * macs
+    eval_flop.update({side: (len(data.y_test) + len(data.local_y)) * 2 * macs for side in FEDSKEW_SIDES})
     peak = matmul_gflops(args.device)
     print(
         f"workload: {values['dataset']}, {args.clients} clients (IID), {args.per_round} a round, {args.rounds} rounds, "
@@ -225,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedskew-vs-flower-") as tmp:
         folder = Path(tmp)
-        for side in ("flower", "sequential", "batched"):
+        for side in ("flower", *FEDSKEW_SIDES):
             if side in skip:
                 continue
             if side == "flower":
                 results[side] = flower_fedavg(args, values, folder)
             else:
-                results[side] = fedskew_fedavg(values, folder, batched=side == "batched")
+                results[side] = fedskew_fedavg(values, folder, side)
     figures: dict[str, dict] = {}
     for side, r in results.items():
         t = steady(r["round_times"])
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{flop / t / 1e9:.2f} GFLOP/s = {figures[side]['fraction_of_matmul_rate'] * 100:.2f}% of the matmul rate"
         )
     if "flower" in figures:
-        for side in ("sequential", "batched"):
+        for side in FEDSKEW_SIDES:
             if side in figures:
                 ratio = figures["flower"]["steady_round_s"] / figures[side]["steady_round_s"]
                 figures[side]["vs_flower"] = ratio
