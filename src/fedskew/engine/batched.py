@@ -410,9 +410,8 @@ def _run_phase(
                 for m, states in models.items()
                 if m in rule.frozen
             }
-    if (
-        capture is not None
-    ):  # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
+    # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
+    if capture is not None:
         trained, losses = run_padded(
             model,
             rule,
