@@ -9,6 +9,7 @@ generator in the benchmark's order, so the same seed gives the very same clients
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,21 +246,38 @@ def test_access_noise_refuses_batching_and_flower_and_runs(tmp_path) -> None:
         parse_run_config({"protocol": "niid-bench", "dataset": "digits", "feature_noise": 0.1})
 
 
+# Flower's baselines/niid_bench README, "Expected Results", its table as printed there (tests/data): the source the
+# package's ``flower`` table is checked against, cell by cell.
+FLOWER_README = Path(__file__).parent / "data" / "flower_niid_bench_expected_results.md"
+
+
 def test_published_numbers_and_their_sources() -> None:
     from fedskew.reproduce.papers import load_paper, parse_value
 
     paper = load_paper("niidbench")
     assert paper.paper == "niid-bench" and paper.metric.statistic == "final" and paper.verdicts
     tables = {t.id: t for t in paper.tables}
-    assert parse_value(tables["flower"].values["fedprox"]["mnist_c1"]) == (81.3, None)
-    assert parse_value(tables["flower"].values["scaffold"]["fmnist_c2"]) == (10.0, None)
-    assert parse_value(tables["flower"].values["fednova"]["c10_c3"]) == (57.7, None)
+    # Flower's table, every cell as its README prints it (method columns FedAvg, SCAFFOLD, FedProx, FedNova; rows
+    # IID, Dir(0.5), #C=1, #C=2, #C=3), and the statistic it states: the best round
+    flower = tables["flower"]
+    assert flower.statistic == "best" and "best accuracies across all rounds" in flower.statistic_note
+    prefix = {"MNIST": "mnist", "FMNIST": "fmnist", "CIFAR10": "c10"}
+    checked = 0
+    rows = [line for line in FLOWER_README.read_text().splitlines() if line.split("|")[1:2] != [" Dataset "]]
+    for line in [r for r in rows if r.startswith("| ") and "<br>" in r]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for method, column in zip(("fedavg", "scaffold", "fedprox", "fednova"), cells[2:6], strict=True):
+            printed = [v.replace("&#xB1;", "±").strip() for v in column.split("<br>")]
+            for part, text in zip(("iid", "dir", "c1", "c2", "c3"), printed, strict=True):
+                mean, std = (float(x) for x in text.split("±"))
+                assert parse_value(flower.values[method][f"{prefix[cells[0]]}_{part}"]) == (mean, std), text
+                checked += 1
+    assert checked == 60 and sum(len(v) for v in flower.values.values()) == 60
+    assert all(paper.settings[c.setting].dataset in ("mnist", "fmnist", "cifar10") for c in flower.column_list())
+    # the benchmark's own leaderboard: its final round
+    assert tables["leaderboard"].statistic is None
     assert parse_value(tables["leaderboard"].values["fednova"]["c10_qty"]) == (10.0, None)
     assert parse_value(tables["leaderboard"].values["fedprox_mu0001"]["c10_dir"]) == (67.9, None)
-    assert sum(len(v) for v in tables["flower"].values.values()) == 4 * 15
-    assert all(
-        paper.settings[c.setting].dataset in ("mnist", "fmnist", "cifar10") for c in tables["flower"].column_list()
-    )
     # the paper scale is the benchmark's own settings (no reduction)
     assert paper.scales["paper"].config == {
         "rounds": 50,
@@ -297,6 +315,30 @@ def test_verdicts() -> None:
     assert verdict(Cell(ours=None, paper=(10.0, None))) == ""
 
 
+def test_each_table_reads_the_runs_with_its_own_statistic() -> None:
+    """The leaderboard's cells are the final round's accuracy and Flower's the best round's, from the same runs;
+    the verdict compares like with like."""
+    from fedskew.reproduce import load_paper, make_plan
+    from fedskew.reproduce.table import build_tables, render_markdown, verdict
+
+    paper = load_paper("niid-bench")
+    flower = next(t for t in paper.tables if t.id == "flower")
+    final = flower.model_copy(update={"id": "flower_final", "statistic": None, "statistic_note": ""})
+    paper = paper.model_copy(update={"tables": [flower, final]})
+    plan = make_plan(paper, "smoke", rows=["fedavg"], settings=["mnist_iid"])
+    assert [s.id for s in plan.settings] == ["digits_iid"]
+    acc = {"final": 0.9850, "best": 0.9911, "best_round": 40, "last_n_mean": 0.98}
+    runs = {("fedavg", "digits_iid"): [{"seed": 0, "summary": {"global_acc": acc}}]}
+    by_best, by_final = build_tables(plan, runs, {})
+    assert by_best.cells[("fedavg", 0)].ours == (pytest.approx(99.11), None)
+    assert by_final.cells[("fedavg", 0)].ours == (pytest.approx(98.50), None)
+    assert by_best.cells[("fedavg", 0)].paper == (99.09, 0.05)
+    assert verdict(by_best.cells[("fedavg", 0)]) == "reproduces"  # 99.11 within 99.09 ± 0.05
+    assert verdict(by_final.cells[("fedavg", 0)]) == "not resolved (1 seed)"
+    text = render_markdown(plan, [by_best, by_final], [])
+    assert text.count("Statistic of this table: best") == 1
+
+
 def test_reproduce_smoke_and_dry_run(tmp_path, capsys, monkeypatch) -> None:
     """`fedskew reproduce niid-bench --scale smoke` (CI's pipeline check) writes the tables with a verdict column;
     `--dry-run` at scale paper lists every run and every setting that cannot run here with the reason."""
@@ -315,6 +357,10 @@ def test_reproduce_smoke_and_dry_run(tmp_path, capsys, monkeypatch) -> None:
     assert any(c["ours"] for c in cells)  # the digits stand-ins ran
     assert "stand-in: no verdict" in text
     assert "Evaluation protocol (niid-bench): global_acc, the final round: global model on the global test set" in text
+    assert "Statistic of this table: best (the README: 'the best accuracies across all rounds" in text
+    assert "Evaluation protocol (niid-bench): global_acc, the best evaluated round" in text
+    statistics = {t["id"]: t["statistic"] for t in data["tables"]}
+    assert statistics == {"leaderboard": "final", "flower": "best", "unpublished_here": "final"}
     capsys.readouterr()
     data_dir = tmp_path / "empty"
     data_dir.mkdir()

@@ -86,6 +86,10 @@ class Table(StrictSettings):
     pairs: list[tuple[str, str]] = Field(
         default_factory=list, description="(host row, host+plug-in row): the plug-in's gain is compared per column"
     )
+    statistic: Literal["best", "last_n_mean", "final"] | None = Field(
+        None, description="which round this table's published numbers are, when not the paper metric's statistic"
+    )
+    statistic_note: str = Field("", description="how the source states its statistic (shown under the table)")
 
     def column_list(self) -> list[Column]:
         return [Column(id=c, setting=c) if isinstance(c, str) else c for c in self.columns]

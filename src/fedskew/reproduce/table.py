@@ -123,6 +123,7 @@ def build_tables(
     missing_rows = {r.id: why for r, why in plan.missing_rows}
     out = []
     for t in paper.tables:
+        stat = t.statistic or paper.metric.statistic
         columns, not_run = [], []
         for c in t.column_list():
             reps = [s for s in plan.settings if s.represents == c.setting]
@@ -152,11 +153,9 @@ def build_tables(
                     cell.note = f"failed: {failed[(r.id, col.setting)]}"
                 else:
                     got = runs.get((r.id, col.setting), [])
-                    vals = [
-                        v for v in (_value(x["summary"], keys, paper.metric.statistic) for x in got) if v is not None
-                    ]
+                    vals = [v for v in (_value(x["summary"], keys, stat) for x in got) if v is not None]
                     for x in got:  # seed -> value, for the paired differences; a diverged run is left out of them
-                        v = _value(x["summary"], keys, paper.metric.statistic)
+                        v = _value(x["summary"], keys, stat)
                         if x["summary"].get("diverged"):
                             cell.values[int(x["seed"])] = float("nan")
                         elif v is not None:
@@ -301,17 +300,19 @@ def orderings(bt: BuiltTable) -> list[str]:
     return lines
 
 
-def evaluation_line(plan: Plan) -> str:
+def evaluation_line(plan: Plan, statistic: str | None = None) -> str:
     """The table's evaluation protocol (:mod:`fedskew.results.evaluation`): the protocol preset the runs use and,
-    for the metric the cells report, which round, clients, model, data and mean."""
+    for the metric the cells report, which round (``statistic``, else the paper metric's), clients, model, data and
+    mean."""
     from fedskew.results.evaluation import of_run
 
     paper = plan.paper
     protocol = plan.base.get("protocol", "fedskew")
+    statistic = statistic or paper.metric.statistic
     try:
-        ev = of_run(paper.metric.keys[0], paper.metric.statistic, plan.base)
+        ev = of_run(paper.metric.keys[0], statistic, plan.base)
     except ValueError:
-        return f"Evaluation protocol ({protocol}): {paper.metric.keys[0]}, {paper.metric.statistic}."
+        return f"Evaluation protocol ({protocol}): {paper.metric.keys[0]}, {statistic}."
     return (
         f"Evaluation protocol ({protocol}): {ev.metric}, {ev.round}: {ev.model} on {ev.data}, {ev.mean}; "
         f"clients: {ev.clients}."
@@ -364,6 +365,13 @@ def render_markdown(plan: Plan, tables: list[BuiltTable], compute: list[tuple[st
             f"Source: {src.paper}, {src.table}" + (f" ({src.setting})" if src.setting else ""),
             "",
         ]
+        if bt.table.statistic and bt.table.statistic != paper.metric.statistic:
+            note = f" ({bt.table.statistic_note.strip()})" if bt.table.statistic_note else ""
+            lines += [
+                f"Statistic of this table: {bt.table.statistic}{note}; ours likewise, from the same runs. "
+                + evaluation_line(plan, bt.table.statistic),
+                "",
+            ]
         if bt.columns:
             by_id = {r.id: r for r in bt.rows}
             per = ("paper", "Δ", "verdict") if paper.verdicts else ("paper", "Δ")
@@ -484,6 +492,7 @@ def tables_json(plan: Plan, tables: list[BuiltTable], compute: list[tuple[str, s
                 "id": bt.table.id,
                 "title": bt.table.title,
                 "source": bt.table.source.model_dump(),
+                "statistic": bt.table.statistic or plan.paper.metric.statistic,
                 "columns": [c.__dict__ for c in bt.columns],
                 "rows": [
                     {
