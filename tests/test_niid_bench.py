@@ -249,6 +249,8 @@ def test_access_noise_refuses_batching_and_flower_and_runs(tmp_path) -> None:
 # Flower's baselines/niid_bench README, "Expected Results", its table as printed there (tests/data): the source the
 # package's ``flower`` table is checked against, cell by cell.
 FLOWER_README = Path(__file__).parent / "data" / "flower_niid_bench_expected_results.md"
+# NIID-Bench's own README leaderboard, its 10-party simple-CNN rows as printed there (tests/data).
+LEADERBOARD_README = Path(__file__).parent / "data" / "niid_bench_leaderboard_10_parties.md"
 
 
 def test_published_numbers_and_their_sources() -> None:
@@ -274,10 +276,19 @@ def test_published_numbers_and_their_sources() -> None:
                 checked += 1
     assert checked == 60 and sum(len(v) for v in flower.values.values()) == 60
     assert all(paper.settings[c.setting].dataset in ("mnist", "fmnist", "cifar10") for c in flower.column_list())
-    # the benchmark's own leaderboard: its final round
-    assert tables["leaderboard"].statistic is None
-    assert parse_value(tables["leaderboard"].values["fednova"]["c10_qty"]) == (10.0, None)
-    assert parse_value(tables["leaderboard"].values["fedprox_mu0001"]["c10_dir"]) == (67.9, None)
+    # the benchmark's own leaderboard (its final round), every cell as its README prints it
+    board = tables["leaderboard"]
+    assert board.statistic is None
+    column = {"`noniid-#label2`": "c10_c2", "`noniid-labeldir` with `beta=0.5`": "c10_dir"}
+    column |= {"`homo` with `noise=0.1`": "c10_noise", "`iid-diff-quantity` with `beta=0.5`": "c10_qty"}
+    row = {"FedAvg": "fedavg", "SCAFFOLD": "scaffold", "FedNova": "fednova"}
+    row |= {"FedProx (`mu=0.01`)": "fedprox", "FedProx (`mu=0.001`)": "fedprox_mu0001"}
+    printed = [line for line in LEADERBOARD_README.read_text().splitlines() if line.startswith("| `")]
+    for line in printed:
+        partition, model, rounds, method, acc = (c.strip() for c in line.strip("|").split("|"))
+        assert (model, rounds) == ("`simple-cnn`", "50")
+        assert parse_value(board.values[row[method]][column[partition]]) == (float(acc.rstrip("%")), None), line
+    assert len(printed) == 16 and sum(len(v) for v in board.values.values()) == 16
     # the paper scale is the benchmark's own settings (no reduction)
     assert paper.scales["paper"].config == {
         "rounds": 50,
