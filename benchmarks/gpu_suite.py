@@ -162,7 +162,8 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--runs", "8", "--rounds", "10"]
     found.append(Piece("stacked-runs", argv, 30 if smoke else 300, 300 if smoke else 540))
     # the same FedAvg workload (1,000 MNIST users, 50 a round, batch 10, the CNN) on Flower's Simulation Engine with a
-    # plain PyTorch ClientApp, beside fedskew sequential and batched on the same device (benchmarks/vs_flower_sim.py)
+    # plain PyTorch ClientApp and on pfl-research's simulator, beside fedskew sequential, batched and captured on the
+    # same device (benchmarks/vs_flower_sim.py)
     figs = out / "vs-flower-figures.json"
     argv = [sys.executable, str(HERE / "vs_flower_sim.py"), "--device", device, "--json", str(figs)]
     argv += (
@@ -303,6 +304,10 @@ def report(out: Path, order: list[str]) -> str:
         ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)
         accs = ", ".join(f"{k} {x['final_acc'] * 100:.2f}" for k, x in v["sides"].items())
         lines.append(f"- fedskew vs Flower's Simulation Engine (steady round time): {ratios}; accuracy: {accs}")
+        if ratios := ", ".join(f"{k} {x['vs_pfl']:.2f}x" for k, x in v["sides"].items() if "vs_pfl" in x):
+            lines.append(f"- fedskew vs pfl-research's simulator (steady round time): {ratios}")
+        for peer, why in v.get("not_run", {}).items():
+            lines.append(f"- vs-flower: the {peer} side did not run: {why}")
     text = "\n".join(lines) + "\n"
     (out / "suite.md").write_text(text)
     return text

@@ -145,12 +145,130 @@ def flower_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
     return {"round_times": rounds, "acc": accs[1:], "total": total}
 
 
+# ---- the second peer: pfl-research (Apple's ``pfl``) --------------------------------------------------------------
+def pfl_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
+    """Run the workload on pfl-research's simulator (``pfl``, the library behind its published benchmarks), written
+    as its PyTorch quick start does: every client a ``pfl.data.dataset.Dataset`` of its training split in a
+    ``FederatedDataset`` with a random user sampler, ``PyTorchModel`` with a plain SGD local optimizer and a central
+    SGD(lr=1) (FedAvg's model update), ``FederatedAveraging`` on a ``SimulatedBackend``. A callback scores the global
+    test set after each round (inside the round's time, as Flower's evaluate_fn) and stamps the time. pfl iterates a
+    client's data in its stored order, so each client's split is stored in one seeded random order (with one local
+    epoch a round, what a reshuffle would give)."""
+    os.environ["PFL_PYTORCH_DEVICE"] = args.device  # read by pfl when it picks its device
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.data.sampling import get_user_sampler
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics, Weighted
+    from pfl.model.pytorch import PyTorchModel
+
+    data = build_federated(make_config(None, values))
+    device = args.device
+    torch.manual_seed(args.seed)
+    net = build_model(
+        args.model, in_channels=data.in_channels, image_size=data.image_size, num_classes=data.num_classes
+    )
+
+    class Peer(nn.Module):  # pfl's PyTorch contract: loss(*batch) and metrics(*batch)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def loss(self, x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> torch.Tensor:  # noqa: A002
+            self.eval() if eval else self.train()
+            return nn.functional.cross_entropy(self(x), y)
+
+        @torch.no_grad()
+        def metrics(self, x: torch.Tensor, y: torch.Tensor, eval: bool = True) -> dict:  # noqa: A002
+            self.eval()
+            out = self(x)
+            loss = float(nn.functional.cross_entropy(out, y, reduction="sum"))
+            return {"loss": Weighted(loss, len(y)), "accuracy": Weighted(float((out.argmax(1) == y).sum()), len(y))}
+
+    peer = Peer()
+    g = torch.Generator().manual_seed(args.seed)
+    orders = [torch.randperm(len(c.y_train), generator=g) for c in data.clients]  # pfl does not reshuffle
+    shards = {
+        i: (c.x_train[o].to(device), c.y_train[o].to(device))
+        for i, (c, o) in enumerate(zip(data.clients, orders, strict=True))
+    }
+    training = FederatedDataset(
+        make_dataset_fn=lambda uid: Dataset(raw_data=list(shards[uid]), user_id=uid),
+        user_sampler=get_user_sampler("random", list(shards)),
+    )
+    model = PyTorchModel(
+        model=peer,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(peer.parameters(), lr=1.0),
+    )
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+    stamps: list[float] = []
+    accs: list[float] = []
+
+    class Stamp(TrainingProcessCallback):
+        def on_train_begin(self, *, model: PyTorchModel) -> Metrics:
+            stamps.append(time.perf_counter())
+            return Metrics()
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):  # type: ignore[no-untyped-def]
+            peer.eval()
+            with torch.no_grad():
+                correct = sum(
+                    int((peer(x_test[i : i + 1000]).argmax(1) == y_test[i : i + 1000]).sum())
+                    for i in range(0, len(y_test), 1000)
+                )
+            accs.append(correct / len(y_test))
+            stamps.append(time.perf_counter())
+            return False, Metrics()
+
+    t0 = time.perf_counter()
+    FederatedAveraging().run(
+        algorithm_params=NNAlgorithmParams(
+            central_num_iterations=args.rounds,
+            evaluation_frequency=args.rounds + 1,
+            train_cohort_size=args.per_round,
+            val_cohort_size=0,
+        ),
+        backend=SimulatedBackend(training_data=training, val_data=None),
+        model=model,
+        model_train_params=NNTrainHyperParams(
+            local_num_epochs=1, local_learning_rate=args.lr, local_batch_size=args.batch_size
+        ),
+        model_eval_params=NNEvalHyperParams(local_batch_size=1000),
+        callbacks=[Stamp()],
+        send_metrics_to_platform=False,
+    )
+    total = time.perf_counter() - t0
+    rounds = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    if len(rounds) != args.rounds:
+        raise RuntimeError(f"pfl ran {len(rounds)} rounds for {args.rounds}")
+    return {"round_times": rounds, "acc": accs, "total": total}
+
+
 # ---- fedskew -------------------------------------------------------------------------------------------------------
 FEDSKEW_SIDES = {  # fedskew's ways of training a round's clients: the settings each side sets
     "sequential": {},
     "batched": {"batched_clients": True},
     "captured": {"batched_clients": True, "capture_steps": True},  # padded steps replayed as CUDA graphs
 }
+
+
+PEERS = {"flower": flower_fedavg, "pfl": pfl_fedavg}  # the other simulators, each as its users write FedAvg
+PEER_PACKAGES = {"flower": ("flwr", "the [flower-sim] extra"), "pfl": ("pfl", "the [pfl] extra: pip install pfl")}
+
+
+def not_installed(peer: str) -> str:
+    """Why a peer's side cannot run here ("" when its package imports)."""
+    import importlib.util
+
+    module, extra = PEER_PACKAGES[peer]
+    return "" if importlib.util.find_spec(module) else f"{module} is not installed ({extra})"
 
 
 def fedskew_fedavg(values: dict, folder: Path, side: str) -> dict:
@@ -179,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=float, default=1.0, help="Flower: CPUs per ClientApp")
     p.add_argument("--num-gpus", type=float, default=0.1, help="Flower: GPUs per ClientApp (CUDA only)")
     p.add_argument(
-        "--skip", default="", help="comma-separated sides to leave out: flower, sequential, batched, captured"
+        "--skip", default="", help="comma-separated sides to leave out: flower, pfl, sequential, batched, captured"
     )
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--smoke", action="store_true", help="digits, 20 clients, 5 a round, 3 rounds (CI, CPU)")
@@ -207,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"data_dir": args.data_dir} if args.data_dir else {}),
     }
     skip = {s for s in args.skip.split(",") if s}
-    unknown = skip - {"flower", *FEDSKEW_SIDES}
+    unknown = skip - {*PEERS, *FEDSKEW_SIDES}
     if unknown:
         p.error(f"--skip: unknown sides {sorted(unknown)}")
     data = build_federated(make_config(None, values))
@@ -218,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     train_flop = args.per_round * statistics.mean(len(c.y_train) for c in data.clients) * 6 * macs  # 3 passes x 2
     # Flower's app scores the global test set; fedskew's round also scores every client's own test split (its
     # per-client views): more work in fedskew's round, counted in its FLOP
-    eval_flop = {"flower": len(data.y_test) * 2 * macs}
+    eval_flop = {peer: len(data.y_test) * 2 * macs for peer in PEERS}
     eval_flop.update({side: (len(data.y_test) + len(data.local_y)) * 2 * macs for side in FEDSKEW_SIDES})
     peak = matmul_gflops(args.device)
     print(
@@ -232,13 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         f"client's own test split); dense fp32 matmul on the device in this run: {peak:.0f} GFLOP/s"
     )
     results: dict[str, dict] = {}
+    missing = {peer: why for peer, why in ((p, not_installed(p)) for p in PEERS if p not in skip) if why}
+    for peer, why in missing.items():
+        print(f"{peer:>10}: side not run: {why}")
     with tempfile.TemporaryDirectory(prefix="fedskew-vs-flower-") as tmp:
         folder = Path(tmp)
-        for side in ("flower", *FEDSKEW_SIDES):
-            if side in skip:
+        for side in (*PEERS, *FEDSKEW_SIDES):
+            if side in skip or side in missing:
                 continue
-            if side == "flower":
-                results[side] = flower_fedavg(args, values, folder)
+            if side in PEERS:
+                results[side] = PEERS[side](args, values, folder)
             else:
                 results[side] = fedskew_fedavg(values, folder, side)
     figures: dict[str, dict] = {}
@@ -257,14 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             f"all; accuracy after {args.rounds} rounds {r['acc'][-1] * 100:.2f}; "
             f"{flop / t / 1e9:.2f} GFLOP/s = {figures[side]['fraction_of_matmul_rate'] * 100:.2f}% of the matmul rate"
         )
-    if "flower" in figures:
+    for peer, name in (("flower", "Flower"), ("pfl", "pfl")):
         for side in FEDSKEW_SIDES:
-            if side in figures:
-                ratio = figures["flower"]["steady_round_s"] / figures[side]["steady_round_s"]
-                figures[side]["vs_flower"] = ratio
-                print(f"fedskew {side} vs Flower: {ratio:.2f}x (steady round time, Flower's / fedskew's)")
+            if peer in figures and side in figures:
+                ratio = figures[peer]["steady_round_s"] / figures[side]["steady_round_s"]
+                figures[side][f"vs_{peer}"] = ratio
+                print(f"fedskew {side} vs {name}: {ratio:.2f}x (steady round time, {name}'s / fedskew's)")
     if args.json:
         record = {"device": args.device, "train_gflop_round": train_flop / 1e9, "matmul_gflops": peak}
+        record["not_run"] = missing
         Path(args.json).write_text(json.dumps({**record, "sides": figures}, indent=1))
     return 0
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SUITE = BENCH / "gpu_suite.py"
 BATCHED = [f"batched-{m}" for m in ("fedavg", "fedprox", "scaffold", "feddyn", "moon", "fedntd", "fedgen")]
 BATCHED += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "fedcac", "fedavg-vmap")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
@@ -97,11 +98,33 @@ def test_smoke_suite_runs_fedskew_beside_flowers_simulation_engine(tmp_path):
     done = _suite(out, "--budget", "3000", "--only", "vs-flower")
     assert done.returncode == 0, done.stderr[-3000:]
     got = _results(out, ["vs-flower"])["vs-flower"]
-    assert set(got["sides"]) == {"flower", "sequential", "batched", "captured"}
+    with_pfl = importlib.util.find_spec("pfl") is not None  # the [pfl] extra, which CI installs
+    assert set(got["sides"]) == {"flower", "sequential", "batched", "captured"} | ({"pfl"} if with_pfl else set())
+    assert got["not_run"] == ({} if with_pfl else {"pfl": "pfl is not installed (the [pfl] extra: pip install pfl)"})
     for side, fig in got["sides"].items():
         assert 0 <= fig["final_acc"] <= 1 and fig["steady_round_s"] > 0 and fig["fraction_of_matmul_rate"] > 0, side
     # fedskew's two paths train the same clients the same way: the same accuracy (to float32 rounding)
     for side in ("batched", "captured"):
         assert abs(got["sides"]["sequential"]["final_acc"] - got["sides"][side]["final_acc"]) < 0.02, side
     assert got["sides"]["batched"]["vs_flower"] > 0 and got["train_gflop_round"] > 0
-    assert "fedskew vs Flower's Simulation Engine (steady round time): sequential" in (out / "suite.md").read_text()
+    report = (out / "suite.md").read_text()
+    assert "fedskew vs Flower's Simulation Engine (steady round time): sequential" in report
+    assert ("fedskew vs pfl-research's simulator (steady round time): sequential" in report) == with_pfl
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pfl") is None, reason="pfl-research is not installed (the [pfl] extra)")
+def test_pfl_research_side_trains_the_workload_like_fedskew(tmp_path):
+    """benchmarks/vs_flower_sim.py's pfl side: pfl's FedAvg on the same clients reaches fedskew's accuracy after the
+    same rounds with every client in every round (no sampling difference; float rounding and initialization apart),
+    and its figures and ratio are written."""
+    figs = tmp_path / "figs.json"
+    argv = [sys.executable, str(BENCH / "vs_flower_sim.py"), "--clients", "10", "--per-round", "10", "--rounds", "4"]
+    argv += ["--device", "cpu", "--skip", "flower,batched,captured", "--json", str(figs)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(figs.read_text())
+    assert set(got["sides"]) == {"pfl", "sequential"} and got["not_run"] == {}
+    pfl, seq = got["sides"]["pfl"], got["sides"]["sequential"]
+    assert pfl["steady_round_s"] > 0 and seq["vs_pfl"] > 0
+    assert seq["final_acc"] > 0.5 and abs(pfl["final_acc"] - seq["final_acc"]) < 0.1
+    assert "fedskew sequential vs pfl:" in done.stdout
