@@ -409,19 +409,3 @@ def test_cost_benchmark_counts_the_simple_cnns_work_and_runs() -> None:
         timeout=300,
     ).stdout
     assert "a run at the published settings" in out and "of the" in out and "matmul rate" in out
-
-
-def test_a_row_id_selects_that_row_alone() -> None:
-    """`--rows fedprox` is the row fedprox (mu 0.01), not every FedProx row; a method name that is no row's id
-    still selects all of its rows (`--rows fedavg+disco` in feddisco)."""
-    from fedskew.reproduce import load_paper, make_plan
-
-    paper = load_paper("niid-bench")
-    assert [r.id for r in make_plan(paper, "smoke", rows=["fedprox"]).rows] == ["fedprox"]
-    both = make_plan(paper, "smoke", rows=["fedprox", "fedprox_mu0001"]).rows
-    assert [r.id for r in both] == ["fedprox", "fedprox_mu0001"]
-    disco = load_paper("feddisco")
-    rows = [r for r in disco.rows if r.method == "fedavg+disco"]
-    assert rows and all(r.id != "fedavg+disco" for r in disco.rows)
-    chosen = make_plan(disco, "smoke", rows=["fedavg+disco"])
-    assert {r.id for r in chosen.rows} | {r.id for r, _ in chosen.missing_rows} == {r.id for r in rows}

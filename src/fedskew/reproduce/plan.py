@@ -158,8 +158,7 @@ def make_plan(
     settings: list[str] | None = None,
 ) -> Plan:
     """The runs of ``paper``'s tables at ``scale`` that can run here; everything else listed with the reason.
-    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``; a name that is a
-    row's id selects that row alone, not the other rows of the same method); ``settings``:
+    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``); ``settings``:
     only these settings (the paper's setting ids, e.g. ``mnist_c1``; a stand-in runs for the setting it stands for)."""
     sc = paper.scales[scale]  # type: ignore[index]
     base: dict[str, Any] = {**paper.common, **sc.config}
@@ -179,8 +178,7 @@ def make_plan(
             raise ConfigError(
                 f"{paper.paper} has no row {', '.join(map(repr, unknown))}; rows: {', '.join(r.id for r in rows_used)}"
             )
-        ids = {r.id for r in rows_used}
-        rows_used = [r for r in rows_used if r.id in wanted or (r.method in wanted and r.method not in ids)]
+        rows_used = [r for r in rows_used if r.id in wanted or r.method in wanted]
     chosen, missing_rows = [], []
     for r in rows_used:
         why = method_status(r)
