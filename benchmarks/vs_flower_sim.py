@@ -149,8 +149,11 @@ def flower_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
 def pfl_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
     """Run the workload on pfl-research's simulator (``pfl``, the library behind its published benchmarks), written
     as its PyTorch quick start does: every client a ``pfl.data.dataset.Dataset`` of its training split in a
-    ``FederatedDataset`` with a random user sampler, ``PyTorchModel`` with a plain SGD local optimizer and a central
-    SGD(lr=1) (FedAvg's model update), ``FederatedAveraging`` on a ``SimulatedBackend``. A callback scores the global
+    ``FederatedDataset``, ``PyTorchModel`` with a plain SGD local optimizer and a central SGD(lr=1) (FedAvg's model
+    update), ``FederatedAveraging`` on a ``SimulatedBackend``. Users come from pfl's ``minimize_reuse`` sampler over a
+    seeded order of the clients (each round's cohort without repeats, every client once per pass; pfl's ``random``
+    sampler draws with replacement from numpy's unseeded global state, so a cohort can hold a client twice and two
+    runs differ). A callback scores the global
     test set after each round (inside the round's time, as Flower's evaluate_fn) and stamps the time. pfl iterates a
     client's data in its stored order, so each client's split is stored in one seeded random order (with one local
     epoch a round, what a reshuffle would give)."""
@@ -200,7 +203,7 @@ def pfl_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
     }
     training = FederatedDataset(
         make_dataset_fn=lambda uid: Dataset(raw_data=list(shards[uid]), user_id=uid),
-        user_sampler=get_user_sampler("random", list(shards)),
+        user_sampler=get_user_sampler("minimize_reuse", torch.randperm(len(shards), generator=g).tolist()),
     )
     model = PyTorchModel(
         model=peer,

@@ -115,10 +115,10 @@ def test_smoke_suite_runs_fedskew_beside_flowers_simulation_engine(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("pfl") is None, reason="pfl-research is not installed (the [pfl] extra)")
 def test_pfl_research_side_trains_the_workload_like_fedskew(tmp_path):
     """benchmarks/vs_flower_sim.py's pfl side: pfl's FedAvg on the same clients reaches fedskew's accuracy after the
-    same rounds with every client in every round (no sampling difference; float rounding and initialization apart),
-    and its figures and ratio are written."""
+    same rounds with every client in every round (no sampling difference; each side initializes its own model), and
+    its figures and ratio are written."""
     figs = tmp_path / "figs.json"
-    argv = [sys.executable, str(BENCH / "vs_flower_sim.py"), "--clients", "10", "--per-round", "10", "--rounds", "4"]
+    argv = [sys.executable, str(BENCH / "vs_flower_sim.py"), "--clients", "10", "--per-round", "10", "--rounds", "10"]
     argv += ["--device", "cpu", "--skip", "flower,batched,captured", "--json", str(figs)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -126,5 +126,6 @@ def test_pfl_research_side_trains_the_workload_like_fedskew(tmp_path):
     assert set(got["sides"]) == {"pfl", "sequential"} and got["not_run"] == {}
     pfl, seq = got["sides"]["pfl"], got["sides"]["sequential"]
     assert pfl["steady_round_s"] > 0 and seq["vs_pfl"] > 0
-    assert seq["final_acc"] > 0.5 and abs(pfl["final_acc"] - seq["final_acc"]) < 0.1
+    # 10 rounds (measured: pfl 83.01, fedskew 82.17; after 4 rounds the two initializations still differ by 10 points)
+    assert seq["final_acc"] > 0.7 and abs(pfl["final_acc"] - seq["final_acc"]) < 0.05
     assert "fedskew sequential vs pfl:" in done.stdout
