@@ -51,6 +51,17 @@ def steady(times: list[float]) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
+def test_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> float:
+    """The global test accuracy every side reports after a round (batches of 1,000, no gradients)."""
+    model.eval()
+    with torch.no_grad():
+        correct = sum(
+            int((model(x[i : i + 1000].to(device)).argmax(1) == y[i : i + 1000].to(device)).sum())
+            for i in range(0, len(y), 1000)
+        )
+    return correct / len(y)
+
+
 # ---- the peer: a plain Flower FedAvg app ---------------------------------------------------------------------------
 def flower_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
     """Run the workload on Flower's Simulation Engine; its round times (between the server's evaluations, which
@@ -108,13 +119,7 @@ def flower_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
     def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model = new_model()
         model.load_state_dict(arrays.to_torch_state_dict())
-        model.eval()
-        with torch.no_grad():
-            correct = sum(
-                int((model(x_test[i : i + 1000].to(device)).argmax(1) == y_test[i : i + 1000].to(device)).sum())
-                for i in range(0, len(y_test), 1000)
-            )
-        acc = correct / len(y_test)
+        acc = test_accuracy(model, x_test, y_test, device)
         stamps.append(time.perf_counter())
         accs.append(acc)
         return MetricRecord({"accuracy": acc})
@@ -220,13 +225,7 @@ def pfl_fedavg(args: argparse.Namespace, values: dict, folder: Path) -> dict:
             return Metrics()
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):  # type: ignore[no-untyped-def]
-            peer.eval()
-            with torch.no_grad():
-                correct = sum(
-                    int((peer(x_test[i : i + 1000]).argmax(1) == y_test[i : i + 1000]).sum())
-                    for i in range(0, len(y_test), 1000)
-                )
-            accs.append(correct / len(y_test))
+            accs.append(test_accuracy(peer, x_test, y_test, device))
             stamps.append(time.perf_counter())
             return False, Metrics()
 
