@@ -17,12 +17,13 @@ PKGS=${PKGS:-.devicepkgs}
 SITE=${SITE:-/tmp/fedskew-site}
 RES=${RESULTS:-runs/gpu-suite}
 mkdir -p "$OUTDIR" "$RES"
-if [ -f "$PKGS/site.tar.xz" ] && [ ! -f "$SITE/.unpacked" ]; then
-  mkdir -p "$SITE" && tar xJf "$PKGS/site.tar.xz" -C "$SITE" && touch "$SITE/.unpacked" \
+PY=${PYTHON:-python3}
+if [ -f "$PKGS/site.tar.xz" ] && [ ! -f "$SITE/.unpacked" ]; then  # unpacked once per machine (kept while warm)
+  mkdir -p "$SITE" && "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+    "$PKGS/site.tar.xz" "$SITE" && touch "$SITE/.unpacked" \
     || { echo "device_run: could not unpack $PKGS/site.tar.xz into $SITE" >&2; exit 2; }
 fi
 export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
 # every package the run book imports, with its version or the reason it does not import (the suite then reports
 # the pieces that need it as not run)
 "$PY" - <<'PYEOF' 2>&1 | tee "$OUTDIR/imports.txt"
