@@ -31,6 +31,7 @@ def test_requirements_are_the_core_and_the_run_books_extras_without_torch(tmp_pa
         '[project.optional-dependencies]\nflower-sim = ["flwr>=1.41", "pyyaml>=6"]\npfl = ["pfl>=0.6"]\n'
     )
     assert db.requirements(fake) == ["pyyaml>=6", "flwr>=1.41", "pfl>=0.6"]
+    assert db.requirements(fake, ()) == ["pyyaml>=6"]  # --extras '': the core alone
     with pytest.raises(SystemExit, match="no extra 'gpu'"):
         db.requirements(fake, ("gpu",))
 

@@ -6,6 +6,9 @@
 #   device: run(command="bash tools/device_run.sh --only env,vs-flower", carry=[".devicepkgs", "runs/gpu-suite"],
 #               timeout_s=560)
 #   here:   mkdir -p runs && tar xzf <files_at>/gpu-suite.tgz -C runs   # (as gpu-suite/) to resume in a later call
+#   a call that runs no peer (reproduce-*, runs-per-gpu, ...) carries the core alone and more data:
+#   here:   python tools/device_bundle.py --extras "" --data ../shared/data/mnist --data ../shared/data/fashion-mnist \
+#               --data ../shared/data/usps --out .devicepkgs-core      # then PKGS=.devicepkgs-core, carry it
 #
 # Arguments go to gpu_suite.py (--only, --papers, --seeds, ...). BUDGET (seconds, default 480) bounds the suite;
 # the results accumulate in RESULTS (default runs/gpu-suite, carried back in, so a later call continues where this
