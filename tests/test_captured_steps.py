@@ -113,6 +113,7 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
 
     import fedskew.engine.stacked_runs as stacked_runs
     from fedskew.config import make_config
+    from fedskew.engine.captured import PaddedCache
     from fedskew.engine.stacked_runs import run_stacked
     from fedskew.runner import run_experiment
 
@@ -133,7 +134,9 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
     ]
     assert all(not isinstance(o, BaseException) for o in run_stacked(cfgs))
     _close(_records(tmp_path / "buckets"), _records(tmp_path / "s0"))
-    assert seen == [True] * BASE["rounds"]  # the stacked seeds' steps were padded too
+    # the stacked seeds' steps were padded too, every meeting with the rendezvous's one cache (its graphs replayed)
+    assert len(seen) == BASE["rounds"] and all(isinstance(c, PaddedCache) for c in seen)
+    assert len({id(c) for c in seen}) == 1 and len(seen[0].steps) >= 1
     with pytest.raises(ValueError, match="capture_steps .* needs batched_clients"):
         make_config(None, {**BASE, "capture_steps": True})
     bn = {**values, "model": "lenet_bn", "rounds": 1, "capture_steps": True, "out": str(tmp_path / "bn")}
@@ -168,3 +171,129 @@ def test_a_run_replays_its_buffers_round_after_round(one_thread):
     ditto = digits_simulation("ditto", {"lam": 0.5})
     train_batched(ditto, 1, [0, 1, 2, 3], {c: ditto.params_for(c) for c in range(4)}, {}, None, cache)
     assert len(cache.steps) == 3  # Ditto's two phases (a proximal one and a plain one): two more shapes
+
+
+class _FakeCuda:
+    """The calls :class:`StepReplay` makes of ``torch.cuda``, recorded on a machine without CUDA: which stream is
+    current when the step runs, the graphs captured and replayed, and a capture that fails on demand."""
+
+    def __init__(self, fail_capture: bool = False) -> None:
+        self.fail_capture, self.events, self.current, self.devices = fail_capture, [], "default", []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                self.name = "side"
+                fake.events.append(("stream on", str(device)))
+
+            def wait_stream(self, other) -> None:
+                pass
+
+        class Default:
+            name = "default"
+
+            def wait_stream(self, other) -> None:
+                pass
+
+        class Graph:
+            def replay(self) -> None:
+                fake.events.append(("replay", self.width))
+
+        class Capture:
+            def __init__(self, graph, pool=None, stream=None) -> None:
+                self.graph, self.stream = graph, stream
+
+            def __enter__(self):
+                fake.current, fake.capturing = self.stream.name, self.graph
+                return self
+
+            def __exit__(self, kind, exc, tb) -> bool:
+                fake.capturing = None
+                if kind is not None:  # torch's graph: capture_end raises before the stream context is left
+                    return False
+                fake.current = "default"
+                return False
+
+        class StreamContext:
+            def __init__(self, stream) -> None:
+                self.stream = stream
+
+            def __enter__(self):
+                fake.current = self.stream.name
+
+            def __exit__(self, *exc) -> None:
+                fake.current = "default"
+
+        class Device:
+            def __init__(self, device) -> None:
+                fake.devices.append(str(device))
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                pass
+
+        self.capturing = None
+        self.api = {
+            "Stream": Stream,
+            "CUDAGraph": Graph,
+            "graph": Capture,
+            "stream": StreamContext,
+            "device": Device,
+            "graph_pool_handle": lambda: "pool",
+            "current_stream": lambda device=None: Default(),
+            "set_stream": lambda stream: setattr(fake, "current", stream.name),
+            "synchronize": lambda device=None: None,
+        }
+
+    def step(self, width: int) -> None:
+        if self.capturing is not None:
+            if self.fail_capture:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.capturing.width = width
+            self.events.append(("captured", width, self.current))
+        else:
+            self.events.append(("eager", width, self.current))
+
+
+def test_replay_on_cuda_warms_up_captures_and_replays_each_width_on_the_runs_device(monkeypatch):
+    """The control flow a CUDA device gets (the calls recorded, no GPU needed): per width, a first eager step on the
+    side stream, then one capture on it (which runs nothing) and a replay, then replays only; all under the run's
+    device (``cuda:1`` here), not the process's current one."""
+    fake = _FakeCuda()
+    for name, value in fake.api.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    replay = StepReplay(fake.step, torch.device("cuda:1"))
+    for w in (4, 4, 4, 2, 2, 4):
+        replay(w)
+    assert fake.events == [
+        ("stream on", "cuda:1"),
+        ("eager", 4, "side"),  # the warm-up is a real step
+        ("captured", 4, "side"),
+        ("replay", 4),
+        ("replay", 4),
+        ("eager", 2, "side"),
+        ("captured", 2, "side"),
+        ("replay", 2),
+        ("replay", 4),
+    ]
+    assert fake.devices == ["cuda:1"] * 6 and sorted(replay.graphs) == [2, 4] and fake.current == "default"
+
+
+def test_a_failed_capture_puts_the_stream_back_and_goes_on_eagerly(monkeypatch):
+    fake = _FakeCuda(fail_capture=True)
+    for name, value in fake.api.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    replay = StepReplay(fake.step, torch.device("cuda"))
+    with pytest.warns(UserWarning, match="capture failed .*stream is capturing.*running the steps eagerly"):
+        for w in (3, 3, 3, 2):
+            replay(w)
+    # the failed capture's step runs again eagerly on the stream that was current, and every later step too
+    assert fake.events[1:] == [
+        ("eager", 3, "side"),
+        ("eager", 3, "default"),
+        ("eager", 3, "default"),
+        ("eager", 2, "default"),
+    ]
+    assert not replay.capture and replay.graphs == {}

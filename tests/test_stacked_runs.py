@@ -47,9 +47,9 @@ def test_stacked_seeds_give_each_runs_batched_records(tmp_path, monkeypatch, met
     meetings = []
     original = stacked_runs.train_together
 
-    def counted(batch):
+    def counted(batch, *rest):
         meetings.append(sorted(r for r, (_, _, jobs) in batch.items() if jobs))
-        return original(batch)
+        return original(batch, *rest)
 
     monkeypatch.setattr(stacked_runs, "train_together", counted)
     seeds = (0, 1, 2)
@@ -136,11 +136,11 @@ def test_interrupted_stacked_runs_checkpoint_and_resume_to_the_same_records(tmp_
     original = stacked_runs.train_together
     meetings = []
 
-    def stop_in_round_2(batch):
+    def stop_in_round_2(batch, *rest):
         meetings.append(next(iter(batch.values()))[1])
         if meetings[-1] == 2:
             stop_thread_runs(signal.SIGTERM)  # as the main thread's handler passes a signal on
-        return original(batch)
+        return original(batch, *rest)
 
     monkeypatch.setattr(stacked_runs, "train_together", stop_in_round_2)
     box = {}

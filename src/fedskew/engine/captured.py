@@ -100,38 +100,48 @@ class PaddedPlan:
 class StepReplay:
     """Runs ``step(width)`` for each step: on a CUDA device each width's step captured as a CUDA graph on its second
     use (its first runs eagerly on a side stream: the warm-up the capture needs) and replayed after; elsewhere eagerly.
-    A capture that fails warns with the reason and the phase goes on eagerly (the step reads and writes only the
-    buffers it is given, so an eager step and a replay do the same)."""
+    Everything runs with ``device`` current (its streams, its memory pool: a run on ``cuda:1`` captures there, not on
+    the process's current device). A capture that fails warns with the reason, puts back the stream that was current
+    (a capture that raises can leave its own stream current) and the phase goes on eagerly (the step reads and writes
+    only the buffers it is given, so an eager step and a replay do the same)."""
 
     def __init__(self, step: Callable[[int], None], device: torch.device) -> None:
         self.step = step
+        self.device = device
         self.capture = device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.warm: set[int] = set()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.stream = torch.cuda.Stream(device) if self.capture else None  # the warm-ups' and captures' stream
 
     def __call__(self, width: int) -> None:
         if not self.capture:
             self.step(width)
             return
+        with torch.cuda.device(self.device):
+            self._on_device(width)
+
+    def _on_device(self, width: int) -> None:
         graph = self.graphs.get(width)
         if graph is not None:
             graph.replay()
             return
+        current = torch.cuda.current_stream(self.device)
         if width not in self.warm:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
                 self.step(width)
-            torch.cuda.current_stream().wait_stream(side)
+            current.wait_stream(self.stream)
             self.warm.add(width)
             return
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 self.step(width)
-        except RuntimeError as err:  # pragma: no cover - needs a CUDA device
-            warnings.warn(f"batched step capture failed ({err}); running the steps eagerly", stacklevel=2)
+        except RuntimeError as err:
+            torch.cuda.set_stream(current)
+            torch.cuda.synchronize(self.device)
+            warnings.warn(f"batched step capture failed ({err}); running the steps eagerly", stacklevel=3)
             self.capture = False
             self.step(width)
             return

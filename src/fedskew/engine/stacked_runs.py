@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedskew.client.local import batched_form
 from fedskew.engine.batched import train_batched
-from fedskew.engine.captured import capture_refusal
+from fedskew.engine.captured import PaddedCache, capture_refusal
 from fedskew.protocol import Params, Upload
 
 if TYPE_CHECKING:
@@ -117,16 +117,25 @@ def _captures(hosts: list[ClientHost]) -> bool:
     return not isinstance(form, str) and capture_refusal(form, hosts[0].model) is None
 
 
-def train_together(batch: dict[int, tuple[ClientHost, int, list[TrainJob]]]) -> dict[int, list[Upload]]:
+def train_together(
+    batch: dict[int, tuple[ClientHost, int, list[TrainJob]]], cache: PaddedCache | None = None
+) -> dict[int, list[Upload]]:
     """Every run's jobs of the round (``batch[r] = (host, round, jobs)``), trained as one batched step where the runs
-    share a round and send no broadcast, else per run; each run's uploads in its own order and numbering."""
+    share a round and send no broadcast, else per run; each run's uploads in its own order and numbering. ``cache``:
+    where steps at padded shapes (``capture_steps``) keep their buffers and CUDA graphs from one meeting to the next
+    (``None``: a new one each time)."""
+
+    def capture(hosts: list[ClientHost]) -> bool | PaddedCache:
+        return _captures(hosts) and (cache if cache is not None else True)
+
     out: dict[int, list[Upload]] = {}
     together: dict[int, list[int]] = {}  # round -> runs
     for r, (host, rnd, jobs) in batch.items():
         if not jobs:
             out[r] = []
         elif any(sent for _, _, sent in jobs):  # a broadcast of its own: this run's clients alone
-            out[r] = train_batched(host, rnd, [c for c, _, _ in jobs], {c: p for c, p, _ in jobs}, jobs[0][2])
+            received = {c: p for c, p, _ in jobs}
+            out[r] = train_batched(host, rnd, [c for c, _, _ in jobs], received, jobs[0][2], capture=capture([host]))
         else:
             together.setdefault(rnd, []).append(r)
     for rnd, runs in together.items():
@@ -137,7 +146,7 @@ def train_together(batch: dict[int, tuple[ClientHost, int, list[TrainJob]]]) -> 
             for cid, params, _ in batch[r][2]:
                 cids.append(stacked.offsets[i] + cid)
                 received[cids[-1]] = params
-        uploads = train_batched(stacked, rnd, cids, received, {}, capture=_captures([batch[r][0] for r in runs]))
+        uploads = train_batched(stacked, rnd, cids, received, {}, capture=capture([batch[r][0] for r in runs]))
         for i, r in enumerate(runs):
             start, n = stacked.offsets[i], len(batch[r][2])
             mine = [u for u in uploads if start <= u.cid < stacked.offsets[i + 1]]
@@ -155,6 +164,7 @@ class Rendezvous:
         self._waiting: dict[int, tuple[ClientHost, int, list[TrainJob]]] = {}
         self._done: dict[int, list[Upload] | BaseException] = {}
         self.meetings = 0  # the batched steps that trained more than one run's clients
+        self.cache = PaddedCache()  # the padded steps' buffers and graphs, replayed meeting after meeting
 
     def seat(self, r: int) -> _Seat:
         return _Seat(self, r)
@@ -181,7 +191,7 @@ class Rendezvous:
             return
         batch, self._waiting = self._waiting, {}
         try:
-            results: dict[int, Any] = train_together(batch)
+            results: dict[int, Any] = train_together(batch, self.cache)
             self.meetings += sum(len(b[2]) > 0 for b in batch.values()) > 1
         except BaseException as exc:  # every waiting run fails with it (each then leaves)
             results = dict.fromkeys(batch, exc)
