@@ -67,6 +67,9 @@ def test_refusals_name_what_cannot_be_padded():
     assert capture_refusal(rule, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) is None
     bn = build_model("lenet_bn", in_channels=1, image_size=8, num_classes=10)
     assert "BatchNorm" in (capture_refusal(rule, bn) or "")
+    stateless = build_model("mlp", in_channels=1, image_size=8, num_classes=10)  # BatchNorm without running stats
+    stateless.body = torch.nn.Sequential(*stateless.body, torch.nn.BatchNorm1d(200, track_running_stats=False))
+    assert "BatchNorm layers" in (capture_refusal(rule, stateless) or "")
     res = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
     assert "no stacked form" in (capture_refusal(rule, res) or "")
     term = BatchedStep(term=lambda ctx: None)

@@ -53,6 +53,8 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
         return f"the model has no stacked form ({why})"
     if any(True for _ in model.buffers()):
         return "the model has buffers (BatchNorm statistics would be computed over padded batches)"
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # no running statistics kept
+        return "the model has BatchNorm layers (their batch statistics would include the padding)"
     if rule.has_term:
         return "the client part's loss term (frozen models, generated inputs or collected class sums) is not masked"
     return None
