@@ -3,8 +3,8 @@
 # run benchmarks/gpu_suite.py within a budget, and leave its results in $OUT (at most 8 files come back).
 #
 #   here:   python tools/device_bundle.py --data ../shared/data/mnist     # once: .devicepkgs/ (about 50 MiB)
-#   device: run(command="bash tools/device_run.sh --only env,vs-flower", carry=[".devicepkgs", "runs/gpu-suite"],
-#               timeout_s=560)
+#   device: run(command="BUDGET=500 bash tools/device_run.sh --only env,vs-flower", timeout_s=570,
+#               carry=[".devicepkgs", "runs/gpu-suite"])      # the first call's pieces: docs/design.md
 #   here:   mkdir -p runs && tar xzf <files_at>/gpu-suite.tgz -C runs   # (as gpu-suite/) to resume in a later call
 #   a call that runs no peer (reproduce-*, runs-per-gpu, ...) carries the core alone and more data:
 #   here:   python tools/device_bundle.py --extras "" --data ../shared/data/mnist --data ../shared/data/fashion-mnist \
