@@ -22,7 +22,8 @@ from torch import nn
 
 
 def macs_per_sample(model: nn.Module, x: torch.Tensor) -> int:
-    """Multiply-adds of one forward pass per sample: every Conv2d and Linear layer, counted from its output."""
+    """Multiply-adds of one forward pass per sample: every Conv2d and Linear layer, counted from its output (``x``
+    is moved to the model's device: a run's data may sit on the GPU while the counting model is built on the CPU)."""
     total = 0
 
     def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -34,8 +35,9 @@ def macs_per_sample(model: nn.Module, x: torch.Tensor) -> int:
             total += out[0].numel() * mod.in_features
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d | nn.Linear)]
+    device = next(model.parameters()).device
     with torch.no_grad():
-        model(x[:1])
+        model(x[:1].to(device))
     for h in handles:
         h.remove()
     return total
@@ -67,7 +69,8 @@ def run_arithmetic(run_dir: str | Path) -> dict[str, float]:
     from fedskew.engine.loop import resolve_model_name
     from fedskew.models import build_model
 
-    cfg = make_config(load_yaml(Path(run_dir) / "config.yaml"), {"db": None})
+    # counted on the CPU whatever device the run trained on (its data need not be loaded onto a GPU to be counted)
+    cfg = make_config(load_yaml(Path(run_dir) / "config.yaml"), {"db": None, "device": "cpu"})
     data = build_federated(cfg)
     name = resolve_model_name(cfg, data)
     model = build_model(name, in_channels=data.in_channels, image_size=data.image_size, num_classes=data.num_classes)

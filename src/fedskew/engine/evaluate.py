@@ -97,19 +97,21 @@ def batch_scores(
 
 def accumulate(batches: list[tuple[Tensor, Tensor]], owner: Tensor, num_owners: int) -> ClientScores:
     """Correct predictions and summed loss per owner from a whole pass's :func:`batch_scores`, added in sample
-    order."""
-    correct = torch.zeros(num_owners, dtype=torch.float64, device=owner.device)
-    loss_sum = torch.zeros(num_owners, dtype=torch.float64, device=owner.device)
+    order: on the CPU, whatever device scored them (CUDA's ``index_add_`` adds with atomics, in no fixed order, so two
+    identical runs' summed losses could differ in their last bits; the per-sample vectors are small)."""
+    owner = owner.cpu()
+    correct = torch.zeros(num_owners, dtype=torch.float64)
+    loss_sum = torch.zeros(num_owners, dtype=torch.float64)
     i = 0
     for hits, losses in batches:
         ob = owner[i : i + hits.shape[0]]
-        correct.index_add_(0, ob, hits.to(owner.device))
-        loss_sum.index_add_(0, ob, losses.to(owner.device))
+        correct.index_add_(0, ob, hits.cpu())
+        loss_sum.index_add_(0, ob, losses.cpu())
         i += hits.shape[0]
     if i != owner.shape[0]:
         raise ValueError(f"scores for {i} samples, owners for {owner.shape[0]}")
     count = torch.bincount(owner, minlength=num_owners).double()
-    return ClientScores(correct.cpu().numpy(), loss_sum.cpu().numpy(), count.cpu().numpy())
+    return ClientScores(correct.numpy(), loss_sum.numpy(), count.numpy())
 
 
 def predict_scores(
