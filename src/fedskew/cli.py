@@ -1,11 +1,10 @@
-"""``fedskew`` command line: run | methods | report. Thin: parse, validate, call, print."""
+"""``fedskew`` command line: ``run`` (the main job) here, the other subcommands in :mod:`fedskew.commands`. Thin: parse,
+validate, call, print."""
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -75,82 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue an unfinished run from its checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    me = sub.add_parser("methods", help="list the available methods and building blocks")
-    me.add_argument(
-        "names",
-        nargs="*",
-        metavar="NAME",
-        help="a method, plug-in or composition (fedprox+disco): its paper, summary, hyper-parameters with their "
-        "defaults and tunable ranges, and whether it can run under DP",
-    )
-    me.add_argument(
-        "--compositions",
-        action="store_true",
-        help="also list every valid two-part composition and every refused one with its reason (long)",
-    )
-
-    sk = sub.add_parser("skew", help="plot parameter skew of a run: client values vs aggregates, H/M over rounds")
-    sk.add_argument("run_dir", help="a run directory (with skew.jsonl)")
-    sk.add_argument("--layer", action="append", default=None, help="parameter name, repeatable (default: first 4)")
-    sk.add_argument("--round", type=int, default=None, help="probed round to show (default: last)")
-    sk.add_argument("--positions", type=int, default=2, help="positions shown per layer")
-    sk.add_argument("--out", default=None, help="PNG path (default RUN_DIR/skew.png)")
-
-    db = sub.add_parser("db", help="results database maintenance")
-    db_sub = db.add_subparsers(dest="db_command", required=True)
-    imp = db_sub.add_parser("import", help="record ended run directories in the database (idempotent)")
-    imp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    imp.add_argument("--db", default="runs/fedskew.db")
-
-    rep = sub.add_parser(
-        "report",
-        help="table of experiments (whole config but the seed), mean ± std over distinct seeds",
-        description="One row per experiment (the whole resolved configuration except the seed); the settings that "
-        "differ between rows are columns, the shared ones are listed once. Each seed counts once (its latest run). "
-        "Every row is compared paired (seed by seed) with its reference row of the same setting: the mean "
-        "difference with its 95%% interval (paired t; bootstrap from 10 common seeds), * when it excludes 0, and "
-        "the smallest difference the seeds could detect under each column.",
-    )
-    rep.add_argument("--db", default="runs/fedskew.db", help="SQLite results database (default runs/fedskew.db)")
-    rep.add_argument(
-        "--metric",
-        action="append",
-        default=None,
-        help="metric(s), repeatable or comma-separated (default global_acc): global_local_acc, personal_acc, "
-        "domain_acc_avg, domain_acc/<name>, ...",
-    )
-    rep.add_argument("--format", choices=("markdown", "csv", "latex"), default="markdown", help="default markdown")
-    rep.add_argument(
-        "--last-n",
-        type=int,
-        default=None,
-        metavar="N",
-        help="recompute the last-N mean from the stored round records (default: each run's summary, its --last-n)",
-    )
-    rep.add_argument(
-        "--plot",
-        metavar="DIR",
-        default=None,
-        help="also write figures to DIR: accuracy vs round per setting (mean ± std over seeds, one curve per row), "
-        "the paired difference of each row against its reference with its 95%% interval, and, for domain skew, "
-        "a per-domain table (methods x domains, AVG, STD); each PNG with a JSON of its numbers",
-    )
-    rep.add_argument(
-        "--against",
-        metavar="ROW",
-        default=None,
-        help="the reference row of the paired differences: a row's method as shown in the table (e.g. "
-        "'fedavg (weights=uniform)') or a method (e.g. fedprox); default: FedAvg with its default arguments, and "
-        "the host for a host+plug-in row (fedprox+heal against fedprox), within each setting",
-    )
-    rep.add_argument(
-        "--seeds-needed",
-        type=float,
-        default=None,
-        metavar="D",
-        help="add, per row, how many seeds a paired t-test (two-sided, alpha 0.05, power 0.8; exact, noncentral t) "
-        "would need to resolve a difference of D points against its reference, from the paired std of its runs",
-    )
     for module in _command_modules():
         module.add_parsers(sub)
     return p
@@ -158,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # subcommands defined next to what they drive: each module has add_parsers(sub) and HANDLERS (name -> handler)
 COMMAND_MODULES = (
+    "fedskew.commands.methods",
+    "fedskew.commands.results",
     "fedskew.commands.partition",
     "fedskew.commands.sweep",
     "fedskew.commands.tune",
@@ -320,153 +245,6 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     )
 
 
-def _one_line(text: str, cols: int) -> str:
-    """``text`` cut at a word to fit ``cols`` columns, ending in " …" when cut."""
-    if len(text) <= cols:
-        return text
-    cut = text[: cols - 2]
-    return (cut[: cut.rfind(" ")] if " " in cut.strip() else cut).rstrip(" ,;(") + " …"
-
-
-def cmd_methods(args: argparse.Namespace) -> int:
-    if args.names:
-        from fedskew.method_detail import describe
-
-        cols = max(60, shutil.get_terminal_size((100, 24)).columns)
-        try:
-            print("\n\n".join(describe(name, cols) for name in args.names))
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    from fedskew.method_index import method_index
-
-    index = method_index()  # without importing the methods (fedskew/method_index.py)
-    rows, valid, refused = index["rows"], index["valid"], index["refused"]
-    name_width = max(len(r[0]) for r in rows)
-    # every line fits the terminal (piped: 100 columns); a summary wraps under its own column
-    cols = max(60, shutil.get_terminal_size((100, 24)).columns)
-
-    def fill(text: str, first: str = "", rest: str = "") -> str:
-        return textwrap.fill(text, cols, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
-
-    print(fill("Methods compose as CLIENT[+PLUGIN...]; a name without a client part uses fedavg's local SGD."))
-    print(fill("Hyper-parameters: -m KEY=VALUE (see docs/methods.md).") + "\n")
-    kinds: dict[str, list[tuple[str, str]]] = {}  # the parts by kind, in the registry's order
-    for name, kind, summary in rows:
-        kinds.setdefault(kind, []).append((name, summary))
-    for kind, parts in kinds.items():
-        print(f"{kind}:")
-        for name, summary in parts:  # one line each, cut to the terminal: `fedskew methods NAME` has the rest
-            print(_one_line(f"  {name:<{name_width}}  {summary}", cols))
-    print(fill("The details of one (paper, hyper-parameters, defaults, DP): fedskew methods NAME [NAME ...]"))
-    if args.compositions:
-        print("\nvalid compositions:")
-        print(fill(", ".join(valid), "  ", "  "))
-        print("refused:")
-        for line in refused:
-            print(fill(line, "  ", "    "))
-        private = index.get("private", [])
-        print()
-        print(fill(f"can run under user-level differential privacy (--dp-clip; docs/privacy.md), {len(private)}:"))
-        print(fill(", ".join(private), "  ", "  "))
-    else:
-        print()
-        print(
-            fill(
-                f"{len(valid)} valid compositions of a client part and a plug-in (or two plug-ins), {len(refused)} "
-                f"refused with a reason; {len(index.get('private', []))} of the valid ones can run under --dp-clip: "
-                "`fedskew methods --compositions` lists them"
-            )
-        )
-    # the Flower apps run any composition with the simulator's own objects (docs/flower.md)
-    import importlib.util
-
-    extra = "" if importlib.util.find_spec("flwr") else ' (install the extra: pip install -e ".[flower]")'
-    print()
-    print(
-        fill(
-            f"on Flower (`fedskew flower`{extra}): every valid composition, with the simulator's metrics; "
-            "`fedskew flower check [METHOD ...]` compares them"
-        )
-    )
-    return 0
-
-
-def cmd_skew(args: argparse.Namespace) -> int:
-    from fedskew.results.plots import skew_figure
-
-    run_dir = Path(args.run_dir)
-    out = Path(args.out) if args.out else run_dir / "skew.png"
-    try:
-        summary = skew_figure(run_dir, out, args.layer, args.round, args.positions)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"round {summary['round']}: share of high-dispersion positions (H/M) per layer")
-    for name, info in summary["layers"].items():
-        print(f"  {name:<40} M={info['M']:>9}  H/M={info['high_frac']:.2e}")
-    print(f"figure: {out}")
-    return 0
-
-
-def cmd_db(args: argparse.Namespace) -> int:
-    from fedskew.recorder import record_in_db
-
-    for run_dir in args.run_dirs:
-        added = record_in_db(args.db, run_dir)
-        print(f"{run_dir}: {'recorded in' if added else 'already in'} {args.db}")
-    return 0
-
-
-def _footer(v: tuple[float, float, int] | None) -> str:
-    return "-" if v is None else f"{v[0]:.2f} (n={v[2]}, pooled paired sd {v[1]:.2f})"
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from fedskew.results.report import ReportError, report_from_db
-    from fedskew.results.store import ResultsDB
-
-    if not Path(args.db).is_file():
-        print(f"error: no results database at {args.db}", file=sys.stderr)
-        return 2
-    if args.last_n is not None and args.last_n < 1:
-        print(f"error: --last-n must be a positive number of rounds, got {args.last_n}", file=sys.stderr)
-        return 2
-    if args.seeds_needed is not None and not args.seeds_needed > 0:
-        print(
-            f"error: --seeds-needed must be a positive difference in points, got {args.seeds_needed}", file=sys.stderr
-        )
-        return 2
-    metrics = [m.strip() for item in (args.metric or ["global_acc"]) for m in item.split(",") if m.strip()]
-    with ResultsDB(args.db, read_only=True) as db:  # a report only reads: no schema change, read-only storage fine
-        try:
-            rep = report_from_db(db, metrics, last_n=args.last_n, against=args.against, seeds_needed=args.seeds_needed)
-            if args.plot:
-                from fedskew.results.plots import report_figures
-
-                figures = report_figures(db, args.plot, metrics, last_n=args.last_n, against=args.against)
-        except ReportError as exc:  # --against naming no row
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    print(rep.render(args.format))
-    if args.format == "csv" and rep.rows:  # the CSV holds the table only; what it shares goes to stderr
-        print(f"settings common to every row: {'; '.join(rep.common) or '-'}", file=sys.stderr)
-        for note in rep.notes:
-            print(f"note: {note}", file=sys.stderr)
-        if rep.footer is not None:  # the table's last line: each column's detectable difference
-            shown = [
-                f"{c}: {_footer(v)}" for c, v, k in zip(rep.columns, rep.footer, rep.kinds, strict=True) if k == "delta"
-            ]
-            print(f"note: {rep.footer[0]}: {'; '.join(shown)}", file=sys.stderr)
-    if args.plot:  # on stderr: stdout stays the table (`--format csv > t.csv`)
-        print(f"{len(figures)} figure(s) in {args.plot}/ (each with a .json of its numbers):", file=sys.stderr)
-        for fig in figures:
-            print(f"  {fig.path}", file=sys.stderr)
-    sys.stdout.flush()  # a closed pipe (`fedskew report | head`) shows here, inside main's handler
-    return 0
-
-
 # the errors a command reports in one line (exit 2; a database write after the compute: exit 4), by module: a module
 # that was never imported raised none of them, so they are looked up only in the modules loaded (a command that
 # needs no torch, e.g. `fedskew methods`, does not import fedskew.protocol to name its UploadError)
@@ -508,10 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(["run", *(argv or [])])
     handlers = {
         "run": cmd_run,
-        "methods": cmd_methods,
-        "report": cmd_report,
-        "skew": cmd_skew,
-        "db": cmd_db,
     }
     for module in _command_modules():
         handlers.update(module.HANDLERS)
