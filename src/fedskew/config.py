@@ -374,86 +374,10 @@ class RunConfig(StrictSettings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
-        from fedskew.client.local import unwrapped
-        from fedskew.data.partition.registry import BUILTIN, PartitionError, check_partition_params
-        from fedskew.methods import resolve_method
+        """The checks between settings (fedskew.config_checks), after each value was validated alone."""
+        from fedskew.config_checks import check_run
 
-        if self.partition in BUILTIN or self.partition in ("domain", "given", "natural"):
-            if self.partition_args:
-                raise ValueError(
-                    f"partition {self.partition!r} takes its parameters from its own settings (alpha, "
-                    f"classes_per_client, ...); partition_args is for a registered scheme, got {self.partition_args}"
-                )
-        else:
-            try:
-                check_partition_params(self.partition, self.partition_args)
-            except PartitionError as exc:
-                raise ValueError(str(exc)) from None
-
-        if (self.partition == "domain" and self.dataset not in DOMAIN_DATASETS) or (
-            self.partition != "domain" and self.dataset in DOMAIN_ONLY
-        ):
-            raise ValueError(
-                f"partition 'domain' goes with a multi-domain dataset ({', '.join(DOMAIN_DATASETS)}), and "
-                f"{', '.join(DOMAIN_ONLY)} with partition 'domain' only; got dataset {self.dataset!r} with partition "
-                f"{self.partition!r}"
-            )
-        _check_dataset(self)
-        if self.evaluate_on == "validation" and not self.validation:
-            raise ValueError(
-                "evaluate_on 'validation' scores the clients' validation splits: set validation to a share in (0, 1) "
-                "(e.g. 0.2)"
-            )
-        from fedskew.data.protocols import PROTOCOLS
-
-        if self.validation_select and (not self.validation or self.evaluate_on != "test"):
-            raise ValueError(
-                "validation_select chooses a round on the clients' validation splits and reports the test data: set "
-                "validation to a share in (0, 1) (e.g. 0.1) and keep evaluate_on test"
-            )
-        if self.heldout_clients >= self.clients:
-            raise ValueError(
-                f"heldout_clients={self.heldout_clients} must leave clients that train (clients={self.clients})"
-            )
-        refused = PROTOCOLS[self.protocol].refuse(self.partition, self.imbalance_ratio, self.feature_noise)
-        if refused is not None:
-            raise ValueError(refused)
-        # the name and its hyper-parameters are validated together: a composition may need an argument to be valid
-        # (fedsa+disco needs low_weighting=samples)
-        method = resolve_method(self.method, self.method_args)
-        dp_keys = ("dp_noise", "dp_epsilon", "dp_weight_cap", "dp_clip_quantile", "dp_count_noise", "dp_report_noise")
-        if self.dp_extras_scale != 1.0 and self.dp_clip is None:
-            raise ValueError("dp_extras_scale needs dp_clip (differential privacy is on when dp_clip is set)")
-        dp_set = [k for k in dp_keys if getattr(self, k) is not None]
-        if dp_set and self.dp_clip is None:
-            raise ValueError(f"{', '.join(dp_set)} need dp_clip (differential privacy is on when dp_clip is set)")
-        if self.dp_clip is not None:
-            if self.dp_noise is None and self.dp_epsilon is None:
-                raise ValueError("differential privacy needs dp_noise (the noise multiplier) or dp_epsilon (a target)")
-            if self.batched_clients:
-                raise ValueError("differential privacy clips each client's update: batched_clients is not supported")
-        if self.capture_steps and not self.batched_clients:
-            raise ValueError("capture_steps shapes the batched step: it needs batched_clients")
-        if self.aggregation == "disk" and self.device.split(":")[0] != "cpu":
-            raise ValueError(f"aggregation disk maps the uploads from files on the CPU; device is {self.device!r}")
-        if self.aggregation == "streaming":
-            from fedskew.server.streaming import stream_refusal
-
-            why = stream_refusal(method) or (
-                "user-level DP noises the stacked sum (aggregation streaming is not built for it)"
-                if self.dp_clip is not None
-                else "the skew probes read every upload: set skew_probes 0"
-                if self.skew_probes
-                else None
-            )
-            if why is not None:
-                raise ValueError(f"aggregation streaming: method {self.method!r}: {why}")
-        if getattr(method.client, "needs_validation", False) and not self.validation:
-            part = type(unwrapped(method.client)).__name__
-            raise ValueError(
-                f"method {self.method!r} scores each client's validation split (its client part {part}, or a "
-                "wrapper such as AFL's loss=after): set validation to a share of the training split (e.g. 0.2)"
-            )
+        check_run(self)
         return self
 
     def identity(self) -> dict[str, Any]:
@@ -463,7 +387,9 @@ class RunConfig(StrictSettings):
         for key, default in ADDED_AT_DEFAULT.items():
             if ident.get(key) == default:
                 del ident[key]
-        if _reads_data_dir(self.dataset):
+        from fedskew.config_checks import reads_data_dir
+
+        if reads_data_dir(self.dataset):
             ident["data_dir"] = self.data_dir
         return ident
 
@@ -478,45 +404,6 @@ class RunConfig(StrictSettings):
     def round_settings(self) -> RoundSettings:
         """What the server side of a round reads of this run (:class:`fedskew.engine.round_server.RoundServer`)."""
         return RoundSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RoundSettings)})
-
-
-def _reads_data_dir(dataset: str) -> bool:
-    """Whether ``dataset`` is read from ``data_dir`` itself (``folder``, ``npz``, plug-ins declaring it)."""
-    from fedskew.data.readers import find_spec
-
-    spec = find_spec(dataset)
-    return spec is not None and spec.needs_data_dir
-
-
-def _check_dataset(cfg: RunConfig) -> None:
-    """What the dataset's reader needs and allows (fedskew.data.readers registry): a data_dir for the datasets that
-    are their folder, ``resize`` only where the reader takes it, ``partition given`` only for a reader of per-client
-    files, and no re-sampling of given clients. Unknown names are left to the reader, which lists the choices."""
-    from fedskew.data.readers import find_spec
-
-    spec = find_spec(cfg.dataset)
-    if spec is not None and spec.needs_data_dir and not cfg.data_dir:
-        raise ValueError(
-            f"dataset {cfg.dataset!r} reads the folder given as data_dir (--data-dir DIR): {spec.expected}"
-        )
-    if cfg.resize is not None and (spec is None or "resize" not in spec.options):
-        raise ValueError(f"resize applies to image-folder datasets (folder), not to dataset {cfg.dataset!r}")
-    unknown = sorted(set(cfg.dataset_args) - set(spec.options if spec is not None else ()))
-    if unknown and spec is not None:
-        takes = ", ".join(spec.options) or "none"
-        raise ValueError(f"dataset {cfg.dataset!r} does not take option(s) {unknown} (-D); its options: {takes}")
-    if cfg.partition in ("given", "natural"):
-        if spec is not None and not spec.per_client:  # unknown names: user data given through fedskew.api
-            raise ValueError(
-                f"partition {cfg.partition!r} uses the clients of per-client data (dataset npz with train/0.npz, "
-                f"LEAF's femnist, shakespeare, sent140, ...); dataset {cfg.dataset!r} has none: choose a partition "
-                "such as dir or iid"
-            )
-        if cfg.imbalance_ratio is not None:
-            raise ValueError(
-                f"partition {cfg.partition!r} keeps the clients' data as given: imbalance_ratio must be unset, got "
-                f"{cfg.imbalance_ratio!r}"
-            )
 
 
 def _format_validation_error(exc: ValidationError) -> str:
