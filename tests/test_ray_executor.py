@@ -29,7 +29,8 @@ import pytest
 from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
 from fedskew.protocol import TIMING_KEYS
-from fedskew.sweep.ray import INSTALL_HINT, check_ray, config_text, import_ray, read_run_files, write_run_files
+from fedskew.sweep.ray import INSTALL_HINT, check_ray, import_ray
+from fedskew.sweep.ray_task import config_text, read_run_files, write_run_files
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 IP = "127.0.0.2"
