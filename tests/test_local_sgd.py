@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.client.local import LocalSGD
+from fedskew.client.sgd import LocalSGD
 
 
 def _model(seed: int) -> nn.Module:
@@ -62,7 +62,7 @@ def test_local_sgd_chooses_the_path_torch_sgd_would() -> None:
 
 
 def test_mean_step_loss_equals_a_running_float64_sum() -> None:
-    from fedskew.client.local import mean_step_loss
+    from fedskew.client.sgd import mean_step_loss
 
     g = torch.Generator().manual_seed(3)
     losses = [torch.rand((), generator=g) * 3 for _ in range(257)]
