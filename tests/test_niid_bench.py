@@ -330,7 +330,8 @@ def test_each_table_reads_the_runs_with_its_own_statistic() -> None:
     """The leaderboard's cells are the final round's accuracy and Flower's the best round's, from the same runs;
     the verdict compares like with like."""
     from fedskew.reproduce import load_paper, make_plan
-    from fedskew.reproduce.table import build_tables, render_markdown, verdict
+    from fedskew.reproduce.render import render_markdown
+    from fedskew.reproduce.table import build_tables, verdict
 
     paper = load_paper("niid-bench")
     flower = next(t for t in paper.tables if t.id == "flower")

@@ -26,7 +26,8 @@ from typing import Any
 
 from fedskew.reproduce.papers import SCALES, Paper, load_paper, paper_names
 from fedskew.reproduce.plan import Plan, make_plan
-from fedskew.reproduce.table import BuiltTable, build_tables, compute_table, render_markdown, tables_json
+from fedskew.reproduce.render import compute_table, render_markdown, tables_json
+from fedskew.reproduce.table import BuiltTable, build_tables
 from fedskew.sweep.core import (
     Event,
     PlannedRun,
