@@ -38,7 +38,7 @@ the branch. The sequential loop started from its input moved by one ulp differs 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.batched_form import BatchedStep, ClassSums, FrozenTermFn, GeneratedTerm, HeadTermFn
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
+from fedskew.engine.batched_rows import Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import Flat, batchable, clip_rows, pull_rows
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
@@ -147,77 +148,6 @@ def cid_in_run(host: ClientHost, cid: int) -> int:
     return int(local(cid)) if local is not None else cid
 
 
-@dataclass
-class _Stack:
-    """The per-client tensors of the clients still training, one row each; ``live[r]`` is row r's client (its
-    position in the group). Clients that have taken all their steps are retired (their rows kept in ``done``), so
-    the steps where every live client shares a batch size, most of them, update the stack in place."""
-
-    live: np.ndarray
-    params: Tensor  # [R, D] trainable parameters
-    extra: dict[str, Tensor]  # [R, ...] buffers (BatchNorm statistics) and frozen parameters
-    loss: Tensor  # [R] float64 sum of batch loss x batch size, as local_train sums it
-    buf: Tensor | None = None  # [R, D] SGD momentum buffers
-    anchor: Tensor | None = None  # [R, D] received parameters (FedProx's proximal term)
-    shift: Tensor | None = None  # [R, D] SCAFFOLD's c - c_i (FedDC's c/ω_i - c_i)
-    pull_alpha: Tensor | None = None  # [R] α_k of a pull after the backward pass (FedDyn, FedDC)
-    pull_anchor: Tensor | None = None  # [R, D] its anchor
-    pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
-    term_mask: Tensor | None = None  # [R] 1 where the frozen-model term applies (MOON), None: everywhere
-    frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
-    done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
-
-    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "term_mask")
-
-    def retire(self, keep: np.ndarray, sel: Tensor) -> None:
-        """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
-        go to ``done`` (their loss as a 0-d tensor: no device sync per client)."""
-        for r in np.nonzero(~keep)[0]:
-            row = {k: v[r].clone() for k, v in self.extra.items()}
-            self.done[int(self.live[r])] = (self.params[r].clone(), row, self.loss[r].clone())
-        for name in self._ROWS:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value[sel])
-        self.extra = {k: v[sel] for k, v in self.extra.items()}
-        self.frozen_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.frozen_models.items()}
-        self.live = self.live[keep]
-
-
-@dataclass
-class _PhasePlan:
-    """One phase of every client's local training (``LocalAlgorithm.phases``): the same name, epochs, trained
-    parameters and ``keep`` for all of them; each client's own start (``None``: continue from where it is)."""
-
-    name: str
-    epochs: int
-    trains: list[str]
-    keep: str | None
-    lr: float | None
-    starts: list[Params | None]
-
-
-def _phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: list[str]) -> list[_PhasePlan]:
-    """The clients' phases, which must agree in everything but their starts (else ``ValueError``, naming both)."""
-    plans: list[_PhasePlan] = []
-    per_client = [algo.phases(ctx) for ctx in contexts]
-    for k, phases in enumerate(per_client):
-        shape = [
-            (ph.name, ph.epochs, [n for n in trainable if ph.trains is None or ph.trains(n)], ph.keep, ph.lr)
-            for ph in phases
-        ]
-        if k == 0:
-            plans = [_PhasePlan(name, ep, tr, keep, lr, []) for name, ep, tr, keep, lr in shape]
-        elif shape != [(p.name, p.epochs, p.trains, p.keep, p.lr) for p in plans]:
-            raise ValueError(
-                f"batched clients need the same phases on every client: client {contexts[k].cid} has "
-                f"{[(n, e) for n, e, *_ in shape]}, client {contexts[0].cid} {[(p.name, p.epochs) for p in plans]}"
-            )
-        for plan, ph in zip(plans, phases, strict=True):
-            plan.starts.append(ph.start)
-    return plans
-
-
 def _train_group(
     sim: ClientHost,
     rnd: int,
@@ -280,7 +210,7 @@ def _train_group(
     seen = np.zeros(k_all, dtype=np.int64)
     steps = np.zeros(k_all, dtype=np.int64)
     generated = rule.generated(contexts[0]) if rule.generated is not None else None
-    for phase in _phase_plans(algo, contexts, trainable):
+    for phase in phase_plans(algo, contexts, trainable):
         for ctx in contexts:
             ctx.phase = phase.name
         starts = [st if st is not None else states[k] for k, st in enumerate(phase.starts)]
@@ -326,33 +256,6 @@ def _train_group(
     return updates
 
 
-class _Collect:
-    """FedProto's and FedProc's ``collect`` on stacked clients: from each client's ``collect_from`` step (its last
-    epoch) on, the per-class float64 sums and counts of its body's outputs; handed over to where each client's
-    ``end`` reads them (its :class:`~fedskew.client.batched_form.ClassSums`), as the sequential loop leaves them."""
-
-    def __init__(self, targets: list[ClassSums], num_classes: int, device: torch.device) -> None:
-        self.targets = targets
-        self.start = torch.tensor([t.collect_from for t in targets], device=device)
-        self.num_classes = num_classes
-        self.sums: Tensor | None = None
-        self.counts = torch.zeros((len(targets), self.num_classes), dtype=torch.float64, device=device)
-
-    def add(self, t: int, members: Tensor, feats: Tensor, y: Tensor) -> None:
-        if self.sums is None:
-            shape = (self.counts.shape[0], self.num_classes, feats.shape[-1])
-            self.sums = torch.zeros(shape, dtype=torch.float64, device=feats.device)
-        on = (self.start[members] <= t).to(torch.float64)  # [R]: which of these clients are in their last epoch
-        onehot = F.one_hot(y, self.num_classes).to(torch.float64) * on.view(-1, 1, 1)  # [R, B, C]
-        self.sums.index_add_(0, members, torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64)))
-        self.counts.index_add_(0, members, onehot.sum(1))
-
-    def hand_over(self) -> None:
-        for k, target in enumerate(self.targets):
-            target.sums = None if self.sums is None else self.sums[k]
-            target.counts = None if self.sums is None else self.counts[k]
-
-
 def _run_phase(
     sim: ClientHost,
     rule: BatchedStep,
@@ -360,7 +263,7 @@ def _run_phase(
     cids: list[int],
     received: dict[int, Params],
     starts: list[Params],
-    phase: _PhasePlan,
+    phase: PhasePlan,
     sched: Schedule,
     x_all: Tensor,
     y_all: Tensor,
@@ -382,7 +285,7 @@ def _run_phase(
     with torch.no_grad():
         params = flat.stack([[st[n] for n in names] for st in starts]).to(device)
         extra = {k: torch.stack([st[k] for st in starts]).to(device) for k in others}
-        stack = _Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
+        stack = Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
         stack.buf = torch.zeros_like(params) if s.momentum != 0 else None  # a new optimizer per phase
         stack.anchor = flat.stack([[received[c][n] for n in names] for c in cids]).to(device) if mu != 0 else None
         alpha = 0.0
@@ -436,7 +339,7 @@ def _run_phase(
         return states, losses
     step = _step_function(model, names, mu, term, generated.term if generated is not None else None)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
-    collect = _Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
+    collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 
     plan, index = plan_steps(sched, device)
     for t, step_plan in enumerate(plan):

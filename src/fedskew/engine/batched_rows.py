@@ -1,0 +1,114 @@
+"""What the batched clients carry through a phase (:mod:`fedskew.engine.batched`): :class:`Stack`, one row per
+client still training (its parameters, buffers, loss sum, optimizer and term tensors); :class:`PhasePlan`, one phase
+all clients share; :class:`Collect`, the per-class feature sums FedProto and FedProc read, gathered on the rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fedskew.client.batched_form import ClassSums
+from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.protocol import Params
+
+
+@dataclass
+class Stack:
+    """The per-client tensors of the clients still training, one row each; ``live[r]`` is row r's client (its
+    position in the group). Clients that have taken all their steps are retired (their rows kept in ``done``), so
+    the steps where every live client shares a batch size, most of them, update the stack in place."""
+
+    live: np.ndarray
+    params: Tensor  # [R, D] trainable parameters
+    extra: dict[str, Tensor]  # [R, ...] buffers (BatchNorm statistics) and frozen parameters
+    loss: Tensor  # [R] float64 sum of batch loss x batch size, as local_train sums it
+    buf: Tensor | None = None  # [R, D] SGD momentum buffers
+    anchor: Tensor | None = None  # [R, D] received parameters (FedProx's proximal term)
+    shift: Tensor | None = None  # [R, D] SCAFFOLD's c - c_i (FedDC's c/ω_i - c_i)
+    pull_alpha: Tensor | None = None  # [R] α_k of a pull after the backward pass (FedDyn, FedDC)
+    pull_anchor: Tensor | None = None  # [R, D] its anchor
+    pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
+    term_mask: Tensor | None = None  # [R] 1 where the frozen-model term applies (MOON), None: everywhere
+    frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
+    done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
+
+    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "term_mask")
+
+    def retire(self, keep: np.ndarray, sel: Tensor) -> None:
+        """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows
+        go to ``done`` (their loss as a 0-d tensor: no device sync per client)."""
+        for r in np.nonzero(~keep)[0]:
+            row = {k: v[r].clone() for k, v in self.extra.items()}
+            self.done[int(self.live[r])] = (self.params[r].clone(), row, self.loss[r].clone())
+        for name in self._ROWS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[sel])
+        self.extra = {k: v[sel] for k, v in self.extra.items()}
+        self.frozen_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.frozen_models.items()}
+        self.live = self.live[keep]
+
+
+@dataclass
+class PhasePlan:
+    """One phase of every client's local training (``LocalAlgorithm.phases``): the same name, epochs, trained
+    parameters and ``keep`` for all of them; each client's own start (``None``: continue from where it is)."""
+
+    name: str
+    epochs: int
+    trains: list[str]
+    keep: str | None
+    lr: float | None
+    starts: list[Params | None]
+
+
+def phase_plans(algo: LocalAlgorithm, contexts: list[LocalContext], trainable: list[str]) -> list[PhasePlan]:
+    """The clients' phases, which must agree in everything but their starts (else ``ValueError``, naming both)."""
+    plans: list[PhasePlan] = []
+    per_client = [algo.phases(ctx) for ctx in contexts]
+    for k, phases in enumerate(per_client):
+        shape = [
+            (ph.name, ph.epochs, [n for n in trainable if ph.trains is None or ph.trains(n)], ph.keep, ph.lr)
+            for ph in phases
+        ]
+        if k == 0:
+            plans = [PhasePlan(name, ep, tr, keep, lr, []) for name, ep, tr, keep, lr in shape]
+        elif shape != [(p.name, p.epochs, p.trains, p.keep, p.lr) for p in plans]:
+            raise ValueError(
+                f"batched clients need the same phases on every client: client {contexts[k].cid} has "
+                f"{[(n, e) for n, e, *_ in shape]}, client {contexts[0].cid} {[(p.name, p.epochs) for p in plans]}"
+            )
+        for plan, ph in zip(plans, phases, strict=True):
+            plan.starts.append(ph.start)
+    return plans
+
+
+class Collect:
+    """FedProto's and FedProc's ``collect`` on stacked clients: from each client's ``collect_from`` step (its last
+    epoch) on, the per-class float64 sums and counts of its body's outputs; handed over to where each client's
+    ``end`` reads them (its :class:`~fedskew.client.batched_form.ClassSums`), as the sequential loop leaves them."""
+
+    def __init__(self, targets: list[ClassSums], num_classes: int, device: torch.device) -> None:
+        self.targets = targets
+        self.start = torch.tensor([t.collect_from for t in targets], device=device)
+        self.num_classes = num_classes
+        self.sums: Tensor | None = None
+        self.counts = torch.zeros((len(targets), self.num_classes), dtype=torch.float64, device=device)
+
+    def add(self, t: int, members: Tensor, feats: Tensor, y: Tensor) -> None:
+        if self.sums is None:
+            shape = (self.counts.shape[0], self.num_classes, feats.shape[-1])
+            self.sums = torch.zeros(shape, dtype=torch.float64, device=feats.device)
+        on = (self.start[members] <= t).to(torch.float64)  # [R]: which of these clients are in their last epoch
+        onehot = F.one_hot(y, self.num_classes).to(torch.float64) * on.view(-1, 1, 1)  # [R, B, C]
+        self.sums.index_add_(0, members, torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64)))
+        self.counts.index_add_(0, members, onehot.sum(1))
+
+    def hand_over(self) -> None:
+        for k, target in enumerate(self.targets):
+            target.sums = None if self.sums is None else self.sums[k]
+            target.counts = None if self.sums is None else self.counts[k]
