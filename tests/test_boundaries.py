@@ -201,7 +201,7 @@ def test_the_engine_loop_knows_workers_and_batching_only_through_its_interface()
     """loop -> backends -> workers / batched -> host: the training back-ends see the simulation as
     engine.host.ClientHost and never import the loop, not even for annotations; the loop imports neither back-end."""
     engine = SRC / "engine"
-    for back_end in ("workers.py", "batched.py", "batched_steps.py", "stacked.py", "host.py"):
+    for back_end in ("workers.py", "batched.py", "batched_rows.py", "batched_steps.py", "stacked.py", "host.py"):
         assert "fedskew.engine.loop" not in _imports(engine / back_end), back_end
     loop = _imports(engine / "loop.py")
     assert not {"fedskew.engine.workers", "fedskew.engine.batched", "fedskew.engine.batched_steps"} & loop
