@@ -185,7 +185,8 @@ SECURE = {"clients": 2, "rounds": 1, "eval_every": 1, "seed": 11, "threads": 1, 
 
 
 def test_secure_loopback_refuses_an_unregistered_supernode(tmp_path):
-    from fedskew.flower.loopback import Loopback, write_node_key
+    from fedskew.flower.loopback import Loopback
+    from fedskew.flower.tls import write_node_key
 
     with Loopback(tmp_path / "home", 1, secure=True) as fed:
         rogue_key, _ = write_node_key(tmp_path / "rogue", "rogue")  # a valid key pair, never registered
