@@ -19,6 +19,7 @@ import numpy as np
 
 from fedskew.config import SETTING_KEYS
 from fedskew.results import plotting
+from fedskew.results.difference_figure import difference_figure
 from fedskew.results.domain_figure import domain_table_figure
 from fedskew.results.experiments import show_value
 from fedskew.results.plotting import (
@@ -34,6 +35,7 @@ from fedskew.results.plotting import (
     host_groups,
     host_of,
     line_count,
+    metric_label,
     text_width,
     wrap,
 )
@@ -52,24 +54,6 @@ _PARTITION_KEYS = {
     "quantity": ("alpha",),
     "domain": ("domain_fraction", "image_size"),
 }
-METRIC_LABELS = {
-    "global_acc": "global model, global test set",
-    "global_local_acc": "global model, clients' test splits (sample-weighted)",
-    "global_local_acc_mean": "global model, clients' test splits (mean over clients)",
-    "personal_acc": "personalized models (sample-weighted)",
-    "personal_acc_mean": "personalized models (mean over clients)",
-    "trained_acc": "personal models after training (sample-weighted)",
-    "domain_acc_avg": "global model, mean over domains (AVG)",
-    "domain_acc_std": "std of accuracy across domains (STD)",
-}
-
-
-def metric_label(metric: str) -> str:
-    if metric.startswith("domain_acc/"):
-        return f"global model, domain {metric.split('/', 1)[1]}"
-    return METRIC_LABELS.get(metric, metric)
-
-
 @dataclass
 class Series:
     """One curve: an experiment's metric per round, mean and std (population, ddof=0) over its seeds, in %.
@@ -366,7 +350,7 @@ def accuracy_figures(
         title = _setting_title(setting)
         mine = [None if j is None else j - first for j in refs[first : first + len(exps)]]  # one setting's block
         first += len(exps)
-        diffs = _difference_figure(exps, labels, mine, records, metrics, last_n, title)
+        diffs = difference_figure(exps, labels, mine, records, metrics, last_n, title)
         if diffs is not None:
             fig, data = diffs
             data.update(setting=setting, title=title)
@@ -397,114 +381,6 @@ def accuracy_figures(
             data.update(setting=setting, title=title)
             figures.append(plotting.write_figure(fig, out / f"domains-{_slug(setting)}.png", data, "domains", DPI))
     return figures
-
-
-def _difference_figure(
-    exps: list[Any],
-    labels: list[str],
-    refs: list[int | None],
-    records: dict[str, list[dict[str, Any]]],
-    metrics: list[str] | tuple[str, ...],
-    last_n: int | None,
-    title: str,
-) -> tuple[Any, dict[str, Any]] | None:
-    """One panel per metric (up to three side by side, sharing the rows): per row compared with its reference, the
-    mean paired difference of the last-N mean accuracy (points) with its 95% interval as a bar (filled marker: the
-    interval excludes 0), and a line at 0. Rows are grouped by host (a host, then its plug-ins), top to bottom as
-    in the JSON. None when no row has an interval (fewer than two common seeds everywhere)."""
-    import matplotlib.pyplot as plt
-
-    from fedskew.results.report import paired_cells, stat_from_records, stat_from_summary
-
-    def stat(r: dict[str, Any], metric: str) -> Any:
-        if last_n:
-            return stat_from_records(records.get(r["run_id"], []), metric, last_n)
-        return stat_from_summary(r["summary"], metric)
-
-    panels = []
-    for metric in metrics:
-        cells = paired_cells(exps, refs, metric, "last", stat)
-        rows = [
-            {"label": labels[i], "reference": labels[refs[i]], **c.cmp.as_dict()}  # type: ignore[index]
-            for i, c in enumerate(cells)
-            if c.cmp is not None and c.cmp.lo is not None
-        ]
-        if rows:
-            panels.append({"metric": metric, "rows": rows})
-    if not panels:
-        return None
-    shown = list(dict.fromkeys(r["label"] for p in panels for r in p["rows"]))
-    groups = host_groups(shown, most=None)
-    order = [shown[i] for _, idx in groups for i in idx]
-    for p in panels:
-        p["rows"].sort(key=lambda r: order.index(r["label"]))
-    first = {}
-    for p in panels:
-        for r in p["rows"]:
-            first.setdefault(r["label"], r)
-    kinds = {(r["n"], r["method"]) for p in panels for r in p["rows"]}
-    common = next(iter(kinds)) if len(kinds) == 1 else None
-    texts = [
-        wrap(f"{lab} vs {first[lab]['reference']}" + ("" if common else f" (n={first[lab]['n']})"), 3.2)
-        for lab in order
-    ]
-    row_h = max(0.22, 0.15 * max(line_count(t) for t in texts) + 0.08)
-    m = len(panels)
-    ncols = min(m, 3)
-    nrows = math.ceil(m / ncols)
-    n = f"last {last_n}" if last_n else "last-N"
-    head = f"{title}\npaired difference vs reference (points), {n} mean, 95% interval; filled: excludes 0"
-    if common:
-        head += f"; n={common[0]} seeds, {common[1]}, every row"
-    head = wrap(head, PAGE_WIDTH - 0.2, TITLE_FONT)
-    label_h = 0.17 * max(line_count(wrap(metric_label(p["metric"]), PAGE_WIDTH / ncols - 0.4)) for p in panels) + 0.5
-    height = 0.17 * line_count(head) + 0.2 + nrows * (len(order) * row_h + 0.3 + label_h)
-    fig = plt.figure(figsize=(PAGE_WIDTH, height), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
-    ys = {lab: len(order) - 1 - k for k, lab in enumerate(order)}
-    bounds = np.cumsum([len(idx) for _, idx in groups])[:-1]
-    for ax, panel in zip(axes.flat, panels, strict=False):
-        have = {r["label"] for r in panel["rows"]}
-        for r in panel["rows"]:
-            color = "tab:red" if r["significant"] else "0.35"
-            ax.errorbar(
-                r["mean"],
-                ys[r["label"]],
-                xerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]],
-                fmt="o",
-                color=color,
-                mfc=color if r["significant"] else "white",
-                ms=5,
-                capsize=3,
-            )
-        for lab in order:
-            if lab not in have:
-                ax.text(
-                    0.5,
-                    ys[lab],
-                    "no interval",
-                    transform=ax.get_yaxis_transform(),
-                    ha="center",
-                    va="center",
-                    fontsize=FONT,
-                    color="0.45",
-                )
-        for b in bounds:
-            ax.axhline(len(order) - 0.5 - b, color="0.6", lw=0.6)
-        ax.axvline(0.0, color="0.2", lw=0.8, ls="--")
-        ax.set_yticks(list(ys.values()), texts, fontsize=FONT)
-        ax.set_ylim(-0.6, len(order) - 0.4)
-        ax.set_xlabel(
-            wrap(f"paired difference (points)\n{metric_label(panel['metric'])}", PAGE_WIDTH / ncols - 0.4),
-            fontsize=FONT,
-        )
-        ax.set_title(panel["metric"], fontsize=TITLE_FONT)
-        ax.tick_params(labelsize=FONT)
-        ax.grid(axis="x", alpha=0.3)
-    for ax in list(axes.flat)[m:]:
-        ax.axis("off")
-    fig.suptitle(head, fontsize=TITLE_FONT)
-    return fig, {"panels": panels, "statistic": "last_n_mean", "last_n": last_n}
 
 
 def report_figures(

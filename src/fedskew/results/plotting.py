@@ -1,6 +1,6 @@
 """What every fedskew figure shares: the page it must fit (:data:`PAGE_WIDTH` inches at :data:`DPI`, no text under
-:data:`FONT` pt), markers on short series, text wrapping, grouping of rows by host, and writing a PNG with a JSON of
-its numbers beside it."""
+:data:`FONT` pt), markers on short series, text wrapping, grouping of rows by host, the metrics' axis labels, and writing a PNG
+with a JSON of its numbers beside it."""
 
 from __future__ import annotations
 
@@ -107,3 +107,21 @@ def axes_style(ax: Any, xs: list[float]) -> None:
     ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
     single_x(ax, xs)
+
+
+METRIC_LABELS = {
+    "global_acc": "global model, global test set",
+    "global_local_acc": "global model, clients' test splits (sample-weighted)",
+    "global_local_acc_mean": "global model, clients' test splits (mean over clients)",
+    "personal_acc": "personalized models (sample-weighted)",
+    "personal_acc_mean": "personalized models (mean over clients)",
+    "trained_acc": "personal models after training (sample-weighted)",
+    "domain_acc_avg": "global model, mean over domains (AVG)",
+    "domain_acc_std": "std of accuracy across domains (STD)",
+}
+
+
+def metric_label(metric: str) -> str:
+    if metric.startswith("domain_acc/"):
+        return f"global model, domain {metric.split('/', 1)[1]}"
+    return METRIC_LABELS.get(metric, metric)
