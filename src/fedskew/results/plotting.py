@@ -1,6 +1,6 @@
 """What every fedskew figure shares: the page it must fit (:data:`PAGE_WIDTH` inches at :data:`DPI`, no text under
-:data:`FONT` pt), markers on short series, text wrapping, grouping of rows by host, the metrics' axis labels, and writing a PNG
-with a JSON of its numbers beside it."""
+:data:`FONT` pt), markers on short series, text wrapping, grouping of rows by host, the metrics' axis labels, and
+writing a PNG with a JSON of its numbers beside it."""
 
 from __future__ import annotations
 
