@@ -10,6 +10,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,26 @@ def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+_KEY_USES = (
+    "digital_signature",
+    "content_commitment",
+    "key_encipherment",
+    "data_encipherment",
+    "key_agreement",
+    "key_cert_sign",
+    "crl_sign",
+    "encipher_only",
+    "decipher_only",
+)
+
+
+def _key_usage(*allowed: str) -> Any:
+    """An X.509 KeyUsage extension allowing exactly ``allowed`` (the others false)."""
+    from cryptography import x509
+
+    return x509.KeyUsage(**{use: use in allowed for use in _KEY_USES})
 
 
 def write_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: float = 2.0) -> TlsFiles:
@@ -54,17 +75,7 @@ def write_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage("digital_signature", "key_cert_sign", "crl_sign"),
             critical=True,
         )
         .add_extension(ca_ski, critical=False)
@@ -88,17 +99,7 @@ def write_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=True,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage("digital_signature", "key_agreement"),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
