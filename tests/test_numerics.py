@@ -11,15 +11,19 @@ import torch
 
 import fedskew.runner
 from fedskew.config import make_config
-from fedskew.engine.numerics import continue_record, differences, numerics
+from fedskew.engine.numerics import PINS, continue_record, differences, numerics, processor
 from fedskew.runner import run_experiment
 
 VALUES = {"clients": 4, "rounds": 4, "checkpoint_every": 2, "skew_probes": 0, "db": None, "seed": 3}
 
 
-def test_the_record_names_torch_and_its_cpu_kernels():
+def test_the_record_names_torch_its_cpu_kernels_and_the_processor(monkeypatch):
+    for name in PINS:
+        monkeypatch.delenv(name, raising=False)
     rec = numerics("cpu")
-    assert rec == {"torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
+    kernels = torch.backends.cpu.get_cpu_capability()
+    assert rec == {"torch": torch.__version__, "cpu_kernels": kernels, "cpu": processor()}
+    assert processor() and processor() != "unknown"
     assert differences(rec, rec) == []
     assert differences({**rec, "from_round": 1}, {**rec, "from_round": 5}) == []  # the round marker is no change
     wider = "AVX512" if rec["cpu_kernels"] != "AVX512" else "AMX"
@@ -32,6 +36,29 @@ def test_the_record_follows_the_kernels_torch_was_told_to_use():
     code = "from fedskew.engine.numerics import numerics; print(numerics()['cpu_kernels'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "DEFAULT"
+
+
+def test_the_record_names_the_variables_that_pin_a_librarys_code():
+    """MKL (matrix products) and oneDNN (convolutions) choose their code apart from ATen's kernels: measured here, each
+    of MKL_CBWR and ONEDNN_MAX_CPU_ISA alone changes a run's bits (docs/guide.md), so a set one is recorded."""
+    env = {k: v for k, v in os.environ.items() if k not in PINS}
+    code = "from fedskew.engine.numerics import numerics; print(numerics().get('pins', '-'))"
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert plain.stdout.strip() == "-"
+    env.update(MKL_CBWR="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+    pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert pinned.stdout.strip() == "MKL_CBWR=AVX2, ONEDNN_MAX_CPU_ISA=AVX2"
+
+
+def test_a_record_from_before_the_processor_was_recorded_is_no_change():
+    old = {"torch": "2", "cpu_kernels": "AVX2"}  # a summary.json written before `cpu` was recorded
+    now = {**old, "cpu": "AMD EPYC 7B13"}
+    assert differences(old, now) == [] and differences(now, old) == []
+    assert differences({**now, "cpu": "Intel(R) Xeon(R) Processor"}, now) == [
+        "cpu Intel(R) Xeon(R) Processor -> AMD EPYC 7B13"
+    ]
+    assert differences(old, {**now, "pins": "MKL_CBWR=AVX2"}) == ["pins - -> MKL_CBWR=AVX2"]  # a pin is a change
+    assert continue_record([{"from_round": 1, **old}], 3, now)[1] == ""
 
 
 def test_segments_open_only_when_the_arithmetic_changes():

@@ -1,39 +1,69 @@
 """Which arithmetic produced a run's numbers, recorded beside them.
 
 A run repeats bit for bit on the same kind of machine (one seed drives everything: ``fedskew/seeding.py``). Across
-machines it need not: PyTorch dispatches its CPU kernels (reductions, softmax, elementwise maths) by the instruction
-set it finds (``torch.backends.cpu.get_cpu_capability()``: ``AVX2``, ``AVX512``, ...), and kernels of different vector
-width sum in different orders. Measured here (docs/guide.md, "Reproducibility"): the default digits run's round-1
-training loss is 1.7494151008960812 with the AVX2 kernels and 1.749415117308151 with the scalar ones
-(``ATEN_CPU_CAPABILITY=default``); twenty rounds of training grow such differences into accuracies that differ in the
-first decimal. The record names the kernels (and the GPU) so that two runs that differ can be told apart from a
-bug, and a resume on other arithmetic is said, not silent. ``ATEN_CPU_CAPABILITY`` (set before ``torch`` is imported)
-pins the kernels: a machine runs the kernels of any narrower instruction set it has, so a table meant to be checked on
-other machines can be made with ``ATEN_CPU_CAPABILITY=avx2``.
+machines it need not: three libraries inside PyTorch each choose their CPU code by the processor they find, and code
+of another vector width sums in another order. ATen's own kernels (reductions, softmax, elementwise maths) go by
+``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...); the matrix products of linear layers go
+through MKL, which also goes by the processor's vendor; convolutions go through oneDNN. Measured on one Intel Xeon
+with AVX-512 (docs/guide.md, "Reproducibility"): the default digits run's round-1 training loss changes with each of
+``ATEN_CPU_CAPABILITY``, ``MKL_CBWR`` and (for a CNN) ``ONEDNN_MAX_CPU_ISA`` alone, and with all three pinned to AVX2
+it is still not the AMD AVX2 machine's number. Twenty rounds of training grow such differences into accuracies that
+differ in the first decimal.
+
+So the record names torch's version, ATen's kernels, the processor (its model name: MKL's choice depends on it) and
+the variables that pin a library's choice when any is set, and the GPU where one ran, so that two runs that differ
+can be told apart from a bug, and a resume on other arithmetic is said, not silent. Records written before the
+processor was recorded lack it: a missing ``cpu`` is unknown, not a change.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 FROM_ROUND = "from_round"
+# the variables that pin a CPU library's choice of code (read when the library loads: set before Python starts)
+PINS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+RECORDED_LATER = ("cpu",)  # absent from records written before it was recorded: unknown there, not a change
+
+
+def processor() -> str:
+    """The processor's model name (``/proc/cpuinfo`` on Linux; else what ``platform`` knows)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name") and ":" in line:
+                return " ".join(line.split(":", 1)[1].split())
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def numerics(device: str = "cpu") -> dict[str, str]:
-    """The arithmetic of this process: torch's version, its CPU kernels' instruction set, and for a CUDA device the
-    GPU's name (its kernels are chosen by its architecture)."""
-    record = {"torch": str(torch.__version__), "cpu_kernels": str(torch.backends.cpu.get_cpu_capability())}
+    """The arithmetic of this process: torch's version, ATen's CPU kernels' instruction set, the processor, the
+    variables pinning a CPU library's code (``pins``, only when one is set), and for a CUDA device the GPU's name (its
+    kernels are chosen by its architecture)."""
+    record = {
+        "torch": str(torch.__version__),
+        "cpu_kernels": str(torch.backends.cpu.get_cpu_capability()),
+        "cpu": processor(),
+    }
+    pins = [f"{name}={os.environ[name]}" for name in PINS if os.environ.get(name)]
+    if pins:
+        record["pins"] = ", ".join(pins)
     if device.startswith("cuda") and torch.cuda.is_available():
         record["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return record
 
 
 def differences(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """What changed between two records (``"cpu_kernels AVX512 -> AVX2"``), the round markers left out."""
+    """What changed between two records (``"cpu_kernels AVX512 -> AVX2"``), the round markers left out; a key
+    recorded only in later versions (:data:`RECORDED_LATER`) counts only where both records have it."""
     keys = sorted((set(before) | set(now)) - {FROM_ROUND})
+    keys = [k for k in keys if k not in RECORDED_LATER or (k in before and k in now)]
     return [f"{k} {before.get(k, '-')} -> {now.get(k, '-')}" for k in keys if before.get(k) != now.get(k)]
 
 
@@ -53,4 +83,4 @@ def continue_record(segments: list[dict[str, Any]], first_round: int, here: Mapp
     return [*segments, {FROM_ROUND: first_round, **here}], note
 
 
-__all__ = ["continue_record", "differences", "numerics"]
+__all__ = ["continue_record", "differences", "numerics", "processor"]
