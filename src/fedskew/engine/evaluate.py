@@ -18,7 +18,7 @@ population std), and the worst-10% accuracy (``_acc_worst10``: the mean accuracy
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -178,3 +178,44 @@ def client_part_views(
         if domains:
             rec.update({f"{view}_{k}": v for k, v in domain_summary(domains, s).items()})
     return rec
+
+
+def same_samples(data: FederatedData) -> bool:
+    """Whether the global test set is exactly the clients' local test splits in client order (by source index)."""
+    parts = [c.test_index for c in data.clients]
+    if data.test_index is None or any(p is None for p in parts):
+        return False
+    return bool(np.array_equal(np.concatenate(parts), data.test_index))
+
+
+def global_views(server: Any, global_params: Params) -> dict[str, float]:
+    """The server-side views of the global model (loaded into ``server.model``): on the global test set (per domain
+    under domain skew, skipped when it is exactly the clients' test splits, scored there), plus the views the
+    client part adds (FedProto's nearest-prototype accuracy). ``server``: a host of a round server,
+    :class:`~fedskew.engine.loop.Simulation` or a deployment's (Flower's), with ``server`` (its
+    :class:`~fedskew.engine.round_server.RoundServer`), ``model``, ``data``, ``eval_batch``, ``method``,
+    ``global_is_local_union`` and ``local_names``."""
+    data, bs, model = server.data, server.eval_batch, server.model
+    model.load_state_dict(global_params)
+    rec: dict[str, float] = {}
+    # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
+    broadcast = server.server.broadcast()
+    rec.update(client_part_views(server.method.client, broadcast, model, data, bs))
+    if data.domains and data.test_domain is not None:  # one pass, per domain; the global numbers pool the domains
+        assert data.test_domain is not None
+        ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
+        rec.update(pooled("global", ds))
+        rec.update(domain_summary(data.domains, ds))
+    elif len(data.y_test) and not (server.global_is_local_union and not server.local_names):
+        owner = torch.zeros(data.x_test.shape[0], dtype=torch.long, device=data.x_test.device)
+        rec.update(pooled("global", accumulate(_test_pass(server, global_params), owner, 1)))
+    return rec
+
+
+def _test_pass(server: Any, global_params: Params) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global model's batch scores on the global test set: through the server's ``batch_scores_of`` (the
+    simulator's worker processes) where it has one, else with ``server.model``, which holds ``global_params``."""
+    passes = getattr(server, "batch_scores_of", None)
+    if passes is not None:
+        return passes([(global_params, "test")])[0]
+    return batch_scores(server.model, server.data.x_test, server.data.y_test, server.eval_batch)

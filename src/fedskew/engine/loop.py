@@ -33,10 +33,10 @@ from fedskew.engine.evaluate import (
     ClientScores,
     accumulate,
     batch_scores,
-    client_part_views,
-    domain_summary,
     eval_batch_of,
+    global_views,
     pooled,
+    same_samples,
     summarize,
 )
 from fedskew.engine.host import ClientPool, ClientTrainer, EvalSource
@@ -104,37 +104,6 @@ def _copied(params: Params) -> Params:
     return {k: v.clone() for k, v in params.items()}
 
 
-def _same_samples(data: FederatedData) -> bool:
-    """Whether the global test set is exactly the clients' local test splits in client order (by source index)."""
-    parts = [c.test_index for c in data.clients]
-    if data.test_index is None or any(p is None for p in parts):
-        return False
-    return bool(np.array_equal(np.concatenate(parts), data.test_index))
-
-
-def global_views(server: Any, global_params: Params) -> dict[str, float]:
-    """The server-side views of the global model (loaded into ``server.model``): on the global test set (per domain
-    under domain skew, skipped when it is exactly the clients' test splits, scored there), plus the views the client
-    part adds (FedProto's nearest-prototype accuracy). ``server``: a host of a round server, :class:`Simulation` or
-    a deployment's (Flower's), with ``server`` (its :class:`~fedskew.engine.round_server.RoundServer`), ``model``,
-    ``data``, ``eval_batch``, ``method``, ``global_is_local_union`` and ``local_names``."""
-    data, bs, model = server.data, server.eval_batch, server.model
-    model.load_state_dict(global_params)
-    rec: dict[str, float] = {}
-    # views the client part adds (FedProto's nearest-prototype accuracy); {} for every other method
-    broadcast = server.server.broadcast()
-    rec.update(client_part_views(server.method.client, broadcast, model, data, bs))
-    if data.domains and data.test_domain is not None:  # one pass, per domain; the global numbers pool the domains
-        assert data.test_domain is not None
-        ds = accumulate(_test_pass(server, global_params), data.test_domain, len(data.domains))
-        rec.update(pooled("global", ds))
-        rec.update(domain_summary(data.domains, ds))
-    elif len(data.y_test) and not (server.global_is_local_union and not server.local_names):
-        owner = torch.zeros(data.x_test.shape[0], dtype=torch.long, device=data.x_test.device)
-        rec.update(pooled("global", accumulate(_test_pass(server, global_params), owner, 1)))
-    return rec
-
-
 def _validation_union(data: FederatedData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every client's validation split together, with the owner of each sample; None without validation splits."""
     if not data.clients or any(c.x_val is None or c.y_val is None for c in data.clients):
@@ -143,15 +112,6 @@ def _validation_union(data: FederatedData) -> tuple[torch.Tensor, torch.Tensor, 
     ys = [c.y_val for c in data.clients]
     owner = torch.cat([torch.full((len(y),), c.cid, dtype=torch.long) for c, y in zip(data.clients, ys, strict=True)])
     return torch.cat(xs), torch.cat(ys), owner.to(ys[0].device)  # type: ignore[arg-type]
-
-
-def _test_pass(server: Any, global_params: Params) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global model's batch scores on the global test set: through the server's ``batch_scores_of`` (the
-    simulator's worker processes) where it has one, else with ``server.model``, which holds ``global_params``."""
-    passes = getattr(server, "batch_scores_of", None)
-    if passes is not None:
-        return passes([(global_params, "test")])[0]
-    return batch_scores(server.model, server.data.x_test, server.data.y_test, server.eval_batch)
 
 
 class Simulation:
@@ -198,7 +158,7 @@ class Simulation:
         self.trained: MutableMapping[int, Params]
         self.eval_batch = eval_batch_of(cfg.eval_batch_size, self.model, data.x_test)
         # the global test set is the clients' test splits together (protocol pfllib): score it once, as theirs
-        self.global_is_local_union = _same_samples(data)
+        self.global_is_local_union = same_samples(data)
         # the clients' validation splits, scored beside the test data at every evaluated round (validation_select):
         # the round a validation-selected statistic picks (results/store.py summarize_run)
         self.validation = _validation_union(data) if cfg.validation_select else None

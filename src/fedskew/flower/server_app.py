@@ -48,10 +48,12 @@ from fedskew.data.pools import FederatedData
 from fedskew.engine.evaluate import (
     ClientScores,
     eval_batch_of,
+    global_views,
     pooled,
+    same_samples,
     summarize,
 )
-from fedskew.engine.loop import Diverged, RoundResult, _same_samples, global_views
+from fedskew.engine.loop import Diverged, RoundResult
 from fedskew.engine.model_init import init_model, kept_local, resolve_model_name
 from fedskew.engine.round_server import Known, RoundServer, server_context
 from fedskew.engine.state_store import open_state_store
@@ -314,7 +316,7 @@ def run_on_grid(
     reports = link.connect(cfg.clients, request)
     if settings.data == "partition":  # a simulated deployment: the server holds the dataset's global test split
         full = build_federated(cfg)
-        view, union = server_view(full, reports, cfg, None), _same_samples(full)
+        view, union = server_view(full, reports, cfg, None), same_samples(full)
         evaluation = "the global model on the dataset's test set here, every view on the clients' test splits there"
         del full
     else:  # a real federation: no client data here; at most a held-out test set
