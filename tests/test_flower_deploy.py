@@ -292,3 +292,32 @@ def test_secagg_on_a_secure_loopback_gives_the_plain_runs_aggregate(tmp_path):
     assert secure["global_acc"] == pytest.approx(plain[0]["global_acc"], abs=0.01)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["flower"]["secagg"] is True and summary["flower"]["failures"] == []
+
+
+def test_a_failed_run_names_each_supernodes_state_and_log(tmp_path, monkeypatch):
+    """A ServerApp that failed says only that a node did not connect or answer: the error adds each SuperNode's state
+    (running, or exited with its code) and the end of its log, so a slow or crashed node is seen in the failure."""
+    import subprocess
+    import sys
+
+    from fedskew.flower import loopback
+
+    fed = loopback.Loopback(tmp_path / "home", 2)
+    fed._spawn("node0", [sys.executable, "-c", "print('node0 could not reach the SuperLink'); raise SystemExit(3)"])
+    fed._spawn("node1", [sys.executable, "-c", "import time; print('node1 waiting', flush=True); time.sleep(60)"])
+    try:
+        fed.procs["node0"].wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while "waiting" not in fed.log("node1") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = subprocess.CompletedProcess([], 0, b"Successfully started run 7\n", b"")
+        monkeypatch.setattr(loopback.subprocess, "run", lambda *a, **k: started)
+        monkeypatch.setattr(fed, "run_status", lambda run_id: {"status": "finished:failed", "status-details": "boom"})
+        with pytest.raises(loopback.LoopbackError) as caught:
+            fed.run_app(tmp_path)
+        said = str(caught.value)
+        assert "run 7 is finished:failed: boom" in said
+        assert "node0 (exited with 3)" in said and "node0 could not reach the SuperLink" in said
+        assert "node1 (running)" in said and "node1 waiting" in said
+    finally:
+        fed.stop(grace=1)

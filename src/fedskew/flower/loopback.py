@@ -303,6 +303,19 @@ class Loopback:
         except (urllib.error.URLError, OSError):
             return False
 
+    def process_report(self, tail: int = 400) -> str:
+        """Each SuperNode's state (running, or exited with its code) and the end of its log: what a failed run's
+        error carries, since the ServerApp sees only that a node did not connect or answer."""
+        lines = []
+        for name, proc in self.procs.items():
+            if name == "superlink":
+                continue
+            code = proc.poll()
+            state = "running" if code is None else f"exited with {code}"
+            end = self.log(name)[-tail:].strip()
+            lines.append(f"{name} ({state}); its log ends:\n  " + (end.replace("\n", "\n  ") if end else "(empty)"))
+        return "\n".join(lines)
+
     def _check_alive(self, name: str) -> None:
         proc = self.procs[name]
         if proc.poll() is not None:
@@ -339,7 +352,10 @@ class Loopback:
         self.last_run = self.run_status(started.group(1))
         if self.last_run.get("status") != "finished:completed":
             details = self.last_run.get("status-details", "")
-            raise LoopbackError(f"run {started.group(1)} is {self.last_run.get('status')}: {details}\n{out[-3000:]}")
+            raise LoopbackError(
+                f"run {started.group(1)} is {self.last_run.get('status')}: {details}\n{out[-3000:]}\n"
+                f"the SuperNodes:\n{self.process_report()}"
+            )
         return out
 
     def run_status(self, run_id: str, timeout: float = 60.0) -> dict[str, Any]:
