@@ -72,7 +72,10 @@ def test_partial_participation_heal_runs():
         ("disco+fedsa", {}, "low_weighting=samples"),
         ("fedsa", {"weights": "uniform"}, "low_weighting=samples"),
         ("disco+heal", {}, "weighting"),
-        ("fedavg+nosuch", {}, "unknown"),
+        ("fedavg+nosuch", {}, "unknown part 'nosuch'"),
+        ("fedprx", {}, "unknown part 'fedprx'; did you mean fedprox"),
+        ("disco+fedprox", {}, r"'fedprox' is a client part.*did you mean 'fedprox\+disco'"),
+        ("fedprox+moon", {}, r"'moon' is a client part, and a composition takes one client part, first \(CLIENT"),
         ("fedavg+disco+disco", {}, "repeated"),
     ],
 )

@@ -13,6 +13,7 @@ Hyper-parameters come as one flat mapping (``method_args``); each key must belon
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -142,9 +143,20 @@ def _parse_name(name: str) -> tuple[list[str], str, list[str]]:
     plugin_names += [t for t in CLIENTS[client_name].implies if t not in plugin_names]
     for t in plugin_names:
         if t not in SERVER_PLUGINS:
-            known = ", ".join(sorted(set(CLIENTS) | set(SERVER_PLUGINS)))
-            where = "server plug-in" if t in plugin_names and t in CLIENTS else "part"
-            raise ConfigError(f"method {name!r}: unknown {where} {t!r} (known: {known})")
+            plugins = ", ".join(sorted(SERVER_PLUGINS))
+            if t in CLIENTS:
+                reordered = "+".join([t, *(x for x in tokens if x != t)])
+                hint = f" (did you mean {reordered!r}?)" if sum(x in CLIENTS for x in tokens) == 1 else ""
+                raise ConfigError(
+                    f"method {name!r}: {t!r} is a client part, and a composition takes one client part, first "
+                    f"(CLIENT+PLUGIN+...){hint}; what may follow it are server plug-ins: {plugins}"
+                )
+            near = difflib.get_close_matches(t, [*CLIENTS, *SERVER_PLUGINS], n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ConfigError(
+                f"method {name!r}: unknown part {t!r}{hint} (client parts: {', '.join(sorted(CLIENTS))}; "
+                f"server plug-ins: {plugins})"
+            )
     if len(set(plugin_names)) != len(plugin_names):
         raise ConfigError(f"method {name!r}: a plug-in is repeated")
     return tokens, client_name, plugin_names
