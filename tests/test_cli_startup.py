@@ -64,6 +64,7 @@ def test_one_line_errors_still_reach_the_user_from_lazily_imported_modules(tmp_p
     assert main(["report", "--db", str(tmp_path / "none.db")]) == 2  # a DatabaseError (no such database)
     err = capsys.readouterr().err
     assert err.count("error: ") == 2 and "Traceback" not in err
+    assert "none.db: `fedskew run` (or sweep, reproduce) records each run there" in err  # says how to get one
 
 
 def test_a_part_registered_in_this_process_is_listed(capsys, monkeypatch):

@@ -109,7 +109,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from fedskew.results.store import ResultsDB
 
     if not Path(args.db).is_file():
-        print(f"error: no results database at {args.db}", file=sys.stderr)
+        print(
+            f"error: no results database at {args.db}: `fedskew run` (or sweep, reproduce) records each run there; "
+            "--db names another",
+            file=sys.stderr,
+        )
         return 2
     if args.last_n is not None and args.last_n < 1:
         print(f"error: --last-n must be a positive number of rounds, got {args.last_n}", file=sys.stderr)
