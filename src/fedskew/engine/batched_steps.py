@@ -48,7 +48,7 @@ class Flat:
 def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
-    Batched: every client part that declares its batched form (:func:`fedskew.client.batched_form.batched_form`:
+    Batched: every client part that declares its batched form (:func:`fedskew.client.local.batched_form`:
     each built-in one), with its uploads (FedCAC's masks) and any server plug-in (disco, heal, fedsa, fedper, fedbn,
     local, ...), since those change only what each client receives or how the server aggregates, and wrapped in
     wrappers that add work per client only (the loss before or after training that AFL, q-FFL and FedFV read).

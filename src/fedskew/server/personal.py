@@ -57,7 +57,7 @@ class PersonalModels(Mapping[int, Params]):
     """Per participant of a round: the given ``[K, ...]`` values for trainable tensors, its own upload for the others
     (buffers), as *views* of those ``[K, ...]`` tensors (no ``K`` copies at once, wherever the round's tensors live).
     A consumer that keeps a model beyond the round copies it (the round server writes each to the client-state
-    store as it goes: :func:`fedskew.engine.state_store.store_copy`)."""
+    store as it goes: :func:`fedskew.engine.state_store.keep_model`)."""
 
     def __init__(self, rin: RoundInput, trainable_values: Params) -> None:
         self._rows = {cid: k for k, cid in enumerate(rin.cids)}
