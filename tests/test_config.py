@@ -123,3 +123,23 @@ def test_a_new_setting_keeps_recorded_experiments_identity():
     for key, default in ADDED_AT_DEFAULT.items():
         assert getattr(cfg, key) == default, key  # the entry is the setting's real default
     assert not set(cfg.identity()) - IDENTITY_KEYS_2026_12_01
+
+
+def test_an_unknown_key_is_named_as_one_with_the_nearest_known_keys(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        make_config({"local_epoch": 2, "batchsize": 3, "dirichlet": 0.1})
+    lines = str(err.value).splitlines()[1:]
+    assert "local_epoch: unknown key; did you mean local_epochs? (got 2)" in lines[0]
+    assert "batchsize: unknown key; did you mean batch_size or eval_batch_size? (got 3)" in lines[1]
+    assert lines[2].strip() == "dirichlet: unknown key (got 0.1)"  # nothing near: no guess
+
+
+def test_an_unknown_key_inside_a_nested_model_is_matched_against_that_models_keys(tmp_path):
+    from fedskew.sweep.core import load_spec
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: x\nmethods: [{name: fedavg, lable: A}]\nseedz: [0]\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert "methods.0.MethodEntry.lable: unknown key; did you mean label?" in str(err.value)
+    assert "seedz: unknown key; did you mean seeds?" in str(err.value)

@@ -407,7 +407,7 @@ class RunConfig(StrictSettings):
 
 
 def _format_validation_error(exc: ValidationError) -> str:
-    return "invalid configuration:\n  " + "\n  ".join(describe_errors(exc))
+    return "invalid configuration:\n  " + "\n  ".join(describe_errors(exc, RunConfig))
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

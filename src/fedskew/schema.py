@@ -7,6 +7,7 @@ unknown keys are refused, infinities and NaNs are refused for every float, and a
 
 from __future__ import annotations
 
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -56,12 +57,41 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
-def describe_errors(exc: ValidationError) -> list[str]:
-    """One line per validation error: ``key: message (got value)``; errors of the whole model carry their own key."""
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's type holds (itself, or inside a list, dict, union or Optional)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def known_keys(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
+    """The keys the model reached by ``path`` (an error's ``loc`` less its last part) takes: fields are followed
+    into nested models, list indices are skipped, and a union arm's tag (a model's class name) keeps that model."""
+    current = [model]
+    for part in path:
+        if isinstance(part, int):
+            continue
+        nxt: list[type[BaseModel]] = []
+        for m in current:
+            if part in m.model_fields:
+                nxt += _models_in(m.model_fields[part].annotation)
+            elif part == m.__name__:
+                nxt.append(m)
+        current = nxt
+    return sorted({name for m in current for name in m.model_fields})
+
+
+def describe_errors(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """One line per validation error: ``key: message (got value)``; errors of the whole model carry their own key.
+    Given the ``model`` validated, an unknown key is named as one, with the nearest known keys as a suggestion."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and model is not None and err["loc"]:
+            keys = known_keys(model, tuple(err["loc"][:-1]))
+            near = difflib.get_close_matches(str(err["loc"][-1]), keys, n=3, cutoff=0.6)
+            msg = "unknown key" + (f"; did you mean {' or '.join(near)}?" if near else "")
         value = err.get("input")
         shown = "" if isinstance(value, dict) or not loc else f" (got {value!r})"
         lines.append(f"{loc + ': ' if loc else ''}{msg}{shown}")

@@ -179,7 +179,8 @@ def parse_run_config(
     try:
         settings = FlowerSettings(**engine)
     except ValidationError as exc:
-        raise ConfigError("invalid [tool.flwr.app.config.flower]:\n  " + "\n  ".join(describe_errors(exc))) from None
+        lines = describe_errors(exc, FlowerSettings)
+        raise ConfigError("invalid [tool.flwr.app.config.flower]:\n  " + "\n  ".join(lines)) from None
     overrides = dict(overrides or {})
     if settings.data == "node" and not values.get("data_dir") and "data_dir" not in overrides:
         values["data_dir"] = NODE_DATA  # the server (and a node started without its data-dir) reads no client data

@@ -191,4 +191,4 @@ def load_paper(name: str) -> Paper:
     try:
         return Paper(**yaml.safe_load(path.read_text()))
     except ValidationError as exc:
-        raise ConfigError(f"paper data {path}:\n  " + "\n  ".join(describe_errors(exc))) from None
+        raise ConfigError(f"paper data {path}:\n  " + "\n  ".join(describe_errors(exc, Paper))) from None

@@ -134,7 +134,7 @@ def load_spec(path: str | Path) -> SweepSpec:
     try:
         spec = SweepSpec(**values)
     except ValidationError as exc:
-        raise ConfigError(f"sweep spec {path}:\n  " + "\n  ".join(describe_errors(exc))) from None
+        raise ConfigError(f"sweep spec {path}:\n  " + "\n  ".join(describe_errors(exc, SweepSpec))) from None
     if spec.name is None:
         spec = spec.model_copy(update={"name": Path(path).stem})
     return spec

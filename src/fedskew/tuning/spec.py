@@ -100,7 +100,7 @@ def load_tune_spec(path: str | Path | None, updates: dict[str, Any] | None = Non
     try:
         spec = TuneSpec(**values)
     except ValidationError as exc:
-        raise ConfigError(f"{where}:\n  " + "\n  ".join(describe_errors(exc))) from None
+        raise ConfigError(f"{where}:\n  " + "\n  ".join(describe_errors(exc, TuneSpec))) from None
     if spec.name is None:
         spec = spec.model_copy(update={"name": Path(path).stem if path else "tune"})
     check_spec(spec)
