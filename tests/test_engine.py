@@ -13,7 +13,7 @@ from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation, payload_bytes, sample_clients
 from fedskew.protocol import TIMING_KEYS
-from fedskew.results.rundir import RunDirError
+from fedskew.results.rundir import RunDirectory, RunDirError
 from fedskew.runner import run_experiment
 
 
@@ -114,8 +114,12 @@ def test_run_directory_and_database(tiny_digits_config):
 
 def test_existing_run_dir_is_not_overwritten(tiny_digits_config):
     run_experiment(tiny_digits_config.model_copy(update={"db": None}))
-    with pytest.raises(RunDirError, match="--overwrite"):
+    rounds = tiny_digits_config.rounds
+    with pytest.raises(RunDirError, match=rf"holds a finished run \({rounds} round\(s\)\): .*--overwrite"):
         run_experiment(tiny_digits_config.model_copy(update={"db": None}))
+    # resuming a finished run says why nothing resumes and how to get more rounds
+    with pytest.raises(RunDirError, match=rf"\({rounds} round\(s\)\): there is nothing to resume.*--rounds"):
+        RunDirectory.prepare(Path(tiny_digits_config.out), resume=True)
 
 
 def test_failed_run_leaves_nothing(tiny_digits_config, monkeypatch):

@@ -139,6 +139,12 @@ class RunDirectory:
             if not (path / CHECKPOINT).is_file():
                 st = rd.status()
                 rd.unlock()
+                if st.get("status") == "finished":
+                    raise RunDirError(
+                        f"{path} holds a finished run ({st.get('completed_rounds', '?')} round(s)): there is nothing "
+                        "to resume, and a finished run keeps no checkpoint to extend; for more rounds start a run "
+                        "with a larger --rounds into another --out"
+                    )
                 what = f"status {st.get('status', 'unknown')}"
                 raise RunDirError(f"{path} has no checkpoint to resume from ({what})")
             return rd
@@ -158,7 +164,12 @@ class RunDirectory:
                         f"{path} holds an unfinished run (status {st['status']}, {st.get('completed_rounds', 0)} "
                         f"round(s) done); resume it with `fedskew run --resume {path}`, or replace it with --overwrite"
                     )
-                raise RunDirError(f"run directory {path} exists and is not empty (use --overwrite to replace it)")
+                held = (
+                    f"holds a finished run ({st.get('completed_rounds', '?')} round(s))"
+                    if st.get("status") == "finished"
+                    else "exists and is not empty"
+                )
+                raise RunDirError(f"run directory {path} {held}: choose another --out, or replace it with --overwrite")
             rd._lock()
             for name in OWN_FILES:
                 if name != LOCK:
