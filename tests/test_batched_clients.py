@@ -131,6 +131,9 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # prototypes: round 1 plain CE, round 2 the prototype term; each client's last-epoch prototypes uploaded
         ("fedproto", {"lam": 2.0}, {"local_epochs": 2}),
         ("fedproc", {"curriculum_rounds": 4}, {**BN, "batch_size": 32}),  # round 2: α = 2/3
+        # each client's map of its logits before the loss, from its own label counts: a shift, a scale
+        ("fedlc", {"tau": 0.5}, {"momentum": 0.5}),
+        ("fedrs+disco", {"alpha": 0.3}, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -279,6 +282,8 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedamp",
         "fedproto",
         "fedproc",
+        "fedlc",
+        "fedrs+fedadam",
     ],
 )
 def test_batchable_methods(method):

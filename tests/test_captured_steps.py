@@ -32,6 +32,8 @@ from fedskew.models import build_model
         ("ditto", {"lam": 0.5}, {"momentum": 0.5}),  # two phases, each its own padded plan and optimizer
         ("fedrep", {"head_epochs": 2}, {"batch_size": 32}),  # a phase trains the head only: the body rows are fixed
         ("fedavg+disco", None, {"momentum": 0.9}),
+        ("fedlc", {"tau": 0.5}, {"batch_size": 24}),  # each row's own logit shift, padded rows included
+        ("fedrs+fedper", {"alpha": 0.3}, {"momentum": 0.5}),  # each row's own logit scale
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):

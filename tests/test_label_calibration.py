@@ -64,14 +64,37 @@ def test_the_neutral_settings_are_fedavg_and_the_others_protect_the_missing_clas
         assert moved(_train(algo)) < moved(base), type(algo).__name__
 
 
-def test_they_run_compose_with_server_plug_ins_and_say_why_they_train_sequentially():
+def test_they_run_compose_with_server_plug_ins_and_train_batched():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for name, args in (("fedlc", {"tau": 0.5}), ("fedrs+disco", {"alpha": 0.3}), ("fedlc+fedadam", {})):
         method = resolve_method(name, args)
-        assert "declares no batched form" in batchable(method, mlp)
+        assert batchable(method, mlp) is None
         recs = digits_simulation(name, args).run()
         assert all(math.isfinite(r["train_loss"]) for r in recs) and recs[-1]["global_acc"] > 0.1
     with pytest.raises(Exception, match="alpha"):
         resolve_method("fedrs", {"alpha": 1.5})
+    # batched: the same run as the sequential loop (tests/test_batched_clients.py compares the uploads step by step)
+    seq = digits_simulation("fedrs", {"alpha": 0.3}).run()
     sim = digits_simulation("fedrs", {"alpha": 0.3}, batched_clients=True)
-    assert not sim.batched  # trained one client after the other, as the warning says
+    assert sim.batched
+    bat = sim.run()
+    assert [r["global_acc"] for r in bat] == pytest.approx([r["global_acc"] for r in seq], abs=0.02)
+
+
+def test_the_batched_logit_maps_are_the_sequential_losses_maps():
+    """The map each part declares for the batched path (logits·scale + shift) gives the logits its sequential loss
+    computes, bit for bit, from the client's label counts."""
+    from fedskew.client.batched_form import map_logits
+
+    model = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+    ctx = LocalContext(0, 1, model, snapshot(model), {}, {}, TrainSettings(1, 8, 0.1), y=torch.tensor([0, 1, 2, 2, 9]))
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(ctx.y, minlength=10).float()
+    for algo, sequential in (
+        (FedLC(tau=0.7), calibrated_logits(logits, counts, 0.7)),
+        (FedRS(alpha=0.3), restricted_logits(logits, counts, 0.3)),
+    ):
+        algo.begin(ctx)
+        mapped = map_logits(logits, *algo.batched_step().logits(ctx, 10))
+        assert torch.equal(mapped, sequential), type(algo).__name__
+        assert not torch.equal(mapped, logits)

@@ -56,6 +56,36 @@ def test_stacked_step_equals_vmap(name: str, side: int, mu: float) -> None:
         assert b2["body.1.num_batches_tracked"].tolist() == (buffers["body.1.num_batches_tracked"] + 1).tolist()
 
 
+@pytest.mark.parametrize("parts", [("scale",), ("shift",), ("scale", "shift")])
+def test_each_clients_logit_map_is_the_same_on_both_paths(parts: tuple[str, ...]) -> None:
+    """FedLC's and FedRS's per-client map of the logits before the loss, ``logits·scale + shift`` ([K, C] rows):
+    the stacked graph and vmap agree, and the map changes the gradients."""
+    torch.manual_seed(0)
+    model = build_model("lenet", in_channels=1, image_size=16, num_classes=10)
+    k, b = 3, 5
+    state = stacked_state(model, k, seed=1)
+    names = [n for n, _ in model.named_parameters()]
+    params, anchor = {n: state[n] for n in names}, {}
+    x = torch.randn(k, b, 1, 16, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 10, (k, b), generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    scale = torch.rand(k, 10, generator=g) + 0.2 if "scale" in parts else None
+    shift = torch.randn(k, 10, generator=g) if "shift" in parts else None
+    g1, (l1, _) = _vmap_step_function(model, names, 0.0)(params, {}, anchor, x, y, logit_map=(scale, shift))
+    g2, (l2, _, _) = stacked_step_function(model, names, 0.0)(params, {}, anchor, x, y, logit_map=(scale, shift))
+    plain, (l0, _, _) = stacked_step_function(model, names, 0.0)(params, {}, anchor, x, y)
+    assert torch.allclose(l1, l2, atol=1e-6) and not torch.allclose(l0, l2, atol=1e-3)
+    for n in names:
+        assert torch.allclose(g1[n], g2[n], atol=1e-6, rtol=1e-5), n
+    # client 1's loss is its own batch's cross-entropy of its mapped logits
+    model.load_state_dict({n: v[1] for n, v in state.items()})
+    with torch.no_grad():
+        logits = model(x[1])
+        logits = logits * scale[1] if scale is not None else logits
+        logits = logits + shift[1] if shift is not None else logits
+        assert float(l2[1]) == pytest.approx(float(torch.nn.functional.cross_entropy(logits, y[1])), abs=1e-5)
+
+
 def test_stacked_forward_is_each_clients_own_forward() -> None:
     """Client k's rows of the stacked forward are the module's forward with client k's tensors."""
     torch.manual_seed(0)

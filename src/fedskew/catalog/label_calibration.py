@@ -13,8 +13,9 @@ change the cross-entropy's logits, so that classes the client lacks are not push
   FedAvg; default ``α = 0.5``, tuned over ``[0, 1]``.
 
 Both are client parts: they compose with every server plug-in (``fedlc+disco``, ``fedrs+fedadam``), not with
-another client part's objective. Batched: not yet (their per-client logit maps are not among the batched form's
-per-step pieces), so a run with ``--batched-clients`` trains them one client after the other and says so.
+another client part's objective. Batched: each client's map of its logits is a
+:class:`~fedskew.client.batched_form.LogitMap` (FedLC a shift, FedRS a scale), applied to its rows of the stacked
+logits, so ``--batched-clients`` trains them together (and ``--capture-steps`` at one shape).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, LogitMap
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
@@ -40,9 +42,12 @@ class LabelCounts:
     counts: Tensor | None = None
 
     def of(self, ctx: LocalContext, logits: Tensor) -> Tensor:
+        return self.count(ctx, logits.shape[-1], logits.dtype)
+
+    def count(self, ctx: LocalContext, num_classes: int, dtype: torch.dtype = torch.float32) -> Tensor:
         if self.counts is None:
             assert ctx.y is not None
-            self.counts = torch.bincount(ctx.y, minlength=logits.shape[-1]).to(logits.dtype)
+            self.counts = torch.bincount(ctx.y, minlength=num_classes).to(dtype)
         return self.counts
 
 
@@ -73,7 +78,12 @@ class FedLC(_Calibrated):
         counts = ctx.prep(LabelCounts).of(ctx, logits)
         return F.cross_entropy(calibrated_logits(logits, counts, self.tau, self.min_count), y)
 
-    unbatched = "a per-client map of the logits"
+    def batched_step(self) -> BatchedStep:
+        def shift(ctx: LocalContext, num_classes: int) -> LogitMap:  # logits + (−τ·n^{−1/4}) = logits − τ·n^{−1/4}
+            counts = ctx.prep(LabelCounts).count(ctx, num_classes)
+            return LogitMap(None, -(self.tau * counts.clamp_min(self.min_count).pow(-0.25)))
+
+        return BatchedStep(logits=shift)
 
 
 @dataclass
@@ -86,7 +96,12 @@ class FedRS(_Calibrated):
         counts = ctx.prep(LabelCounts).of(ctx, logits)
         return F.cross_entropy(restricted_logits(logits, counts, self.alpha), y)
 
-    unbatched = "a per-client map of the logits (as FedLC)"
+    def batched_step(self) -> BatchedStep:
+        def scale(ctx: LocalContext, num_classes: int) -> LogitMap:
+            counts = ctx.prep(LabelCounts).count(ctx, num_classes)
+            return LogitMap(torch.where(counts > 0, torch.ones_like(counts), torch.full_like(counts, self.alpha)), None)
+
+        return BatchedStep(logits=scale)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

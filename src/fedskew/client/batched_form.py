@@ -51,6 +51,25 @@ class Pull(NamedTuple):
     linear: list[Tensor] | None = None
 
 
+class LogitMap(NamedTuple):
+    """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
+    ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
+
+    scale: Tensor | None
+    shift: Tensor | None
+
+
+def map_logits(logits: Tensor, scale: Tensor | None, shift: Tensor | None) -> Tensor:
+    """``logits · scale + shift`` over the last (class) axis, one map per leading row (``logits`` ``[..., B, C]``,
+    ``scale``/``shift`` ``[..., C]``); a part that is ``None`` is left out, so the map does what the sequential
+    loss does, operation for operation."""
+    if scale is not None:
+        logits = logits * scale.unsqueeze(-2)
+    if shift is not None:
+        logits = logits + shift.unsqueeze(-2)
+    return logits
+
+
 class ClassSums(Protocol):
     """Where a client collects its last epoch's per-class feature sums (FedProto's and FedProc's prototypes): from
     local step ``collect_from`` on; the batched path fills ``sums`` ``[C, D]`` and ``counts`` ``[C]`` (float64) as
@@ -91,7 +110,8 @@ class BatchedStep:
     from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model. ``begin_all``:
     every client's ``begin`` at once, on the contexts of the round's clients (sharing the model): it does what each
     ``begin`` would and returns each client's start, or ``None`` where it does not apply (then each client's ``begin``
-    runs in turn, as the sequential loop runs it)."""
+    runs in turn, as the sequential loop runs it). ``logits``: per client after ``begin``, given the number of classes,
+    a :class:`LogitMap` of its logits before the cross-entropy (FedLC, FedRS; the same parts on every client)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -104,6 +124,7 @@ class BatchedStep:
     generated: Callable[[LocalContext], GeneratedTerm | None] | None = None
     start_after_begin: bool = False
     begin_all: Callable[[list[LocalContext]], list[Params] | None] | None = None
+    logits: Callable[[LocalContext, int], LogitMap] | None = None
 
     @property
     def has_term(self) -> bool:

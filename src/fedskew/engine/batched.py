@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn, map_logits
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_rows import Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
@@ -87,20 +87,38 @@ def _vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callab
     body_prefix, head_prefix = "body.", "head."
 
     def client_loss(
-        params: dict[str, Tensor], buffers: dict[str, Tensor], anchor: dict[str, Tensor], x: Tensor, y: Tensor
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        anchor: dict[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        scale: Tensor | None,
+        shift: Tensor | None,
     ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
         state = {**params, **{k: v.clone() for k, v in buffers.items()}}  # the forward updates its own copies
         body = {k[len(body_prefix) :]: v for k, v in state.items() if k.startswith(body_prefix)}
         head = {k[len(head_prefix) :]: v for k, v in state.items() if k.startswith(head_prefix)}
         feats = functional_call(model.body, body, (x,))
         logits = functional_call(model.head, head, (feats,))
-        loss = F.cross_entropy(logits, y)
+        loss = F.cross_entropy(map_logits(logits, scale, shift), y)
         if mu != 0:  # FedProx.loss: ce + proximal(ctx, ctx.received, mu), over the trained parameters
             loss = loss + 0.5 * mu * torch.stack([((params[n] - anchor[n]) ** 2).sum() for n in names]).sum()
         new_buffers = {k: state[k] for k in buffers}
         return loss, (loss.detach(), new_buffers)
 
-    return vmap(grad(client_loss, has_aux=True))
+    def step(
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        anchor: dict[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
+    ) -> Any:
+        scale, shift = logit_map if logit_map is not None else (None, None)
+        dims = (0, 0, 0, 0, 0, None if scale is None else 0, None if shift is None else 0)
+        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(params, buffers, anchor, x, y, scale, shift)
+
+    return step
 
 
 def train_batched(
@@ -300,6 +318,13 @@ def _run_phase(
             if pulls and pulls[0][2] is not None:
                 stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
         clip = rule.clip
+        if rule.logits is not None:  # each client's map of its logits before the loss (FedLC, FedRS)
+            maps = [rule.logits(ctx, sim.data.num_classes) for ctx in contexts]
+            scales, shifts = [m.scale for m in maps], [m.shift for m in maps]
+            if scales[0] is not None:
+                stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
+            if shifts[0] is not None:
+                stack.logit_shift = torch.stack(shifts).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
         term = rule.term(contexts[0]) if rule.term is not None else None
         if term is not None:
             glob = [received[c] for c in cids]
@@ -331,6 +356,7 @@ def _run_phase(
             None if stack.shift is None else (stack.shift, alpha),
             None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
             capture,
+            None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
         )
         states = []
         for k in range(len(cids)):
@@ -363,15 +389,20 @@ def _run_phase(
                 frozen = {m: {k: take(v) for k, v in st.items()} for m, st in stack.frozen_models.items()}
                 rows = (frozen, None if stack.term_mask is None else take(stack.term_mask))
             args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
+            mapped = {}
+            if rule.logits is not None:
+                scale, shift = (None if v is None else take(v) for v in (stack.logit_scale, stack.logit_shift))
+                mapped = {"logit_map": (scale, shift)}
             drawn = None
             if drawn_all is not None and generated is not None and bucket.drawn is not None:
                 at = index[bucket.drawn]
                 with torch.no_grad():
                     drawn = generated.inputs(*(t[at] for t in drawn_all))
             if drawn is not None:
-                grads, (loss, new_bufs, *feats) = step(*args, rows, drawn)
+                grads, (loss, new_bufs, *feats) = step(*args, rows, drawn, **mapped)
             else:
-                grads, (loss, new_bufs, *feats) = step(*args, rows) if rows is not None else step(*args)
+                with_rows = (rows,) if rows is not None else ()
+                grads, (loss, new_bufs, *feats) = step(*args, *with_rows, **mapped)
             if collect is not None:  # FedProto/FedProc: the last epoch's class sums of the features, per client
                 collect.add(t, index[bucket.members], feats[0], y_all[sample])
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows

@@ -33,10 +33,24 @@ class Stack:
     pull_anchor: Tensor | None = None  # [R, D] its anchor
     pull_linear: Tensor | None = None  # [R, D] its linear term (FedDyn's g_k)
     term_mask: Tensor | None = None  # [R] 1 where the frozen-model term applies (MOON), None: everywhere
+    logit_scale: Tensor | None = None  # [R, C] each client's scale of its logits before the loss (FedRS)
+    logit_shift: Tensor | None = None  # [R, C] and their shift (FedLC)
     frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
-    _ROWS = ("params", "loss", "buf", "anchor", "shift", "pull_alpha", "pull_anchor", "pull_linear", "term_mask")
+    _ROWS = (
+        "params",
+        "loss",
+        "buf",
+        "anchor",
+        "shift",
+        "pull_alpha",
+        "pull_anchor",
+        "pull_linear",
+        "term_mask",
+        "logit_scale",
+        "logit_shift",
+    )
 
     def retire(self, keep: np.ndarray, sel: Tensor) -> None:
         """Keep only the rows where ``keep`` holds (``sel``: their positions, on the device); the others' final rows

@@ -170,6 +170,7 @@ class _Shape:
     anchor: bool
     shift: float | None
     pull: tuple[bool, float] | None  # (a linear term, the clip)
+    logit_map: tuple[int | None, int | None] = (None, None)  # the classes of the logits' scale and shift, if any
 
 
 class PaddedSteps:
@@ -194,6 +195,7 @@ class PaddedSteps:
         if shape.pull is not None:
             self.pull = (zeros(k), zeros(k, shape.dim), zeros(k, shape.dim) if shape.pull[0] else None)
         self.buf = zeros(k, shape.dim) if shape.momentum != 0 else None
+        self.logit_map = tuple(None if c is None else zeros(k, c) for c in shape.logit_map)
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # width -> its x, y and count buffers
@@ -220,7 +222,9 @@ class PaddedSteps:
         state = {**self.flat.views(p_w), **{k: v[:w] for k, v in self.fix.items()}}
         anchor = self.flat.views(self.anchor[:w]) if self.anchor is not None else {}
         xs, ys = x.view(w, b, *sh.x), y.view(w, b)
-        grads, (loss, _, _) = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom))
+        scale, shift = (None if m is None else m[:w] for m in self.logit_map)
+        mapped = None if scale is None and shift is None else (scale, shift)
+        grads, (loss, _, _) = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped)
         with torch.no_grad():
             g = torch.cat([grads[n].reshape(w, -1) for n in sh.names], dim=1)
             if self.pull is not None and sh.pull is not None:  # grad += α(θ − anchor) − linear, then the norm clip
@@ -253,6 +257,7 @@ class PaddedSteps:
         anchor: Tensor | None,
         shift: Tensor | None,
         pull: tuple[Tensor, Tensor, Tensor | None] | None,
+        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows and the summed
         losses, in client order, in new tensors (the buffers are the next round's)."""
@@ -268,6 +273,9 @@ class PaddedSteps:
                 for mine, given in zip(self.pull, pull, strict=True):
                     if mine is not None and given is not None:
                         mine.copy_(given.index_select(0, order))
+            for mine, given in zip(self.logit_map, logit_map or (None, None), strict=True):
+                if mine is not None and given is not None:
+                    mine.copy_(given.index_select(0, order))
             if self.buf is not None:
                 self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
             self.loss.zero_()
@@ -315,13 +323,15 @@ def run_padded(
     shift: tuple[Tensor, float] | None,
     pull: tuple[Tensor, Tensor, Tensor | None] | None,
     cache: PaddedCache | None = None,
+    logit_map: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
     summed ``batch loss × batch size`` (float64), in client order, as the bucketed loop returns them. ``anchor``:
     FedProx's received rows; ``shift``: SCAFFOLD's ``(c − c_i rows, scale)`` after each step; ``pull``: FedDyn's
     ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``. ``cache``: where the
-    phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only)."""
+    phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only).
+    ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``)."""
     device = params.device
     plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), device)
     shape = _Shape(
@@ -340,6 +350,7 @@ def run_padded(
         anchor=anchor is not None,
         shift=None if shift is None else float(shift[1]),
         pull=None if pull is None else (pull[2] is not None, float(rule.clip)),
+        logit_map=tuple(None if m is None else int(m.shape[1]) for m in (logit_map or (None, None))),  # type: ignore[arg-type]
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device)
-    return steps.run(plan, x_all, y_all, params, fixed, anchor, None if shift is None else shift[0], pull)
+    return steps.run(plan, x_all, y_all, params, fixed, anchor, None if shift is None else shift[0], pull, logit_map)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import FrozenTermFn, HeadTermFn
+from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, map_logits
 
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
 
@@ -142,7 +142,11 @@ def stacked_step_function(
 
     ``padding``: ``(weights [K, B], counts [K])`` for batches padded to one shape (:mod:`fedskew.engine.captured`): each
     client's cross-entropy is the sum of its samples' losses times their 0/1 weights over its count (at least 1), the
-    mean over its real samples; ``None``: every sample is real."""
+    mean over its real samples; ``None``: every sample is real.
+
+    ``logit_map``: ``(scale, shift)``, ``[K, C]`` each or ``None``, each client's map of its logits before the
+    cross-entropy (:class:`~fedskew.client.batched_form.LogitMap`: FedLC, FedRS); a frozen-model term reads the
+    unmapped logits."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -157,6 +161,7 @@ def stacked_step_function(
         rows: tuple[dict[str, dict[str, Tensor]], Tensor | None] | None = None,
         drawn: Any = None,
         padding: tuple[Tensor, Tensor] | None = None,
+        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         new_buffers = {n: v.clone() for n, v in buffers.items()}
@@ -165,7 +170,8 @@ def stacked_step_function(
             feats = stacked_forward(body, part(state, "body."), x)
             logits = stacked_forward(head, part(state, "head."), feats)
             k, b = logits.shape[0], logits.shape[1]
-            ce = F.cross_entropy(logits.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
+            mapped = logits if logit_map is None else map_logits(logits, *logit_map)
+            ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
             loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
             if mu != 0:
                 loss = loss + 0.5 * mu * torch.stack(
