@@ -134,6 +134,11 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # each client's map of its logits before the loss, from its own label counts: a shift, a scale
         ("fedlc", {"tau": 0.5}, {"momentum": 0.5}),
         ("fedrs+disco", {"alpha": 0.3}, {**BN, "batch_size": 32}),
+        # SAM: every step's gradient at w + ε (each client's own ε) on the same batch; BN statistics move once a step
+        ("fedsam", {"rho": 0.1}, {"momentum": 0.5}),
+        ("fedsam+disco", None, {**BN, "batch_size": 32}),
+        # MoFedSAM: round 1 steps with α·g_SAM, round 2 mixes in the server's Δ
+        ("mofedsam", {"alpha": 0.3}, {"weight_decay": 1e-3}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -170,6 +175,8 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all("personal_model" in s for s in bat.client_states.values())
     if method == "feddyn":  # the linear term g_k is non-zero from round 2 on, in every client's state
         assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
+    if method == "mofedsam":  # round 2 mixes in a non-zero direction
+        assert any(t.abs().max() > 0 for k, t in rounds[1][1].items() if k.startswith("mofedsam_delta/"))
     if method.startswith("feddc"):
         assert all(any(t.abs().max() > 0 for t in s["feddc_drift"].values()) for s in bat.client_states.values())
         if (args or {}).get("correction", True) is not False:
@@ -284,6 +291,8 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedproc",
         "fedlc",
         "fedrs+fedadam",
+        "fedsam",
+        "mofedsam+heal",
     ],
 )
 def test_batchable_methods(method):

@@ -34,6 +34,8 @@ from fedskew.models import build_model
         ("fedavg+disco", None, {"momentum": 0.9}),
         ("fedlc", {"tau": 0.5}, {"batch_size": 24}),  # each row's own logit shift, padded rows included
         ("fedrs+fedper", {"alpha": 0.3}, {"momentum": 0.5}),  # each row's own logit scale
+        ("fedsam", {"rho": 0.1}, {"batch_size": 24}),  # two passes a step; a padded row's ε is 0
+        ("mofedsam", {"alpha": 0.3}, {"momentum": 0.5}),  # and the blend with Δ, masked on padded rows
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):

@@ -102,10 +102,10 @@ def test_mofedsams_server_half_broadcasts_the_mean_client_delta_and_steps():
     assert float(out[MOFEDSAM_STEPS]) == 5.0
 
 
-def test_they_run_compose_and_say_why_they_train_sequentially():
+def test_they_run_compose_and_train_batched():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for name in ("fedsam", "mofedsam", "fedsam+disco"):
         method = resolve_method(name, {"rho": 0.05})
-        assert "declares no batched form" in batchable(method, mlp)
+        assert batchable(method, mlp) is None  # equivalence: tests/test_batched_clients.py, test_captured_steps.py
         recs = digits_simulation(name, {"rho": 0.05}).run()
         assert all(math.isfinite(r["train_loss"]) for r in recs) and recs[-1]["global_acc"] > 0.1

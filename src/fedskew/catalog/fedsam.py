@@ -14,8 +14,10 @@ rate). ``Δ = 0`` before the first aggregation. The server step itself is FedAvg
 ``η_g = K·η_l``, under which its update is the mean of the client models). Default ``α = 0.1`` (FedCM's and the
 paper's), tuned over ``[0.05, 1]``.
 
-Both are client parts (they compose with every server plug-in: ``fedsam+disco``, ``fedsam+fedadam``). Batched: not
-yet (two gradient evaluations per step), so ``--batched-clients`` trains them one client after the other and says so.
+Both are client parts (they compose with every server plug-in: ``fedsam+disco``, ``fedsam+fedadam``). Batched:
+``BatchedStep.sam_rho`` makes every stacked step a SAM step (each client's own ascent from its rows' gradient norm,
+the second pass on the same batch) and MoFedSAM's mix is a :class:`~fedskew.client.batched_form.Blend` of each
+client's ``Δ``, so ``--batched-clients`` (and ``--capture-steps``) train the round's clients together.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, Blend
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.protocol import STEPS, Params, RoundInput, ServerContext
 from fedskew.registry import ClientPart, ServerPlugin
@@ -89,7 +92,8 @@ class FedSAM(LocalAlgorithm):
         """Replace the gradient at ``w`` by the gradient at ``w + ε`` (the parameters end where they were)."""
         sam_gradient(ctx, self.rho)
 
-    unbatched = "two gradient evaluations per step"
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep(sam_rho=float(self.rho))
 
 
 def sam_gradient(ctx: LocalContext, rho: float) -> None:
@@ -154,7 +158,12 @@ class MoFedSAM(FedSAM):
                 if prep.direction:
                     p.grad.add_(prep.direction[k], alpha=1.0 - self.alpha)
 
-    unbatched = "two gradient evaluations per step (as FedSAM)"
+    def batched_step(self) -> BatchedStep:
+        def blend(ctx: LocalContext) -> Blend:
+            direction = ctx.prep(MoSamRound).direction
+            return Blend(float(self.alpha), direction or None)
+
+        return BatchedStep(sam_rho=float(self.rho), blend=blend)
 
 
 class MomentumDirection(NamedTuple):

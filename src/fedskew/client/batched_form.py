@@ -51,6 +51,14 @@ class Pull(NamedTuple):
     linear: list[Tensor] | None = None
 
 
+class Blend(NamedTuple):
+    """The gradient after the backward pass becomes ``share·g + (1 − share)·direction`` (MoFedSAM's client momentum;
+    ``direction``: one tensor per trained parameter, or ``None``: ``share·g`` alone)."""
+
+    share: float
+    direction: list[Tensor] | None
+
+
 class LogitMap(NamedTuple):
     """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
     ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
@@ -111,7 +119,11 @@ class BatchedStep:
     every client's ``begin`` at once, on the contexts of the round's clients (sharing the model): it does what each
     ``begin`` would and returns each client's start, or ``None`` where it does not apply (then each client's ``begin``
     runs in turn, as the sequential loop runs it). ``logits``: per client after ``begin``, given the number of classes,
-    a :class:`LogitMap` of its logits before the cross-entropy (FedLC, FedRS; the same parts on every client)."""
+    a :class:`LogitMap` of its logits before the cross-entropy (FedLC, FedRS; the same parts on every client).
+    ``sam_rho``: every step is a SAM step of this radius (0: none): the gradient at ``w`` gives each client's ascent
+    ``ε = ρ·g/(‖g‖ + 1e-12)`` (one norm over its trained parameters), and the gradient at ``w + ε`` (on the same batch,
+    its buffers discarded) replaces ``g`` (FedSAM). ``blend``: per client after ``begin``, a :class:`Blend` of that
+    gradient with a fixed direction, applied next (MoFedSAM)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -125,6 +137,8 @@ class BatchedStep:
     start_after_begin: bool = False
     begin_all: Callable[[list[LocalContext]], list[Params] | None] | None = None
     logits: Callable[[LocalContext, int], LogitMap] | None = None
+    sam_rho: float = 0.0
+    blend: Callable[[LocalContext], Blend] | None = None
 
     @property
     def has_term(self) -> bool:

@@ -51,7 +51,7 @@ from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_rows import Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
-from fedskew.engine.batched_steps import Flat, batchable, clip_rows, pull_rows
+from fedskew.engine.batched_steps import Flat, batchable, blend_rows, clip_rows, pull_rows, sam_ascent
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
 from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
@@ -325,6 +325,12 @@ def _run_phase(
                 stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
             if shifts[0] is not None:
                 stack.logit_shift = torch.stack(shifts).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
+        share = None
+        if rule.blend is not None:  # MoFedSAM: g <- share·g + (1 − share)·Δ, Δ each client's (none before round 2)
+            blends = [rule.blend(ctx) for ctx in contexts]
+            share = blends[0].share
+            if blends[0].direction is not None:
+                stack.blend_dir = flat.stack([b.direction for b in blends]).to(device)  # type: ignore[misc]
         term = rule.term(contexts[0]) if rule.term is not None else None
         if term is not None:
             glob = [received[c] for c in cids]
@@ -357,6 +363,7 @@ def _run_phase(
             None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
             capture,
             None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
+            None if share is None else (share, stack.blend_dir),
         )
         states = []
         for k in range(len(cids)):
@@ -398,16 +405,24 @@ def _run_phase(
                 at = index[bucket.drawn]
                 with torch.no_grad():
                     drawn = generated.inputs(*(t[at] for t in drawn_all))
-            if drawn is not None:
-                grads, (loss, new_bufs, *feats) = step(*args, rows, drawn, **mapped)
-            else:
-                with_rows = (rows,) if rows is not None else ()
-                grads, (loss, new_bufs, *feats) = step(*args, *with_rows, **mapped)
+            tail = (rows, drawn) if drawn is not None else (rows,) if rows is not None else ()
+            grads, (loss, new_bufs, *feats) = step(*args, *tail, **mapped)
             if collect is not None:  # FedProto/FedProc: the last epoch's class sums of the features, per client
                 collect.add(t, index[bucket.members], feats[0], y_all[sample])
+            p_list = list(flat.views(p_rows).values())  # views: args[0] holds the same rows
+            g = [grads[n] for n in names]
+            if rule.sam_rho > 0:  # FedSAM: the gradient at w + ε on the same batch, w restored as fedsam restores it
+                with torch.no_grad():
+                    eps = sam_ascent(g, rule.sam_rho)
+                    torch._foreach_add_(p_list, eps)
+                perturbed, _ = step(*args, *tail, **mapped)  # its buffers are discarded (SAM's frozen statistics)
+                with torch.no_grad():
+                    torch._foreach_sub_(p_list, eps)
+                g = [perturbed[n] for n in names]
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
-                p_list = list(flat.views(p_rows).values())
-                g = [grads[n] for n in names]
+                if share is not None:
+                    direction = None if stack.blend_dir is None else flat.views(take(stack.blend_dir)).values()
+                    g = blend_rows(g, share, direction)
                 if stack.pull_anchor is not None:  # after_backward: grad += α_k(θ − anchor) − linear, then clip
                     g = pull_rows(
                         g,

@@ -35,6 +35,7 @@ class Stack:
     term_mask: Tensor | None = None  # [R] 1 where the frozen-model term applies (MOON), None: everywhere
     logit_scale: Tensor | None = None  # [R, C] each client's scale of its logits before the loss (FedRS)
     logit_shift: Tensor | None = None  # [R, C] and their shift (FedLC)
+    blend_dir: Tensor | None = None  # [R, D] the direction a blend mixes into the gradient (MoFedSAM's Δ)
     frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
@@ -50,6 +51,7 @@ class Stack:
         "term_mask",
         "logit_scale",
         "logit_shift",
+        "blend_dir",
     )
 
     def retire(self, keep: np.ndarray, sel: Tensor) -> None:

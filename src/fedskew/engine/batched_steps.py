@@ -95,3 +95,20 @@ def clip_rows(grads: list[Tensor], clip: float) -> list[Tensor]:
     norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
     coef = (clip / (torch.linalg.vector_norm(norms, dim=1) + 1e-6)).clamp(max=1.0)
     return [g * coef.view(-1, *([1] * (g.dim() - 1))) for g in grads]
+
+
+def sam_ascent(grads: list[Tensor], rho: float) -> list[Tensor]:
+    """SAM's ascent per client row (``fedsam.sam_gradient``): ``ε = ρ·g/(‖g‖ + 1e-12)``, ``‖g‖`` the 2-norm of the
+    per-tensor 2-norms of the client's gradients."""
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
+    scale = rho / (torch.linalg.vector_norm(norms, dim=1) + 1e-12)
+    return [g * scale.view(-1, *([1] * (g.dim() - 1))) for g in grads]
+
+
+def blend_rows(grads: list[Tensor], share: float, direction: Any | None) -> list[Tensor]:
+    """A :class:`~fedskew.client.batched_form.Blend` on stacked rows: ``share·g + (1 − share)·direction`` per
+    parameter tensor (``direction``: the clients' rows of each tensor, or ``None``: ``share·g``)."""
+    scaled = [g * share for g in grads]
+    if direction is None:
+        return scaled
+    return [g.add(d, alpha=1.0 - share) for g, d in zip(scaled, list(direction), strict=True)]

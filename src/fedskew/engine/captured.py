@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep
 from fedskew.engine.batched_schedule import Schedule, upload_index
-from fedskew.engine.batched_steps import Flat
+from fedskew.engine.batched_steps import Flat, sam_ascent
 from fedskew.engine.stacked import stackable, stacked_step_function
 
 if TYPE_CHECKING:
@@ -171,6 +171,8 @@ class _Shape:
     shift: float | None
     pull: tuple[bool, float] | None  # (a linear term, the clip)
     logit_map: tuple[int | None, int | None] = (None, None)  # the classes of the logits' scale and shift, if any
+    sam_rho: float = 0.0  # SAM's radius (0: plain steps)
+    blend: tuple[float, bool] | None = None  # (the gradient's share, a direction given)
 
 
 class PaddedSteps:
@@ -196,6 +198,7 @@ class PaddedSteps:
             self.pull = (zeros(k), zeros(k, shape.dim), zeros(k, shape.dim) if shape.pull[0] else None)
         self.buf = zeros(k, shape.dim) if shape.momentum != 0 else None
         self.logit_map = tuple(None if c is None else zeros(k, c) for c in shape.logit_map)
+        self.blend_dir = zeros(k, shape.dim) if shape.blend is not None and shape.blend[1] else None
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # width -> its x, y and count buffers
@@ -225,8 +228,19 @@ class PaddedSteps:
         scale, shift = (None if m is None else m[:w] for m in self.logit_map)
         mapped = None if scale is None and shift is None else (scale, shift)
         grads, (loss, _, _) = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped)
+        if sh.sam_rho > 0:  # the gradient at w + ε (a row without a batch has g = 0, so ε = 0), w restored
+            with torch.no_grad():
+                eps = torch.cat([e.reshape(w, -1) for e in sam_ascent([grads[n] for n in sh.names], sh.sam_rho)], 1)
+                p_w.add_(eps)
+            grads, _ = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped)
+            with torch.no_grad():
+                p_w.sub_(eps)
         with torch.no_grad():
             g = torch.cat([grads[n].reshape(w, -1) for n in sh.names], dim=1)
+            if sh.blend is not None:  # share·g + (1 − share)·Δ; a row without a batch is masked out below
+                g = g * sh.blend[0]
+                if self.blend_dir is not None:
+                    g = g.add(self.blend_dir[:w], alpha=1.0 - sh.blend[0])
             if self.pull is not None and sh.pull is not None:  # grad += α(θ − anchor) − linear, then the norm clip
                 alpha, p_anchor, linear = self.pull
                 g.add_(alpha[:w].unsqueeze(1) * (p_w - p_anchor[:w]))
@@ -258,6 +272,7 @@ class PaddedSteps:
         shift: Tensor | None,
         pull: tuple[Tensor, Tensor, Tensor | None] | None,
         logit_map: tuple[Tensor | None, Tensor | None] | None = None,
+        blend_dir: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows and the summed
         losses, in client order, in new tensors (the buffers are the next round's)."""
@@ -266,7 +281,7 @@ class PaddedSteps:
             self.p.copy_(params.index_select(0, order))
             for k, v in fixed.items():
                 self.fix[k].copy_(v.index_select(0, order))
-            for mine, given in ((self.anchor, anchor), (self.shift, shift)):
+            for mine, given in ((self.anchor, anchor), (self.shift, shift), (self.blend_dir, blend_dir)):
                 if mine is not None and given is not None:
                     mine.copy_(given.index_select(0, order))
             if self.pull is not None and pull is not None:
@@ -324,6 +339,7 @@ def run_padded(
     pull: tuple[Tensor, Tensor, Tensor | None] | None,
     cache: PaddedCache | None = None,
     logit_map: tuple[Tensor | None, Tensor | None] | None = None,
+    blend: tuple[float, Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
@@ -331,7 +347,8 @@ def run_padded(
     FedProx's received rows; ``shift``: SCAFFOLD's ``(c − c_i rows, scale)`` after each step; ``pull``: FedDyn's
     ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``. ``cache``: where the
     phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only).
-    ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``)."""
+    ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``);
+    ``blend``: ``(share, direction rows or None)`` mixed into the gradient after SAM's (``rule.sam_rho``)."""
     device = params.device
     plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), device)
     shape = _Shape(
@@ -351,6 +368,9 @@ def run_padded(
         shift=None if shift is None else float(shift[1]),
         pull=None if pull is None else (pull[2] is not None, float(rule.clip)),
         logit_map=tuple(None if m is None else int(m.shape[1]) for m in (logit_map or (None, None))),  # type: ignore[arg-type]
+        sam_rho=float(rule.sam_rho),
+        blend=None if blend is None else (float(blend[0]), blend[1] is not None),
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device)
-    return steps.run(plan, x_all, y_all, params, fixed, anchor, None if shift is None else shift[0], pull, logit_map)
+    shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
+    return steps.run(plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows)
