@@ -59,7 +59,8 @@ from flops import matmul_gflops, run_arithmetic, run_fraction  # noqa: E402  (ar
 
 # one client part per family of batched step (each part's batched_step(), client/batched_form.py): plain SGD, a
 # proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
-# inputs, a start after begin, phases, prototype collection, uploads computed from the trained model
+# inputs, a start after begin, phases, prototype collection, uploads computed from the trained model, a map of the
+# logits, SAM's second pass
 BATCHED_METHODS = (
     "fedavg",
     "fedprox",
@@ -73,6 +74,8 @@ BATCHED_METHODS = (
     "fedbabu",
     "fedproto",
     "fedcac",
+    "fedlc",
+    "fedsam",
 )
 
 
