@@ -139,6 +139,10 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         ("fedsam+disco", None, {**BN, "batch_size": 32}),
         # MoFedSAM: round 1 steps with α·g_SAM, round 2 mixes in the server's Δ
         ("mofedsam", {"alpha": 0.3}, {"weight_decay": 1e-3}),
+        # FedRoD: BSM as each client's logit shift (−inf on its missing classes), the personal head trained beside
+        # the model on its stacked rows by plain SGD (momentum and weight decay apply to the model only)
+        ("fedrod", None, {"momentum": 0.5, "weight_decay": 1e-3}),
+        ("fedrod", {"generic_loss": "ce"}, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -175,6 +179,8 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all("personal_model" in s for s in bat.client_states.values())
     if method == "feddyn":  # the linear term g_k is non-zero from round 2 on, in every client's state
         assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
+    if method == "fedrod":  # each client's personal head was trained and kept, as the sequential loop keeps it
+        assert all("fedrod_head" in st for st in bat.client_states.values())
     if method == "mofedsam":  # round 2 mixes in a non-zero direction
         assert any(t.abs().max() > 0 for k, t in rounds[1][1].items() if k.startswith("mofedsam_delta/"))
     if method.startswith("feddc"):
@@ -211,6 +217,8 @@ def test_moon_refuses_a_model_without_a_stacked_form():
     assert reason is not None and "Moon's loss term" in reason
     reason = batchable(resolve_method("fedgen", {}), model)
     assert reason is not None and "FedGen's loss term" in reason
+    reason = batchable(resolve_method("fedrod", {}), model)
+    assert reason is not None and "FedRoD's loss term" in reason  # its side head is written on the stacked graph
     assert batchable(resolve_method("fedavg", {}), model) is None  # vmap handles any model for the others
 
 
@@ -293,6 +301,7 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedrs+fedadam",
         "fedsam",
         "mofedsam+heal",
+        "fedrod",
     ],
 )
 def test_batchable_methods(method):
@@ -344,7 +353,7 @@ def test_batched_runs_are_reproducible(one_thread):
         assert u.metrics == v.metrics
 
 
-@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen"])
+@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod"])
 def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
     """FedDyn, FedDC, FedALA and FedGen batched, with partial participation, drop-outs and ``on_bad_update: drop``:
     interrupted after round 2 and resumed gives the uninterrupted batched run's records, and both follow the

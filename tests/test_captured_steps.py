@@ -78,9 +78,10 @@ def test_refusals_name_what_cannot_be_padded():
     assert "no stacked form" in (capture_refusal(rule, res) or "")
     term = BatchedStep(term=lambda ctx: None)
     assert "loss term" in (capture_refusal(term, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) or "")
-    sim = digits_simulation("moon")
-    with pytest.raises(ValueError, match="one shape: the client part's loss term"):
-        train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
+    for method in ("moon", "fedrod"):  # frozen models; a side head trained beside the model
+        sim = digits_simulation(method)
+        with pytest.raises(ValueError, match="one shape: the client part's loss term"):
+            train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
 
 
 def test_ladder_and_plan_cover_every_live_row():

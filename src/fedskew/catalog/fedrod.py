@@ -18,6 +18,10 @@ the client receives at its first participation (PFLlib: a copy of the initial he
 participation); a client that has never trained is evaluated with the generic model (PFLlib adds its untrained
 initial head, which leaves its predictions but not its loss unchanged). The run's momentum and weight decay apply to
 the body and generic head only, as PFLlib's personal-head optimizer has neither.
+
+Batched (``--batched-clients``): the personal head is each client's :class:`~fedskew.client.batched_form.SideHead`
+(trained on its stacked rows beside the model), BSM the shift ``log n_k[c]`` of its logits
+(:class:`~fedskew.client.batched_form.LogitMap`); models of standard layers only, not at captured shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, LogitMap, SideHead
 from fedskew.client.kernels import HEAD_BIAS, HEAD_WEIGHT, check_linear_head, leaf_copy, sgd_leaves
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params
@@ -90,7 +95,17 @@ class FedRoD(LocalAlgorithm):
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         check_linear_head(template, "FedRoD")
 
-    unbatched = "a second head trained beside the model"
+    def batched_step(self) -> BatchedStep:
+        """The personal head as each client's side head; BSM as the shift ``log n_k[c]`` of its logits."""
+
+        def personal(ctx: LocalContext) -> SideHead:
+            head = ctx.prep(RodRound).head
+            return SideHead(head[HEAD_WEIGHT], head[HEAD_BIAS])
+
+        def balanced(ctx: LocalContext, num_classes: int) -> LogitMap:
+            return LogitMap(None, ctx.prep(RodRound).log_counts)
+
+        return BatchedStep(side_head=personal, logits=balanced if self.generic_loss == "bsm" else None)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

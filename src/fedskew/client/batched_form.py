@@ -59,6 +59,15 @@ class Blend(NamedTuple):
     direction: list[Tensor] | None
 
 
+class SideHead(NamedTuple):
+    """A client's linear head trained beside the model (FedRoD's personal head): ``weight`` ``[C, d]`` and ``bias``
+    ``[C]``, the tensors its ``loss`` and ``after_step`` train, which the batched path trains on its stacked rows and
+    writes back into at the end of the phase."""
+
+    weight: Tensor
+    bias: Tensor
+
+
 class LogitMap(NamedTuple):
     """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
     ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
@@ -123,7 +132,9 @@ class BatchedStep:
     ``sam_rho``: every step is a SAM step of this radius (0: none): the gradient at ``w`` gives each client's ascent
     ``ε = ρ·g/(‖g‖ + 1e-12)`` (one norm over its trained parameters), and the gradient at ``w + ε`` (on the same batch,
     its buffers discarded) replaces ``g`` (FedSAM). ``blend``: per client after ``begin``, a :class:`Blend` of that
-    gradient with a fixed direction, applied next (MoFedSAM)."""
+    gradient with a fixed direction, applied next (MoFedSAM). ``side_head``: per client after ``begin``, a
+    :class:`SideHead` trained beside the model on ``CE(logits.detach() + head(features.detach()), y)`` (its loss added
+    to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -139,8 +150,10 @@ class BatchedStep:
     logits: Callable[[LocalContext, int], LogitMap] | None = None
     sam_rho: float = 0.0
     blend: Callable[[LocalContext], Blend] | None = None
+    side_head: Callable[[LocalContext], SideHead] | None = None
 
     @property
     def has_term(self) -> bool:
         """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
-        return self.term is not None or self.collect is not None or self.generated is not None
+        terms = (self.term, self.collect, self.generated, self.side_head)
+        return any(t is not None for t in terms)

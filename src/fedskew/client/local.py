@@ -363,7 +363,7 @@ def batched_form(algo: LocalAlgorithm) -> BatchedStep | str:
             return f"its wrapper {type(algo).__name__} overrides {', '.join(extra)}, which run at every step"
         algo = algo.inner
     cls = type(algo)
-    if algo.unbatched:  # the part says why it has none (FedRoD: a second head trained beside the model)
+    if algo.unbatched:  # the part says why it has none (pFedMe: K inner steps of a second model at every step)
         return f"its client part {cls.__name__} declares no batched form ({algo.unbatched})"
     declaring = next(c for c in cls.__mro__ if "batched_step" in vars(c))
     below = [c for c in cls.__mro__[: cls.__mro__.index(declaring)] if issubclass(c, LocalAlgorithm)]

@@ -56,7 +56,10 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # no running statistics kept
         return "the model has BatchNorm layers (their batch statistics would include the padding)"
     if rule.has_term:
-        return "the client part's loss term (frozen models, generated inputs or collected class sums) is not masked"
+        return (
+            "the client part's loss term (frozen models, generated inputs, collected class sums or a side head) is "
+            "not masked"
+        )
     return None
 
 

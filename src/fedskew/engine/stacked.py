@@ -119,6 +119,10 @@ def stacked_forward(
     return out.view(k, b, *out.shape[1:])
 
 
+# the keys of a side head's gradients in a step's gradients (and of its rows among a batched phase's carried tensors)
+SIDE_WEIGHT, SIDE_BIAS = "side:weight", "side:bias"
+
+
 def stacked_step_function(
     model: nn.Module,
     names: list[str],
@@ -146,7 +150,9 @@ def stacked_step_function(
 
     ``logit_map``: ``(scale, shift)``, ``[K, C]`` each or ``None``, each client's map of its logits before the
     cross-entropy (:class:`~fedskew.client.batched_form.LogitMap`: FedLC, FedRS); a frozen-model term reads the
-    unmapped logits."""
+    unmapped logits. ``side``: ``(weight [K, C, d], bias [K, C])``, a head per client trained beside the model
+    (:class:`~fedskew.client.batched_form.SideHead`): ``CE(logits.detach() + side(features.detach()), y)`` is added to
+    each client's loss and its gradients are returned under :data:`SIDE_WEIGHT` and :data:`SIDE_BIAS`."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -162,8 +168,10 @@ def stacked_step_function(
         drawn: Any = None,
         padding: tuple[Tensor, Tensor] | None = None,
         logit_map: tuple[Tensor | None, Tensor | None] | None = None,
+        side: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
+        sides = [t.detach().requires_grad_() for t in side] if side is not None else []
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
         with torch.enable_grad():
@@ -172,6 +180,10 @@ def stacked_step_function(
             k, b = logits.shape[0], logits.shape[1]
             mapped = logits if logit_map is None else map_logits(logits, *logit_map)
             ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
+            if sides:  # a head trained beside the model on the detached logits and features (FedRoD's personal one)
+                personal = torch.matmul(feats.detach(), sides[0].transpose(1, 2)) + sides[1].unsqueeze(1)
+                summed = logits.detach() + personal
+                ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
             loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
             if mu != 0:
                 loss = loss + 0.5 * mu * torch.stack(
@@ -189,7 +201,10 @@ def stacked_step_function(
             if head_term is not None and drawn is not None:
                 head_state = part(state, "head.")
                 loss = loss + head_term(lambda z: stacked_forward(head, head_state, z), drawn)
-            grads = torch.autograd.grad(loss.sum(), [leaves[n] for n in names])
-        return dict(zip(names, grads, strict=True)), (loss.detach(), new_buffers, feats.detach())
+            grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides])
+        out = dict(zip(names, grads, strict=False))
+        if sides:
+            out[SIDE_WEIGHT], out[SIDE_BIAS] = grads[len(names) :]
+        return out, (loss.detach(), new_buffers, feats.detach())
 
     return step
