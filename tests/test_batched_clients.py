@@ -143,6 +143,10 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # the model on its stacked rows by plain SGD (momentum and weight decay apply to the model only)
         ("fedrod", None, {"momentum": 0.5, "weight_decay": 1e-3}),
         ("fedrod", {"generic_loss": "ce"}, {**BN, "batch_size": 32}),
+        # FedDBE: round 1 tracks each client's running mean (uploaded for ḡ); round 2 trains the representation bias
+        # beside the model and pulls the running mean (momentum < 1: carried across steps) to ḡ
+        ("feddbe", {"mean_momentum": 0.5, "kappa": 5.0}, {"momentum": 0.5}),
+        ("feddbe", None, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -181,6 +185,10 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
     if method == "fedrod":  # each client's personal head was trained and kept, as the sequential loop keeps it
         assert all("fedrod_head" in st for st in bat.client_states.values())
+    if method == "feddbe":  # round 1 uploaded the running means; round 2 trained each client's bias from ḡ
+        assert all("feddbe_running_mean" in u.extras for u in rounds[0][3])
+        assert "feddbe_global_mean" in rounds[1][1]
+        assert all(st["feddbe_bias"]["bias"].abs().max() > 0 for st in bat.client_states.values())
     if method == "mofedsam":  # round 2 mixes in a non-zero direction
         assert any(t.abs().max() > 0 for k, t in rounds[1][1].items() if k.startswith("mofedsam_delta/"))
     if method.startswith("feddc"):
@@ -302,6 +310,7 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedsam",
         "mofedsam+heal",
         "fedrod",
+        "feddbe",
     ],
 )
 def test_batchable_methods(method):
@@ -353,7 +362,7 @@ def test_batched_runs_are_reproducible(one_thread):
         assert u.metrics == v.metrics
 
 
-@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod"])
+@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe"])
 def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
     """FedDyn, FedDC, FedALA and FedGen batched, with partial participation, drop-outs and ``on_bad_update: drop``:
     interrupted after round 2 and resumed gives the uninterrupted batched run's records, and both follow the

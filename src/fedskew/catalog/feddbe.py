@@ -20,6 +20,10 @@ are the official script's (``run_me.sh``: ``-mo 1 -klw 50``, i.e. ``mean_momentu
 period before round 1, from every client's running mean after one discarded local training; fedskew's first round is
 that training, kept as a round, and ``ḡ`` averages the first round's participants (all of them under full
 participation, the official setting).
+
+Batched (``--batched-clients``): PRBM and MR are each client's :class:`~fedskew.client.batched_form.Representation`
+on its stacked rows (the bias trained beside the model, the running mean carried across steps); models of standard
+layers only, not at captured shapes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, Representation
 from fedskew.client.kernels import HEAD_BIAS, HEAD_WEIGHT, check_linear_head, leaf_copy, sgd_leaves
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
@@ -96,7 +101,17 @@ class FedDBE(LocalAlgorithm):
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         check_linear_head(template, "FedDBE")
 
-    unbatched = "a bias vector trained beside the model and a running mean across steps"
+    def batched_step(self) -> BatchedStep:
+        """PRBM and MR as each client's :class:`~fedskew.client.batched_form.Representation` (the first round: the
+        running mean only, for ḡ)."""
+
+        def pieces(ctx: LocalContext) -> Representation:
+            r = ctx.prep(DbeRound)
+            first = r.global_mean is None
+            bias = None if first else r.bias[BIAS]
+            return Representation(bias, r.running, float(self.mean_momentum), r.global_mean, float(self.kappa))
+
+        return BatchedStep(representation=pieces)
 
 
 # ---- server half -----------------------------------------------------------------------------------------------------

@@ -68,6 +68,21 @@ class SideHead(NamedTuple):
     bias: Tensor
 
 
+class Representation(NamedTuple):
+    """Pieces on a client's representation ``z = body(x)`` (FedDBE's PRBM and MR): ``bias`` ``[d]``, added to ``z``
+    before the head and trained beside the model by plain SGD at the run's learning rate (``None``: no bias); the
+    running mean of the batch means ``r ← (1 − momentum)·r + momentum·mean(z)`` from ``running`` ``[d]`` (carried
+    across steps, the gradient through the current batch only), pulled to ``target`` by
+    ``weight·mean(½(r − target)²)`` (``target`` ``None``: ``r`` only tracked). The batched path writes the trained
+    bias and the last ``r`` back into ``bias`` and ``running``."""
+
+    bias: Tensor | None
+    running: Tensor
+    momentum: float
+    target: Tensor | None
+    weight: float
+
+
 class LogitMap(NamedTuple):
     """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
     ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
@@ -134,7 +149,8 @@ class BatchedStep:
     its buffers discarded) replaces ``g`` (FedSAM). ``blend``: per client after ``begin``, a :class:`Blend` of that
     gradient with a fixed direction, applied next (MoFedSAM). ``side_head``: per client after ``begin``, a
     :class:`SideHead` trained beside the model on ``CE(logits.detach() + head(features.detach()), y)`` (its loss added
-    to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head)."""
+    to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head).
+    ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -151,9 +167,10 @@ class BatchedStep:
     sam_rho: float = 0.0
     blend: Callable[[LocalContext], Blend] | None = None
     side_head: Callable[[LocalContext], SideHead] | None = None
+    representation: Callable[[LocalContext], Representation] | None = None
 
     @property
     def has_term(self) -> bool:
         """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
-        terms = (self.term, self.collect, self.generated, self.side_head)
+        terms = (self.term, self.collect, self.generated, self.side_head, self.representation)
         return any(t is not None for t in terms)

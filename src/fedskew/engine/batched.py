@@ -49,11 +49,11 @@ from torch.func import functional_call, grad, vmap
 
 from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn, map_logits
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
-from fedskew.engine.batched_rows import Collect, PhasePlan, Stack, phase_plans
+from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import Flat, batchable, blend_rows, clip_rows, pull_rows, sam_ascent
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
-from fedskew.engine.stacked import SIDE_BIAS, SIDE_WEIGHT, stackable, stacked_step_function
+from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
@@ -325,9 +325,7 @@ def _run_phase(
                 stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
             if shifts[0] is not None:
                 stack.logit_shift = torch.stack(shifts).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
-        sides = [rule.side_head(ctx) for ctx in contexts] if rule.side_head is not None else []
-        for key, part in ((SIDE_WEIGHT, 0), (SIDE_BIAS, 1)) if sides else ():  # carried like a buffer, trained apart
-            stack.extra[key] = torch.stack([side[part].detach() for side in sides]).to(device)
+        beside = Beside(rule, contexts, stack, s.lr)  # FedRoD's personal head, FedDBE's bias and running mean
         share = None
         if rule.blend is not None:  # MoFedSAM: g <- share·g + (1 − share)·Δ, Δ each client's (none before round 2)
             blends = [rule.blend(ctx) for ctx in contexts]
@@ -390,7 +388,7 @@ def _run_phase(
 
             p_rows = take(stack.params)
             e_rows = {k: take(v) for k, v in stack.extra.items()}
-            fixed = {k: v for k, v in e_rows.items() if k not in mutable and k not in (SIDE_WEIGHT, SIDE_BIAS)}
+            fixed = {k: v for k, v in e_rows.items() if k not in mutable and k not in Beside.KEYS}
             bufs = {k: v for k, v in e_rows.items() if k in mutable}
             anchor = flat.views(take(stack.anchor)) if stack.anchor is not None else {}
             sample = index[bucket.sample].view(bucket.rows, size)
@@ -399,12 +397,10 @@ def _run_phase(
                 frozen = {m: {k: take(v) for k, v in st.items()} for m, st in stack.frozen_models.items()}
                 rows = (frozen, None if stack.term_mask is None else take(stack.term_mask))
             args = ({**flat.views(p_rows), **fixed}, bufs, anchor, x_all[sample], y_all[sample])
-            mapped: dict[str, Any] = {}
+            mapped = beside.step_args(e_rows)
             if rule.logits is not None:
                 scale, shift = (None if v is None else take(v) for v in (stack.logit_scale, stack.logit_shift))
                 mapped["logit_map"] = (scale, shift)
-            if sides:
-                mapped["side"] = (e_rows[SIDE_WEIGHT], e_rows[SIDE_BIAS])
             drawn = None
             if drawn_all is not None and generated is not None and bucket.drawn is not None:
                 at = index[bucket.drawn]
@@ -425,8 +421,7 @@ def _run_phase(
                     torch._foreach_sub_(p_list, eps)
                 g = [perturbed[n] for n in names]
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
-                for key in (SIDE_WEIGHT, SIDE_BIAS) if sides else ():  # the side head: plain SGD at the run's lr
-                    rows_now = e_rows[key].sub(grads[key], alpha=s.lr)
+                for key, rows_now in (beside.advance(e_rows, grads, feats[0]) if beside else {}).items():
                     stack.extra[key] = rows_now if pos is None else stack.extra[key].index_copy(0, pos, rows_now)
                 if share is not None:
                     direction = None if stack.blend_dir is None else flat.views(take(stack.blend_dir)).values()
@@ -469,10 +464,7 @@ def _run_phase(
 
     if collect is not None:
         collect.hand_over()
-    with torch.no_grad():
-        for k, side in enumerate(sides):  # each client's trained side head, where its end reads it
-            side.weight.copy_(stack.done[k][1][SIDE_WEIGHT])
-            side.bias.copy_(stack.done[k][1][SIDE_BIAS])
+    beside.hand_back(stack)
     out = []
     for k in range(len(cids)):
         row, rest, _ = stack.done[k]

@@ -1,6 +1,7 @@
 """What the batched clients carry through a phase (:mod:`fedskew.engine.batched`): :class:`Stack`, one row per
 client still training (its parameters, buffers, loss sum, optimizer and term tensors); :class:`PhasePlan`, one phase
-all clients share; :class:`Collect`, the per-class feature sums FedProto and FedProc read, gathered on the rows."""
+all clients share; :class:`Collect`, the per-class feature sums FedProto and FedProc read, gathered on the rows;
+:class:`Beside`, what the clients train or track beside the model (a side head, pieces on the representation)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedskew.client.batched_form import ClassSums
+from fedskew.client.batched_form import BatchedStep, ClassSums
 from fedskew.client.local import LocalAlgorithm, LocalContext
+from fedskew.engine.stacked import REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
 from fedskew.protocol import Params
 
 
@@ -128,3 +130,63 @@ class Collect:
         for k, target in enumerate(self.targets):
             target.sums = None if self.sums is None else self.sums[k]
             target.counts = None if self.sums is None else self.counts[k]
+
+
+class Beside:
+    """What each client trains or tracks beside the model through a phase: a side head (FedRoD's personal head,
+    ``BatchedStep.side_head``) and the pieces on its representation (FedDBE's bias and running mean,
+    ``BatchedStep.representation``). Their rows ride in the stack's ``extra`` under :data:`KEYS` (so a client's rows
+    retire with it), go to the step as its ``side`` and ``represent`` arguments, advance after it (plain SGD at the
+    run's learning rate; the running mean from the step's features) and are written back at the end into the tensors
+    the client part's hooks handed over, where its ``end`` reads them."""
+
+    KEYS = (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS, REPR_RUNNING)
+
+    def __init__(self, rule: BatchedStep, contexts: list[LocalContext], stack: Stack, lr: float) -> None:
+        device = stack.params.device
+        self.lr = lr
+        self.sides = [rule.side_head(ctx) for ctx in contexts] if rule.side_head is not None else []
+        self.reps = [rule.representation(ctx) for ctx in contexts] if rule.representation is not None else []
+        if self.sides:
+            stack.extra[SIDE_WEIGHT] = torch.stack([h.weight.detach() for h in self.sides]).to(device)
+            stack.extra[SIDE_BIAS] = torch.stack([h.bias.detach() for h in self.sides]).to(device)
+        self.target: Tensor | None = None
+        if self.reps:
+            stack.extra[REPR_RUNNING] = torch.stack([r.running.detach() for r in self.reps]).to(device)
+            biases = [r.bias for r in self.reps]
+            if biases[0] is not None:
+                stack.extra[REPR_BIAS] = torch.stack([b.detach() for b in biases if b is not None]).to(device)
+            self.target = None if self.reps[0].target is None else self.reps[0].target.to(device)
+
+    def __bool__(self) -> bool:
+        return bool(self.sides or self.reps)
+
+    def step_args(self, rows: dict[str, Tensor]) -> dict[str, object]:
+        """The step's keyword arguments for these clients' ``rows`` (their entries of the stack's ``extra``)."""
+        out: dict[str, object] = {}
+        if self.sides:
+            out["side"] = (rows[SIDE_WEIGHT], rows[SIDE_BIAS])
+        if self.reps:
+            r = self.reps[0]
+            out["represent"] = (rows.get(REPR_BIAS), rows[REPR_RUNNING], r.momentum, self.target, r.weight)
+        return out
+
+    def advance(self, rows: dict[str, Tensor], grads: dict[str, Tensor], feats: Tensor) -> dict[str, Tensor]:
+        """The rows after the step: the trained ones stepped by plain SGD, the running mean
+        ``r ← (1 − m)·r + m·mean(z)`` as the step computed it from ``feats`` ``[R, B, d]``."""
+        new = {k: rows[k].sub(grads[k], alpha=self.lr) for k in (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS) if k in rows}
+        if self.reps:
+            m = self.reps[0].momentum
+            new[REPR_RUNNING] = (1 - m) * rows[REPR_RUNNING] + m * feats.mean(1)
+        return new
+
+    @torch.no_grad()
+    def hand_back(self, stack: Stack) -> None:
+        """Each client's trained rows into the tensors its hooks handed over (``stack.done``: every client retired)."""
+        for k, head in enumerate(self.sides):
+            head.weight.copy_(stack.done[k][1][SIDE_WEIGHT])
+            head.bias.copy_(stack.done[k][1][SIDE_BIAS])
+        for k, rep in enumerate(self.reps):
+            rep.running.copy_(stack.done[k][1][REPR_RUNNING])
+            if rep.bias is not None:
+                rep.bias.copy_(stack.done[k][1][REPR_BIAS])

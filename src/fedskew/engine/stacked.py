@@ -121,6 +121,7 @@ def stacked_forward(
 
 # the keys of a side head's gradients in a step's gradients (and of its rows among a batched phase's carried tensors)
 SIDE_WEIGHT, SIDE_BIAS = "side:weight", "side:bias"
+REPR_BIAS, REPR_RUNNING = "repr:bias", "repr:running"  # a representation's bias (its gradient, its rows) and its r
 
 
 def stacked_step_function(
@@ -152,7 +153,11 @@ def stacked_step_function(
     cross-entropy (:class:`~fedskew.client.batched_form.LogitMap`: FedLC, FedRS); a frozen-model term reads the
     unmapped logits. ``side``: ``(weight [K, C, d], bias [K, C])``, a head per client trained beside the model
     (:class:`~fedskew.client.batched_form.SideHead`): ``CE(logits.detach() + side(features.detach()), y)`` is added to
-    each client's loss and its gradients are returned under :data:`SIDE_WEIGHT` and :data:`SIDE_BIAS`."""
+    each client's loss and its gradients are returned under :data:`SIDE_WEIGHT` and :data:`SIDE_BIAS`.
+    ``represent``: ``(bias [K, d] or None, running [K, d], momentum, target [d] or None, weight)``, the pieces of a
+    :class:`~fedskew.client.batched_form.Representation`: the bias is added to the body's output before the head
+    (its gradient returned under :data:`REPR_BIAS`), and with a target the running mean of this batch's mean is
+    pulled to it; the caller advances ``running`` from the returned features."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -169,22 +174,32 @@ def stacked_step_function(
         padding: tuple[Tensor, Tensor] | None = None,
         logit_map: tuple[Tensor | None, Tensor | None] | None = None,
         side: tuple[Tensor, Tensor] | None = None,
+        represent: tuple[Tensor | None, Tensor, float, Tensor | None, float] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         sides = [t.detach().requires_grad_() for t in side] if side is not None else []
+        rep_bias = None
+        if represent is not None and represent[0] is not None:
+            rep_bias = represent[0].detach().requires_grad_()
+            sides.append(rep_bias)
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
         with torch.enable_grad():
             feats = stacked_forward(body, part(state, "body."), x)
-            logits = stacked_forward(head, part(state, "head."), feats)
+            head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
+            logits = stacked_forward(head, part(state, "head."), head_in)
             k, b = logits.shape[0], logits.shape[1]
             mapped = logits if logit_map is None else map_logits(logits, *logit_map)
             ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
-            if sides:  # a head trained beside the model on the detached logits and features (FedRoD's personal one)
+            if side is not None:  # a head trained beside the model on the detached logits and features (FedRoD's)
                 personal = torch.matmul(feats.detach(), sides[0].transpose(1, 2)) + sides[1].unsqueeze(1)
                 summed = logits.detach() + personal
                 ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
             loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
+            if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
+                _, running, momentum, target, weight = represent
+                r = (1 - momentum) * running + momentum * feats.mean(1)
+                loss = loss + weight * (0.5 * (r - target) ** 2).mean(1)
             if mu != 0:
                 loss = loss + 0.5 * mu * torch.stack(
                     [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1
@@ -203,8 +218,10 @@ def stacked_step_function(
                 loss = loss + head_term(lambda z: stacked_forward(head, head_state, z), drawn)
             grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides])
         out = dict(zip(names, grads, strict=False))
-        if sides:
-            out[SIDE_WEIGHT], out[SIDE_BIAS] = grads[len(names) :]
+        if side is not None:
+            out[SIDE_WEIGHT], out[SIDE_BIAS] = grads[len(names) : len(names) + 2]
+        if rep_bias is not None:
+            out[REPR_BIAS] = grads[-1]
         return out, (loss.detach(), new_buffers, feats.detach())
 
     return step
