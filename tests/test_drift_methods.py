@@ -383,7 +383,7 @@ def test_names_compose():
         ("feddyn+fedavgm", {}, "momentum on top of it"),
         ("feddc+local", {}, "no global model"),
         ("scaffold+cloud+disco", {}, "server side of feddyn"),
-        ("feddyn+feddc", {}, "unknown"),
+        ("feddyn+feddc", {}, "'feddc' is a client part, and a composition takes one client part"),
         ("fednova+fedsa", {}, "both set the server's combine"),
         ("feddc+fedcac", {}, "takes no step piece"),
         ("fedavgm", {"server_momentum": 1.0}, "server_momentum"),
