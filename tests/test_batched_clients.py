@@ -147,6 +147,9 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # beside the model and pulls the running mean (momentum < 1: carried across steps) to ḡ
         ("feddbe", {"mean_momentum": 0.5, "kappa": 5.0}, {"momentum": 0.5}),
         ("feddbe", None, {**BN, "batch_size": 32}),
+        # APFL: the mixed model's cross-entropy beside the model's; v by plain SGD, α by its adaptive rule (clipped)
+        ("apfl", None, {"momentum": 0.5, "weight_decay": 1e-3}),
+        ("apfl", {"adaptive": False, "alpha": 0.3}, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -185,6 +188,9 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all(any(t.abs().max() > 0 for t in s["feddyn_grad"].values()) for s in bat.client_states.values())
     if method == "fedrod":  # each client's personal head was trained and kept, as the sequential loop keeps it
         assert all("fedrod_head" in st for st in bat.client_states.values())
+    if method == "apfl":  # v and α trained and kept per client (α moved from its start when adaptive)
+        alphas = [float(st["apfl_alpha"]["alpha"]) for st in bat.client_states.values()]
+        assert alphas and (all(a != 0.5 for a in alphas) if not args else all(a == pytest.approx(0.3) for a in alphas))
     if method == "feddbe":  # round 1 uploaded the running means; round 2 trained each client's bias from ḡ
         assert all("feddbe_running_mean" in u.extras for u in rounds[0][3])
         assert "feddbe_global_mean" in rounds[1][1]
@@ -311,6 +317,7 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "mofedsam+heal",
         "fedrod",
         "feddbe",
+        "apfl",
     ],
 )
 def test_batchable_methods(method):
@@ -362,7 +369,7 @@ def test_batched_runs_are_reproducible(one_thread):
         assert u.metrics == v.metrics
 
 
-@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe"])
+@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe", "apfl"])
 def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
     """FedDyn, FedDC, FedALA and FedGen batched, with partial participation, drop-outs and ``on_bad_update: drop``:
     interrupted after round 2 and resumed gives the uninterrupted batched run's records, and both follow the

@@ -18,6 +18,10 @@ Read against the paper's Algorithm 1 and the official code (MLOPTPSU/FedTorch, `
 ``0.02 α`` term is the official code's (not in the paper): ``alpha_l2 = 0`` drops it. The mixed model uses ``w``'s
 buffers (BatchNorm statistics); ``v`` holds trainable tensors only. ``v`` starts from the model the client receives at
 its first participation (the paper: ``w⁰``, the same under full participation).
+
+Batched (``--batched-clients``): ``v`` and ``α`` are each client's :class:`~fedskew.client.batched_form.Mixture`, the
+mixed model's cross-entropy computed on the stacked rows beside the model's; models of standard layers only, not at
+captured shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, Mixture
 from fedskew.client.kernels import forward_with, leaf_copy, sgd_leaves, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, StateKey
 from fedskew.protocol import Params
@@ -99,7 +104,14 @@ class APFL(LocalAlgorithm):
         alpha = kept[ALPHA]
         return {**ctx.base, **{n: t.to(ctx.base[n].dtype) for n, t in mixed(v, ctx.base, alpha).items()}}
 
-    unbatched = "a second model and a mixing weight trained beside the model"
+    def batched_step(self) -> BatchedStep:
+        """``v`` and ``α`` as each client's :class:`~fedskew.client.batched_form.Mixture`."""
+
+        def mixture(ctx: LocalContext) -> Mixture:
+            r = ctx.prep(ApflRound)
+            return Mixture(r.v, r.alpha, self.adaptive, float(self.alpha_l2))
+
+        return BatchedStep(mixture=mixture)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -83,6 +83,19 @@ class Representation(NamedTuple):
     weight: float
 
 
+class Mixture(NamedTuple):
+    """A second model trained beside the model through a mixture (APFL's ``v`` and ``α``): ``v`` (one live tensor
+    per trained parameter) and ``alpha`` (0-d, live). Every step adds ``CE(f(α·v + (1 − α)·w.detach()), y)`` to the
+    loss (the mixed model run with ``w``'s buffers, which it does not move); ``v`` takes plain SGD at the run's
+    learning rate and, when ``adaptive``, ``α ← clip(α − lr·(∂α + alpha_l2·α), 0, 1)``. The batched path writes
+    both back at the end."""
+
+    v: Params
+    alpha: Tensor
+    adaptive: bool
+    alpha_l2: float
+
+
 class LogitMap(NamedTuple):
     """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
     ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
@@ -150,7 +163,8 @@ class BatchedStep:
     gradient with a fixed direction, applied next (MoFedSAM). ``side_head``: per client after ``begin``, a
     :class:`SideHead` trained beside the model on ``CE(logits.detach() + head(features.detach()), y)`` (its loss added
     to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head).
-    ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE)."""
+    ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE). ``mixture``: per client
+    after ``begin``, a :class:`Mixture` (APFL)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -168,9 +182,10 @@ class BatchedStep:
     blend: Callable[[LocalContext], Blend] | None = None
     side_head: Callable[[LocalContext], SideHead] | None = None
     representation: Callable[[LocalContext], Representation] | None = None
+    mixture: Callable[[LocalContext], Mixture] | None = None
 
     @property
     def has_term(self) -> bool:
         """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
-        terms = (self.term, self.collect, self.generated, self.side_head, self.representation)
+        terms = (self.term, self.collect, self.generated, self.side_head, self.representation, self.mixture)
         return any(t is not None for t in terms)

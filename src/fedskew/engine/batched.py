@@ -325,7 +325,7 @@ def _run_phase(
                 stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
             if shifts[0] is not None:
                 stack.logit_shift = torch.stack(shifts).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
-        beside = Beside(rule, contexts, stack, s.lr)  # FedRoD's personal head, FedDBE's bias and running mean
+        beside = Beside(rule, contexts, stack, s.lr, flat)  # FedRoD's personal head, FedDBE's bias and running mean
         share = None
         if rule.blend is not None:  # MoFedSAM: g <- share·g + (1 − share)·Δ, Δ each client's (none before round 2)
             blends = [rule.blend(ctx) for ctx in contexts]

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from fedskew.client.batched_form import BatchedStep, ClassSums
 from fedskew.client.local import LocalAlgorithm, LocalContext
-from fedskew.engine.stacked import REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
+from fedskew.engine.batched_steps import Flat
+from fedskew.engine.stacked import MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
 from fedskew.protocol import Params
 
 
@@ -134,17 +135,23 @@ class Collect:
 
 class Beside:
     """What each client trains or tracks beside the model through a phase: a side head (FedRoD's personal head,
-    ``BatchedStep.side_head``) and the pieces on its representation (FedDBE's bias and running mean,
-    ``BatchedStep.representation``). Their rows ride in the stack's ``extra`` under :data:`KEYS` (so a client's rows
-    retire with it), go to the step as its ``side`` and ``represent`` arguments, advance after it (plain SGD at the
-    run's learning rate; the running mean from the step's features) and are written back at the end into the tensors
-    the client part's hooks handed over, where its ``end`` reads them."""
+    ``BatchedStep.side_head``), the pieces on its representation (FedDBE's bias and running mean,
+    ``BatchedStep.representation``) and a second model in a mixture (APFL's ``v`` as ``[R, D]`` rows of the phase's
+    trained parameters, and ``α``, ``BatchedStep.mixture``). Their rows ride in the stack's ``extra`` under
+    :data:`KEYS` (so a client's rows retire with it), go to the step as its ``side``, ``represent`` and ``mixture``
+    arguments, advance after it (plain SGD at the run's learning rate; the running mean from the step's features; α
+    by its own rule) and are written back at the end into the tensors the client part's hooks handed over, where its
+    ``end`` reads them."""
 
-    KEYS = (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS, REPR_RUNNING)
+    KEYS = (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS, REPR_RUNNING, MIX_V, MIX_ALPHA)
 
-    def __init__(self, rule: BatchedStep, contexts: list[LocalContext], stack: Stack, lr: float) -> None:
+    def __init__(self, rule: BatchedStep, contexts: list[LocalContext], stack: Stack, lr: float, flat: Flat) -> None:
         device = stack.params.device
-        self.lr = lr
+        self.lr, self.flat = lr, flat
+        self.mixes = [rule.mixture(ctx) for ctx in contexts] if rule.mixture is not None else []
+        if self.mixes:
+            stack.extra[MIX_V] = flat.stack([[m.v[n].detach() for n in flat.names] for m in self.mixes]).to(device)
+            stack.extra[MIX_ALPHA] = torch.stack([m.alpha.detach() for m in self.mixes]).to(device)
         self.sides = [rule.side_head(ctx) for ctx in contexts] if rule.side_head is not None else []
         self.reps = [rule.representation(ctx) for ctx in contexts] if rule.representation is not None else []
         if self.sides:
@@ -159,7 +166,7 @@ class Beside:
             self.target = None if self.reps[0].target is None else self.reps[0].target.to(device)
 
     def __bool__(self) -> bool:
-        return bool(self.sides or self.reps)
+        return bool(self.sides or self.reps or self.mixes)
 
     def step_args(self, rows: dict[str, Tensor]) -> dict[str, object]:
         """The step's keyword arguments for these clients' ``rows`` (their entries of the stack's ``extra``)."""
@@ -169,6 +176,8 @@ class Beside:
         if self.reps:
             r = self.reps[0]
             out["represent"] = (rows.get(REPR_BIAS), rows[REPR_RUNNING], r.momentum, self.target, r.weight)
+        if self.mixes:
+            out["mixture"] = (self.flat.views(rows[MIX_V]), rows[MIX_ALPHA])
         return out
 
     def advance(self, rows: dict[str, Tensor], grads: dict[str, Tensor], feats: Tensor) -> dict[str, Tensor]:
@@ -178,6 +187,13 @@ class Beside:
         if self.reps:
             m = self.reps[0].momentum
             new[REPR_RUNNING] = (1 - m) * rows[REPR_RUNNING] + m * feats.mean(1)
+        if self.mixes:
+            g_v = torch.cat([grads[MIX_V + n].flatten(1) for n in self.flat.names], dim=1)
+            new[MIX_V] = rows[MIX_V].sub(g_v, alpha=self.lr)
+            mix = self.mixes[0]
+            if mix.adaptive:  # α ← clip(α − lr·(∂α + l2·α), 0, 1)
+                alpha = rows[MIX_ALPHA]
+                new[MIX_ALPHA] = alpha.sub(grads[MIX_ALPHA] + mix.alpha_l2 * alpha, alpha=self.lr).clamp(0.0, 1.0)
         return new
 
     @torch.no_grad()
@@ -190,3 +206,7 @@ class Beside:
             rep.running.copy_(stack.done[k][1][REPR_RUNNING])
             if rep.bias is not None:
                 rep.bias.copy_(stack.done[k][1][REPR_BIAS])
+        for k, mix in enumerate(self.mixes):
+            for n, row in self.flat.views(stack.done[k][1][MIX_V]).items():
+                mix.v[n].copy_(row)
+            mix.alpha.copy_(stack.done[k][1][MIX_ALPHA])

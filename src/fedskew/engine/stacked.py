@@ -122,6 +122,7 @@ def stacked_forward(
 # the keys of a side head's gradients in a step's gradients (and of its rows among a batched phase's carried tensors)
 SIDE_WEIGHT, SIDE_BIAS = "side:weight", "side:bias"
 REPR_BIAS, REPR_RUNNING = "repr:bias", "repr:running"  # a representation's bias (its gradient, its rows) and its r
+MIX_V, MIX_ALPHA = "mix:v", "mix:alpha"  # a mixture's second model (gradients: MIX_V + name) and its weight
 
 
 def stacked_step_function(
@@ -157,7 +158,10 @@ def stacked_step_function(
     ``represent``: ``(bias [K, d] or None, running [K, d], momentum, target [d] or None, weight)``, the pieces of a
     :class:`~fedskew.client.batched_form.Representation`: the bias is added to the body's output before the head
     (its gradient returned under :data:`REPR_BIAS`), and with a target the running mean of this batch's mean is
-    pulled to it; the caller advances ``running`` from the returned features."""
+    pulled to it; the caller advances ``running`` from the returned features. ``mixture``: ``(v, alpha [K])``, a
+    :class:`~fedskew.client.batched_form.Mixture`'s second model (per trained parameter, ``[K, ...]``) and weight: the
+    cross-entropy of ``α·v + (1 − α)·w.detach()`` is added to each client's loss, the gradients returned under
+    ``MIX_V + name`` and :data:`MIX_ALPHA`."""
     body, head = model.body, model.head
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -175,6 +179,7 @@ def stacked_step_function(
         logit_map: tuple[Tensor | None, Tensor | None] | None = None,
         side: tuple[Tensor, Tensor] | None = None,
         represent: tuple[Tensor | None, Tensor, float, Tensor | None, float] | None = None,
+        mixture: tuple[dict[str, Tensor], Tensor] | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         sides = [t.detach().requires_grad_() for t in side] if side is not None else []
@@ -182,6 +187,8 @@ def stacked_step_function(
         if represent is not None and represent[0] is not None:
             rep_bias = represent[0].detach().requires_grad_()
             sides.append(rep_bias)
+        mix_v = {n: t.detach().requires_grad_() for n, t in mixture[0].items()} if mixture is not None else {}
+        mix_alpha = mixture[1].detach().requires_grad_() if mixture is not None else None
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
         with torch.enable_grad():
@@ -196,6 +203,16 @@ def stacked_step_function(
                 summed = logits.detach() + personal
                 ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
             loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
+            if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
+                a = mix_alpha
+                mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
+                for n, v in mix_v.items():
+                    a_n = a.view(-1, *([1] * (v.dim() - 1)))
+                    mixed_state[n] = a_n * v + (1 - a_n) * leaves[n].detach()
+                f2 = stacked_forward(body, part(mixed_state, "body."), x)
+                personal_logits = stacked_forward(head, part(mixed_state, "head."), f2)
+                ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
+                loss = loss + ce2.view(k, b).mean(1)  # (no padding: a mixture is not at captured shapes)
             if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
                 _, running, momentum, target, weight = represent
                 r = (1 - momentum) * running + momentum * feats.mean(1)
@@ -216,12 +233,17 @@ def stacked_step_function(
             if head_term is not None and drawn is not None:
                 head_state = part(state, "head.")
                 loss = loss + head_term(lambda z: stacked_forward(head, head_state, z), drawn)
-            grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides])
+            mixed_leaves = [*mix_v.values(), mix_alpha] if mix_alpha is not None else []
+            grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides, *mixed_leaves])
         out = dict(zip(names, grads, strict=False))
+        rest = list(grads[len(names) :])
         if side is not None:
-            out[SIDE_WEIGHT], out[SIDE_BIAS] = grads[len(names) : len(names) + 2]
+            out[SIDE_WEIGHT], out[SIDE_BIAS] = rest.pop(0), rest.pop(0)
         if rep_bias is not None:
-            out[REPR_BIAS] = grads[-1]
+            out[REPR_BIAS] = rest.pop(0)
+        if mix_alpha is not None:
+            out.update({MIX_V + n: rest.pop(0) for n in mix_v})
+            out[MIX_ALPHA] = rest.pop(0)
         return out, (loss.detach(), new_buffers, feats.detach())
 
     return step
