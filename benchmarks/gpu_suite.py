@@ -60,7 +60,7 @@ from flops import matmul_gflops, run_arithmetic, run_fraction  # noqa: E402  (ar
 # one client part per family of batched step (each part's batched_step(), client/batched_form.py): plain SGD, a
 # proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
 # inputs, a start after begin, phases, prototype collection, uploads computed from the trained model, a map of the
-# logits, SAM's second pass, a head trained beside the model, pieces on the representation, a mixture
+# logits, SAM's second pass, a head trained beside the model, pieces on the representation, a mixture, an inner step
 BATCHED_METHODS = (
     "fedavg",
     "fedprox",
@@ -79,6 +79,7 @@ BATCHED_METHODS = (
     "fedrod",
     "feddbe",
     "apfl",
+    "perfedavg",
 )
 
 

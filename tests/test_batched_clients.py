@@ -150,6 +150,10 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # APFL: the mixed model's cross-entropy beside the model's; v by plain SGD, α by its adaptive rule (clipped)
         ("apfl", None, {"momentum": 0.5, "weight_decay": 1e-3}),
         ("apfl", {"adaptive": False, "alpha": 0.3}, {**BN, "batch_size": 32}),
+        # Per-FedAvg: the gradient at the inner step's model on the second slice of each batch (last batches of 1
+        # reuse the first slice); hf: the central difference on the third; BN moves once a step (the whole batch)
+        ("perfedavg", None, {"momentum": 0.5}),
+        ("perfedavg", {"variant": "hf", "alpha": 0.02}, {**BN, "batch_size": 33}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -318,6 +322,7 @@ def test_the_comparison_sees_a_different_batch_order(one_thread):
         "fedrod",
         "feddbe",
         "apfl",
+        "perfedavg",
     ],
 )
 def test_batchable_methods(method):

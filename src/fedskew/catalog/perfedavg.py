@@ -18,6 +18,10 @@ Read against the paper's Algorithm 1 and PFLlib's ``clientperavg.py`` (first-ord
 called twice per round in its server loop (a doubling of local epochs that fedskew does not copy: set
 ``--local-epochs`` to match); the hf variant uses the paper's central difference with ``delta`` (default 1e-3)
 rather than an exact Hessian-vector product.
+
+Batched (``--batched-clients``): the meta-gradient is the batched form's
+:class:`~fedskew.client.batched_form.InnerStep`, each pass on the stacked rows; models of standard layers only, not
+at captured shapes.
 """
 
 from __future__ import annotations
@@ -31,23 +35,13 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, InnerStep, split_batch
 from fedskew.client.kernels import forward_with, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, PersonalContext, snapshot
 from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.space import LogFloat
-
-
-def split_batch(n: int, parts: int) -> list[slice]:
-    """``parts`` consecutive slices of a batch of ``n``, each ``⌈n/parts⌉`` long; a slice past the end reuses the
-    first (a batch too small to split)."""
-    size = math.ceil(n / parts)
-    out = []
-    for i in range(parts):
-        lo = i * size
-        out.append(slice(lo, min(lo + size, n)) if lo < n else slice(0, size))
-    return out
 
 
 def grads(loss: Tensor, params: list[Tensor], create_graph: bool = False) -> list[Tensor]:
@@ -120,7 +114,8 @@ class PerFedAvg(LocalAlgorithm):
                     p.sub_(g, alpha=a)
         return snapshot(model)
 
-    unbatched = "a gradient through an inner step at every step"
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep(inner=InnerStep(self.parts, self.alpha, self.variant == "hf", float(self.delta)))
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

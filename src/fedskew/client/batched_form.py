@@ -15,6 +15,7 @@ subclass of FedProx with its own ``loss``) is refused, since the form cannot kno
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -81,6 +82,30 @@ class Representation(NamedTuple):
     momentum: float
     target: Tensor | None
     weight: float
+
+
+def split_batch(n: int, parts: int) -> list[slice]:
+    """``parts`` consecutive slices of a batch of ``n``, each ``⌈n/parts⌉`` long; a slice past the end reuses the
+    first (a batch too small to split)."""
+    size = math.ceil(n / parts)
+    out = []
+    for i in range(parts):
+        lo = i * size
+        out.append(slice(lo, min(lo + size, n)) if lo < n else slice(0, size))
+    return out
+
+
+class InnerStep(NamedTuple):
+    """The step's gradient taken through one inner step (Per-FedAvg's MAML objective): each batch is cut into
+    ``parts`` slices (:func:`split_batch`); the gradient of the first slice's loss (on the whole batch's forward)
+    gives ``w' = w − lr·g`` (``lr`` ``None``: the run's), and the gradient at ``w'`` on the second slice is the
+    direction; with ``hessian_free``, minus ``lr·[∇f(w + δu) − ∇f(w − δu)]/(2δ)`` on the third. The reported loss is
+    the second slice's at ``w'``."""
+
+    parts: int
+    lr: float | None
+    hessian_free: bool
+    delta: float
 
 
 class Mixture(NamedTuple):
@@ -164,7 +189,7 @@ class BatchedStep:
     :class:`SideHead` trained beside the model on ``CE(logits.detach() + head(features.detach()), y)`` (its loss added
     to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head).
     ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE). ``mixture``: per client
-    after ``begin``, a :class:`Mixture` (APFL)."""
+    after ``begin``, a :class:`Mixture` (APFL). ``inner``: an :class:`InnerStep` (Per-FedAvg)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -183,9 +208,10 @@ class BatchedStep:
     side_head: Callable[[LocalContext], SideHead] | None = None
     representation: Callable[[LocalContext], Representation] | None = None
     mixture: Callable[[LocalContext], Mixture] | None = None
+    inner: InnerStep | None = None
 
     @property
     def has_term(self) -> bool:
         """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
-        terms = (self.term, self.collect, self.generated, self.side_head, self.representation, self.mixture)
+        terms = (self.term, self.collect, self.generated, self.side_head, self.representation, self.mixture, self.inner)
         return any(t is not None for t in terms)

@@ -51,7 +51,7 @@ from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
-from fedskew.engine.batched_steps import Flat, batchable, blend_rows, clip_rows, pull_rows, sam_ascent
+from fedskew.engine.batched_steps import Flat, batchable, blend_rows, clip_rows, inner_gradient, pull_rows, sam_ascent
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
 from fedskew.engine.stacked import stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
@@ -407,7 +407,12 @@ def _run_phase(
                 with torch.no_grad():
                     drawn = generated.inputs(*(t[at] for t in drawn_all))
             tail = (rows, drawn) if drawn is not None else (rows,) if rows is not None else ()
-            grads, (loss, new_bufs, *feats) = step(*args, *tail, **mapped)
+            if rule.inner is not None:  # Per-FedAvg: the direction through an inner step, its passes on these rows
+                views = flat.views(p_rows)
+                grads, loss, new_bufs = inner_gradient(step, views, fixed, bufs, *args[3:], names, rule.inner, s.lr)
+                feats = []
+            else:
+                grads, (loss, new_bufs, *feats) = step(*args, *tail, **mapped)
             if collect is not None:  # FedProto/FedProc: the last epoch's class sums of the features, per client
                 collect.add(t, index[bucket.members], feats[0], y_all[sample])
             p_list = list(flat.views(p_rows).values())  # views: args[0] holds the same rows

@@ -11,12 +11,13 @@ beside its hooks and an equivalence case in tests/test_batched_clients.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import InnerStep, split_batch
 from fedskew.client.local import batched_form, unwrapped
 from fedskew.engine.stacked import stackable
 from fedskew.server.api import ServerHalf
@@ -112,3 +113,34 @@ def blend_rows(grads: list[Tensor], share: float, direction: Any | None) -> list
     if direction is None:
         return scaled
     return [g.add(d, alpha=1.0 - share) for g, d in zip(scaled, list(direction), strict=True)]
+
+
+def inner_gradient(
+    step: Callable[..., Any],
+    params: dict[str, Tensor],
+    fixed: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    names: list[str],
+    inner: InnerStep,
+    lr: float,
+) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+    """An :class:`~fedskew.client.batched_form.InnerStep`'s direction on stacked rows (``params``: the trained
+    tensors ``[R, ...]``, ``x``/``y``: the step's batches ``[R, B, ...]``): the direction per trained tensor, the
+    reported loss ``[R]`` and the buffers after the whole batch's forward (the only pass that moves them)."""
+    cuts = split_batch(y.shape[1], inner.parts)
+    a = lr if inner.lr is None else inner.lr
+    first = torch.zeros(y.shape[:2], dtype=params[names[0]].dtype, device=y.device)
+    first[:, cuts[0]] = 1.0
+    # the first slice's loss on the whole batch's forward (its batch statistics, as the loss hook's logits have)
+    g1, (_, new_buffers, *_) = step({**params, **fixed}, buffers, {}, x, y, padding=(first, first.sum(1)))
+    adapted = {n: params[n] - a * g1[n] for n in names}
+    u, (loss, *_) = step({**fixed, **adapted}, new_buffers, {}, x[:, cuts[1]], y[:, cuts[1]])
+    d = {n: u[n] for n in names}
+    if inner.hessian_free:  # minus a·[∇f(w + δu) − ∇f(w − δu)]/(2δ) on the third slice
+        x3, y3 = x[:, cuts[2]], y[:, cuts[2]]
+        gp, _ = step({**fixed, **{n: params[n] + inner.delta * d[n] for n in names}}, new_buffers, {}, x3, y3)
+        gm, _ = step({**fixed, **{n: params[n] - inner.delta * d[n] for n in names}}, new_buffers, {}, x3, y3)
+        d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
+    return d, loss, new_buffers
