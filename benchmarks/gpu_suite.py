@@ -60,7 +60,8 @@ from flops import matmul_gflops, run_arithmetic, run_fraction  # noqa: E402  (ar
 # one client part per family of batched step (each part's batched_step(), client/batched_form.py): plain SGD, a
 # proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
 # inputs, a start after begin, phases, prototype collection, uploads computed from the trained model, a map of the
-# logits, SAM's second pass, a head trained beside the model, pieces on the representation, a mixture, an inner step
+# logits, SAM's second pass, a head trained beside the model, pieces on the representation, a mixture, an inner step,
+# a model solved at every step
 BATCHED_METHODS = (
     "fedavg",
     "fedprox",
@@ -80,6 +81,7 @@ BATCHED_METHODS = (
     "feddbe",
     "apfl",
     "perfedavg",
+    "pfedme",
 )
 
 

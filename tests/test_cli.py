@@ -92,11 +92,11 @@ def test_a_commands_warning_is_one_note_line_without_pythons_source_line(tmp_pat
     from fedskew.cli import main
 
     before = warnings.showwarning
-    args = ["run", "--method", "pfedme", "--batched-clients", "--rounds", "1", "--clients", "4", "--no-db", "--quiet"]
+    args = ["run", "--method", "fedcp", "--batched-clients", "--rounds", "1", "--clients", "4", "--no-db", "--quiet"]
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         assert main([*args, "--out", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
-    assert "note: batched_clients: its client part PFedMe declares no batched form" in err
+    assert "note: batched_clients: its client part FedCP declares no batched form" in err
     assert "UserWarning" not in err and "warnings.warn(" not in err
     assert warnings.showwarning is before  # left as it was for the process that called main()

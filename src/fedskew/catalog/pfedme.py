@@ -17,6 +17,10 @@ same ``w`` step, ``θ`` continuing from batch to batch within a round and starti
 uploads averaged by sample count. PFLlib's personalized evaluation reads ``θ`` through the model's own parameter
 objects, which its next ``set_parameters`` has overwritten with the global model; fedskew evaluates ``θ`` (the paper's
 personalized model). The run's momentum and weight decay apply to ``w``'s step; ``θ``'s steps are plain.
+
+Batched (``--batched-clients``): ``θ`` and its inner steps are each client's
+:class:`~fedskew.client.batched_form.Envelope`, every inner step a pass on the stacked rows; models of standard
+layers only, not at captured shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, Envelope
 from fedskew.client.kernels import PERSONAL, forward_with, trainable
 from fedskew.client.local import LocalAlgorithm, LocalContext, snapshot
 from fedskew.protocol import Params
@@ -89,7 +94,13 @@ class PFedMe(LocalAlgorithm):
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return PERSONAL.get(client_state)
 
-    unbatched = "K inner steps of a second model at every step"
+    def batched_step(self) -> BatchedStep:
+        """``θ`` and its inner steps as each client's :class:`~fedskew.client.batched_form.Envelope`."""
+
+        def envelope(ctx: LocalContext) -> Envelope:
+            return Envelope(ctx.prep(MeRound).theta, self.lam, self.inner_steps, self.personal_lr, self.mu)
+
+        return BatchedStep(envelope=envelope)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

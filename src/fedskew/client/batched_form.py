@@ -108,6 +108,19 @@ class InnerStep(NamedTuple):
     delta: float
 
 
+class Envelope(NamedTuple):
+    """A personalized model solved at every step (pFedMe's Moreau envelope): ``theta`` (one live tensor per trained
+    parameter, continued from step to step) takes ``steps`` plain steps at ``lr`` on
+    ``f(θ; batch) + (lam/2)‖θ − w‖² + (mu/2)‖θ‖²`` (``f`` run with ``w``'s buffers, which it does not move); the
+    model's gradient is then ``lam·(w − θ)`` and the reported loss ``θ``'s last. Written back at the end."""
+
+    theta: Params
+    lam: float
+    steps: int
+    lr: float
+    mu: float
+
+
 class Mixture(NamedTuple):
     """A second model trained beside the model through a mixture (APFL's ``v`` and ``α``): ``v`` (one live tensor
     per trained parameter) and ``alpha`` (0-d, live). Every step adds ``CE(f(α·v + (1 − α)·w.detach()), y)`` to the
@@ -189,7 +202,8 @@ class BatchedStep:
     :class:`SideHead` trained beside the model on ``CE(logits.detach() + head(features.detach()), y)`` (its loss added
     to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head).
     ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE). ``mixture``: per client
-    after ``begin``, a :class:`Mixture` (APFL). ``inner``: an :class:`InnerStep` (Per-FedAvg)."""
+    after ``begin``, a :class:`Mixture` (APFL). ``inner``: an :class:`InnerStep` (Per-FedAvg). ``envelope``: per
+    client after ``begin``, an :class:`Envelope` (pFedMe)."""
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -209,9 +223,10 @@ class BatchedStep:
     representation: Callable[[LocalContext], Representation] | None = None
     mixture: Callable[[LocalContext], Mixture] | None = None
     inner: InnerStep | None = None
+    envelope: Callable[[LocalContext], Envelope] | None = None
 
     @property
     def has_term(self) -> bool:
         """Whether the form has a loss term computed on the stacked graph (models of standard layers only)."""
-        terms = (self.term, self.collect, self.generated, self.side_head, self.representation, self.mixture, self.inner)
-        return any(t is not None for t in terms)
+        terms = (self.term, self.collect, self.generated, self.side_head, self.representation, self.mixture)
+        return any(t is not None for t in (*terms, self.inner, self.envelope))

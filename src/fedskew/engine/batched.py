@@ -51,9 +51,18 @@ from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
-from fedskew.engine.batched_steps import Flat, batchable, blend_rows, clip_rows, inner_gradient, pull_rows, sam_ascent
+from fedskew.engine.batched_steps import (
+    Flat,
+    batchable,
+    blend_rows,
+    clip_rows,
+    envelope_gradient,
+    inner_gradient,
+    pull_rows,
+    sam_ascent,
+)
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
-from fedskew.engine.stacked import stackable, stacked_step_function
+from fedskew.engine.stacked import ENV_THETA, stackable, stacked_step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
@@ -407,9 +416,16 @@ def _run_phase(
                 with torch.no_grad():
                     drawn = generated.inputs(*(t[at] for t in drawn_all))
             tail = (rows, drawn) if drawn is not None else (rows,) if rows is not None else ()
+            theta = None
             if rule.inner is not None:  # Per-FedAvg: the direction through an inner step, its passes on these rows
                 views = flat.views(p_rows)
                 grads, loss, new_bufs = inner_gradient(step, views, fixed, bufs, *args[3:], names, rule.inner, s.lr)
+                feats = []
+            elif beside.envs:  # pFedMe: θ solved on the batch, the model pulled towards it
+                env, rows_theta = beside.envs[0], flat.views(e_rows[ENV_THETA])
+                grads, loss, new_bufs, theta = envelope_gradient(
+                    step, flat.views(p_rows), fixed, bufs, *args[3:], env, rows_theta
+                )
                 feats = []
             else:
                 grads, (loss, new_bufs, *feats) = step(*args, *tail, **mapped)
@@ -426,7 +442,10 @@ def _run_phase(
                     torch._foreach_sub_(p_list, eps)
                 g = [perturbed[n] for n in names]
             with torch.no_grad():  # torch.optim.SGD's step, per parameter tensor, on views of the stacked rows
-                for key, rows_now in (beside.advance(e_rows, grads, feats[0]) if beside else {}).items():
+                carried = beside.advance(e_rows, grads, feats[0] if feats else None) if beside else {}
+                if theta is not None:
+                    carried[ENV_THETA] = torch.cat([theta[n].flatten(1) for n in names], dim=1)
+                for key, rows_now in carried.items():
                     stack.extra[key] = rows_now if pos is None else stack.extra[key].index_copy(0, pos, rows_now)
                 if share is not None:
                     direction = None if stack.blend_dir is None else flat.views(take(stack.blend_dir)).values()

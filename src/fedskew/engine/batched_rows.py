@@ -15,7 +15,7 @@ from torch import Tensor
 from fedskew.client.batched_form import BatchedStep, ClassSums
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.engine.batched_steps import Flat
-from fedskew.engine.stacked import MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
+from fedskew.engine.stacked import ENV_THETA, MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
 from fedskew.protocol import Params
 
 
@@ -136,18 +136,23 @@ class Collect:
 class Beside:
     """What each client trains or tracks beside the model through a phase: a side head (FedRoD's personal head,
     ``BatchedStep.side_head``), the pieces on its representation (FedDBE's bias and running mean,
-    ``BatchedStep.representation``) and a second model in a mixture (APFL's ``v`` as ``[R, D]`` rows of the phase's
-    trained parameters, and ``α``, ``BatchedStep.mixture``). Their rows ride in the stack's ``extra`` under
+    ``BatchedStep.representation``), a second model in a mixture (APFL's ``v`` as ``[R, D]`` rows of the phase's
+    trained parameters, and ``α``, ``BatchedStep.mixture``) and a personalized model solved at every step (pFedMe's
+    ``θ``, ``BatchedStep.envelope``, advanced by the step's own loop). Their rows ride in the stack's ``extra`` under
     :data:`KEYS` (so a client's rows retire with it), go to the step as its ``side``, ``represent`` and ``mixture``
     arguments, advance after it (plain SGD at the run's learning rate; the running mean from the step's features; α
     by its own rule) and are written back at the end into the tensors the client part's hooks handed over, where its
     ``end`` reads them."""
 
-    KEYS = (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS, REPR_RUNNING, MIX_V, MIX_ALPHA)
+    KEYS = (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS, REPR_RUNNING, MIX_V, MIX_ALPHA, ENV_THETA)
 
     def __init__(self, rule: BatchedStep, contexts: list[LocalContext], stack: Stack, lr: float, flat: Flat) -> None:
         device = stack.params.device
         self.lr, self.flat = lr, flat
+        self.envs = [rule.envelope(ctx) for ctx in contexts] if rule.envelope is not None else []
+        if self.envs:
+            thetas = [[e.theta[n].detach() for n in flat.names] for e in self.envs]
+            stack.extra[ENV_THETA] = flat.stack(thetas).to(device)
         self.mixes = [rule.mixture(ctx) for ctx in contexts] if rule.mixture is not None else []
         if self.mixes:
             stack.extra[MIX_V] = flat.stack([[m.v[n].detach() for n in flat.names] for m in self.mixes]).to(device)
@@ -166,7 +171,7 @@ class Beside:
             self.target = None if self.reps[0].target is None else self.reps[0].target.to(device)
 
     def __bool__(self) -> bool:
-        return bool(self.sides or self.reps or self.mixes)
+        return bool(self.sides or self.reps or self.mixes or self.envs)
 
     def step_args(self, rows: dict[str, Tensor]) -> dict[str, object]:
         """The step's keyword arguments for these clients' ``rows`` (their entries of the stack's ``extra``)."""
@@ -180,11 +185,11 @@ class Beside:
             out["mixture"] = (self.flat.views(rows[MIX_V]), rows[MIX_ALPHA])
         return out
 
-    def advance(self, rows: dict[str, Tensor], grads: dict[str, Tensor], feats: Tensor) -> dict[str, Tensor]:
+    def advance(self, rows: dict[str, Tensor], grads: dict[str, Tensor], feats: Tensor | None) -> dict[str, Tensor]:
         """The rows after the step: the trained ones stepped by plain SGD, the running mean
         ``r ← (1 − m)·r + m·mean(z)`` as the step computed it from ``feats`` ``[R, B, d]``."""
         new = {k: rows[k].sub(grads[k], alpha=self.lr) for k in (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS) if k in rows}
-        if self.reps:
+        if self.reps and feats is not None:
             m = self.reps[0].momentum
             new[REPR_RUNNING] = (1 - m) * rows[REPR_RUNNING] + m * feats.mean(1)
         if self.mixes:
@@ -206,6 +211,9 @@ class Beside:
             rep.running.copy_(stack.done[k][1][REPR_RUNNING])
             if rep.bias is not None:
                 rep.bias.copy_(stack.done[k][1][REPR_BIAS])
+        for k, env in enumerate(self.envs):
+            for n, row in self.flat.views(stack.done[k][1][ENV_THETA]).items():
+                env.theta[n].copy_(row)
         for k, mix in enumerate(self.mixes):
             for n, row in self.flat.views(stack.done[k][1][MIX_V]).items():
                 mix.v[n].copy_(row)

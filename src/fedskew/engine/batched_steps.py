@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import InnerStep, split_batch
+from fedskew.client.batched_form import Envelope, InnerStep, split_batch
 from fedskew.client.local import batched_form, unwrapped
 from fedskew.engine.stacked import stackable
 from fedskew.server.api import ServerHalf
@@ -144,3 +144,26 @@ def inner_gradient(
         gm, _ = step({**fixed, **{n: params[n] - inner.delta * d[n] for n in names}}, new_buffers, {}, x3, y3)
         d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
     return d, loss, new_buffers
+
+
+def envelope_gradient(
+    step: Callable[..., Any],
+    params: dict[str, Tensor],
+    fixed: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    env: Envelope,
+    theta: dict[str, Tensor],
+) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """An :class:`~fedskew.client.batched_form.Envelope`'s step on stacked rows: ``theta`` (``[R, ...]`` per trained
+    tensor) after its inner steps on the batch, the model's gradient ``lam·(w − θ)``, ``θ``'s last loss ``[R]`` and
+    the buffers after the whole batch's forward at ``w`` (the loop's forward, which moves them once a step)."""
+    new_buffers = buffers
+    if buffers:  # the loop runs the model on the batch before the loss hook: its BatchNorm statistics move
+        _, (_, new_buffers, *_) = step({**params, **fixed}, buffers, {}, x, y)
+    loss = torch.zeros(y.shape[0], device=y.device)
+    for _ in range(env.steps):
+        g, (loss, *_) = step({**fixed, **theta}, new_buffers, {}, x, y)
+        theta = {n: t - env.lr * (g[n] + env.lam * (t - params[n]) + env.mu * t) for n, t in theta.items()}
+    return {n: env.lam * (params[n] - t) for n, t in theta.items()}, loss, new_buffers, theta

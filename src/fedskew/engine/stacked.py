@@ -123,6 +123,7 @@ def stacked_forward(
 SIDE_WEIGHT, SIDE_BIAS = "side:weight", "side:bias"
 REPR_BIAS, REPR_RUNNING = "repr:bias", "repr:running"  # a representation's bias (its gradient, its rows) and its r
 MIX_V, MIX_ALPHA = "mix:v", "mix:alpha"  # a mixture's second model (gradients: MIX_V + name) and its weight
+ENV_THETA = "env:theta"  # an envelope's personalized model (its rows)
 
 
 def stacked_step_function(
