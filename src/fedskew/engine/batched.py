@@ -53,6 +53,7 @@ from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import (
     Flat,
+    StepRows,
     batchable,
     blend_rows,
     clip_rows,
@@ -115,17 +116,12 @@ def _vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callab
         new_buffers = {k: state[k] for k in buffers}
         return loss, (loss.detach(), new_buffers)
 
-    def step(
-        params: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        anchor: dict[str, Tensor],
-        x: Tensor,
-        y: Tensor,
-        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
-    ) -> Any:
+    def step(*inputs: Any, logit_map: tuple[Tensor | None, Tensor | None] | None = None) -> Any:
+        """``inputs``: (params, buffers, anchor, x, y), each mapped over its first axis; ``logit_map`` as the
+        stacked step's."""
         scale, shift = logit_map if logit_map is not None else (None, None)
-        dims = (0, 0, 0, 0, 0, None if scale is None else 0, None if shift is None else 0)
-        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(params, buffers, anchor, x, y, scale, shift)
+        dims = (0,) * len(inputs) + (None if scale is None else 0, None if shift is None else 0)
+        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(*inputs, scale, shift)
 
     return step
 
@@ -418,14 +414,13 @@ def _run_phase(
             tail = (rows, drawn) if drawn is not None else (rows,) if rows is not None else ()
             theta = None
             if rule.inner is not None:  # Per-FedAvg: the direction through an inner step, its passes on these rows
-                views = flat.views(p_rows)
-                grads, loss, new_bufs = inner_gradient(step, views, fixed, bufs, *args[3:], names, rule.inner, s.lr)
+                batch = StepRows(flat.views(p_rows), fixed, bufs, *args[3:])
+                grads, loss, new_bufs = inner_gradient(step, batch, names, rule.inner, s.lr)
                 feats = []
             elif beside.envs:  # pFedMe: θ solved on the batch, the model pulled towards it
+                batch = StepRows(flat.views(p_rows), fixed, bufs, *args[3:])
                 env, rows_theta = beside.envs[0], flat.views(e_rows[ENV_THETA])
-                grads, loss, new_bufs, theta = envelope_gradient(
-                    step, flat.views(p_rows), fixed, bufs, *args[3:], env, rows_theta
-                )
+                grads, loss, new_bufs, theta = envelope_gradient(step, batch, env, rows_theta)
                 feats = []
             else:
                 grads, (loss, new_bufs, *feats) = step(*args, *tail, **mapped)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -115,20 +115,24 @@ def blend_rows(grads: list[Tensor], share: float, direction: Any | None) -> list
     return [g.add(d, alpha=1.0 - share) for g, d in zip(scaled, list(direction), strict=True)]
 
 
+class StepRows(NamedTuple):
+    """One step's stacked rows: the trained tensors (``params``, ``[R, ...]``), the other entries of the state dicts
+    (``fixed``), the buffers, and the step's batches ``x``/``y`` (``[R, B, ...]``)."""
+
+    params: dict[str, Tensor]
+    fixed: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    x: Tensor
+    y: Tensor
+
+
 def inner_gradient(
-    step: Callable[..., Any],
-    params: dict[str, Tensor],
-    fixed: dict[str, Tensor],
-    buffers: dict[str, Tensor],
-    x: Tensor,
-    y: Tensor,
-    names: list[str],
-    inner: InnerStep,
-    lr: float,
+    step: Callable[..., Any], rows: StepRows, names: list[str], inner: InnerStep, lr: float
 ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
-    """An :class:`~fedskew.client.batched_form.InnerStep`'s direction on stacked rows (``params``: the trained
-    tensors ``[R, ...]``, ``x``/``y``: the step's batches ``[R, B, ...]``): the direction per trained tensor, the
-    reported loss ``[R]`` and the buffers after the whole batch's forward (the only pass that moves them)."""
+    """An :class:`~fedskew.client.batched_form.InnerStep`'s direction on stacked rows: the direction per trained
+    tensor, the reported loss ``[R]`` and the buffers after the whole batch's forward (the only pass that moves
+    them)."""
+    params, fixed, buffers, x, y = rows
     cuts = split_batch(y.shape[1], inner.parts)
     a = lr if inner.lr is None else inner.lr
     first = torch.zeros(y.shape[:2], dtype=params[names[0]].dtype, device=y.device)
@@ -147,18 +151,12 @@ def inner_gradient(
 
 
 def envelope_gradient(
-    step: Callable[..., Any],
-    params: dict[str, Tensor],
-    fixed: dict[str, Tensor],
-    buffers: dict[str, Tensor],
-    x: Tensor,
-    y: Tensor,
-    env: Envelope,
-    theta: dict[str, Tensor],
+    step: Callable[..., Any], rows: StepRows, env: Envelope, theta: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """An :class:`~fedskew.client.batched_form.Envelope`'s step on stacked rows: ``theta`` (``[R, ...]`` per trained
     tensor) after its inner steps on the batch, the model's gradient ``lam·(w − θ)``, ``θ``'s last loss ``[R]`` and
     the buffers after the whole batch's forward at ``w`` (the loop's forward, which moves them once a step)."""
+    params, fixed, buffers, x, y = rows
     new_buffers = buffers
     if buffers:  # the loop runs the model on the batch before the loss hook: its BatchNorm statistics move
         _, (_, new_buffers, *_) = step({**params, **fixed}, buffers, {}, x, y)
