@@ -193,8 +193,11 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if args.path == "vmap":
-        vmap_step = batched_module._vmap_step_function
-        batched_module._step_function = lambda model, names, mu, term=None, head_term=None: vmap_step(model, names, mu)
+        from fedskew.engine.step_functions import vmap_step_function
+
+        batched_module.step_function = lambda model, names, mu, term=None, head_term=None: vmap_step_function(
+            model, names, mu
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.engine.batched import _step_function, _vmap_step_function
 from fedskew.engine.stacked import stackable, stacked_forward, stacked_step_function
+from fedskew.engine.step_functions import step_function, vmap_step_function
 from fedskew.models import build_model
 
 
@@ -41,7 +41,7 @@ def test_stacked_step_equals_vmap(name: str, side: int, mu: float) -> None:
     anchor = {n: v + 0.01 for n, v in params.items()} if mu else {}
     x = torch.randn(k, b, 1, side, side, generator=torch.Generator().manual_seed(2))
     y = torch.randint(0, 10, (k, b), generator=torch.Generator().manual_seed(3))
-    g1, (l1, b1) = _vmap_step_function(model, names, mu)(params, buffers, anchor, x, y)
+    g1, (l1, b1) = vmap_step_function(model, names, mu)(params, buffers, anchor, x, y)
     g2, (l2, b2, feats) = stacked_step_function(model, names, mu)(params, buffers, anchor, x, y)
     for n in names:
         assert torch.allclose(g1[n], g2[n], atol=1e-6, rtol=1e-5), n
@@ -71,7 +71,7 @@ def test_each_clients_logit_map_is_the_same_on_both_paths(parts: tuple[str, ...]
     g = torch.Generator().manual_seed(4)
     scale = torch.rand(k, 10, generator=g) + 0.2 if "scale" in parts else None
     shift = torch.randn(k, 10, generator=g) if "shift" in parts else None
-    g1, (l1, _) = _vmap_step_function(model, names, 0.0)(params, {}, anchor, x, y, logit_map=(scale, shift))
+    g1, (l1, _) = vmap_step_function(model, names, 0.0)(params, {}, anchor, x, y, logit_map=(scale, shift))
     g2, (l2, _, _) = stacked_step_function(model, names, 0.0)(params, {}, anchor, x, y, logit_map=(scale, shift))
     plain, (l0, _, _) = stacked_step_function(model, names, 0.0)(params, {}, anchor, x, y)
     assert torch.allclose(l1, l2, atol=1e-6) and not torch.allclose(l0, l2, atol=1e-3)
@@ -107,7 +107,7 @@ def test_zoo_sequential_models_are_stackable(name: str) -> None:
     model = build_model(name, in_channels=1, image_size=16, num_classes=10)
     assert stackable(model.body) is None and stackable(model.head) is None
     names = [n for n, _ in model.named_parameters()]
-    assert _step_function(model, names, 0.0).__qualname__.startswith("stacked_step_function")
+    assert step_function(model, names, 0.0).__qualname__.startswith("stacked_step_function")
 
 
 def test_unstackable_models_say_why_and_use_vmap() -> None:
@@ -115,7 +115,7 @@ def test_unstackable_models_say_why_and_use_vmap() -> None:
     why = stackable(resnet.body)
     assert why is not None and "has no stacked form" in why
     names = [n for n, _ in resnet.named_parameters()]
-    assert not _step_function(resnet, names, 0.0).__qualname__.startswith("stacked_step_function")
+    assert not step_function(resnet, names, 0.0).__qualname__.startswith("stacked_step_function")
     assert "Flatten other than" in stackable(nn.Sequential(nn.Flatten(0)))
     assert "cumulative average" in stackable(nn.Sequential(nn.BatchNorm1d(3, momentum=None)))
     assert "padding" in stackable(nn.Conv2d(1, 2, 3, padding="same"))

@@ -37,17 +37,15 @@ the branch. The sequential loop started from its input moved by one ulp differs 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn, map_logits
+from fedskew.client.batched_form import BatchedStep, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
 from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase_plans
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
@@ -63,67 +61,14 @@ from fedskew.engine.batched_steps import (
     sam_ascent,
 )
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
-from fedskew.engine.stacked import ENV_THETA, stackable, stacked_step_function
+from fedskew.engine.stacked import ENV_THETA
+from fedskew.engine.step_functions import step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
     from fedskew.engine.rounds import RoundResult
-
-
-def _step_function(
-    model: nn.Module,
-    names: list[str],
-    mu: float,
-    term: FrozenTermFn | None = None,
-    head_term: HeadTermFn | None = None,
-) -> Callable[..., Any]:
-    """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
-    term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
-    layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
-    as ``vmap(grad(loss))`` of one client's step."""
-    if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu, term, head_term)
-    if term is not None or head_term is not None:
-        raise ValueError(
-            "a loss term against frozen models or through the head is batched for models of standard layers only"
-        )
-    return _vmap_step_function(model, names, mu)
-
-
-def _vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
-    """``vmap(grad(loss))`` of one client's step (any model): the contract of :func:`_step_function`."""
-    body_prefix, head_prefix = "body.", "head."
-
-    def client_loss(
-        params: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        anchor: dict[str, Tensor],
-        x: Tensor,
-        y: Tensor,
-        scale: Tensor | None,
-        shift: Tensor | None,
-    ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
-        state = {**params, **{k: v.clone() for k, v in buffers.items()}}  # the forward updates its own copies
-        body = {k[len(body_prefix) :]: v for k, v in state.items() if k.startswith(body_prefix)}
-        head = {k[len(head_prefix) :]: v for k, v in state.items() if k.startswith(head_prefix)}
-        feats = functional_call(model.body, body, (x,))
-        logits = functional_call(model.head, head, (feats,))
-        loss = F.cross_entropy(map_logits(logits, scale, shift), y)
-        if mu != 0:  # FedProx.loss: ce + proximal(ctx, ctx.received, mu), over the trained parameters
-            loss = loss + 0.5 * mu * torch.stack([((params[n] - anchor[n]) ** 2).sum() for n in names]).sum()
-        new_buffers = {k: state[k] for k in buffers}
-        return loss, (loss.detach(), new_buffers)
-
-    def step(*inputs: Any, logit_map: tuple[Tensor | None, Tensor | None] | None = None) -> Any:
-        """``inputs``: (params, buffers, anchor, x, y), each mapped over its first axis; ``logit_map`` as the
-        stacked step's."""
-        scale, shift = logit_map if logit_map is not None else (None, None)
-        dims = (0,) * len(inputs) + (None if scale is None else 0, None if shift is None else 0)
-        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(*inputs, scale, shift)
-
-    return step
 
 
 def train_batched(
@@ -376,7 +321,7 @@ def _run_phase(
             mine = flat.views(trained[k])
             states.append({key: (mine[key] if key in mine else stack.extra[key][k]) for key in order})
         return states, losses
-    step = _step_function(model, names, mu, term, generated.term if generated is not None else None)
+    step = step_function(model, names, mu, term, generated.term if generated is not None else None)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 
