@@ -369,6 +369,19 @@ def test_train_batched_refuses_an_unbatchable_method():
         train_batched(sim, 1, [0], {0: sim.params_for(0)}, {})
 
 
+def test_the_vmap_path_trains_in_training_mode_after_an_evaluation(one_thread, monkeypatch):
+    """A model without a stacked form trains through vmap's functional_call, which runs the modules in their current
+    mode; the model comes to round 2 from round 1's evaluation in eval mode, where BatchNorm would normalize by its
+    running statistics (found 2026-12-04: a ResNet's round 2 differed from the sequential loop by 0.3)."""
+    import fedskew.engine.step_functions as step_functions
+
+    monkeypatch.setattr(step_functions, "stackable", lambda module: "forced through vmap for this test")
+    seq, bat, rounds = _side_by_side("fedavg", None, **{**BN, "batch_size": 32})
+    assert not bat.model.training  # round 2's evaluation left it in eval mode, as it found it before round 2
+    for _, _, ups_seq, ups_bat in rounds:
+        _same_updates(ups_seq, ups_bat)
+
+
 def test_batched_runs_are_reproducible(one_thread):
     """Two batched runs of the same round give bit-identical uploads (no hidden randomness)."""
     ups = []

@@ -321,6 +321,9 @@ def _run_phase(
             mine = flat.views(trained[k])
             states.append({key: (mine[key] if key in mine else stack.extra[key][k]) for key in order})
         return states, losses
+    # training mode, as local_train sets it: vmap's functional_call runs the modules in their current mode, and the
+    # model comes here from an evaluation (eval mode: BatchNorm would normalize by its running statistics)
+    model.train()
     step = step_function(model, names, mu, term, generated.term if generated is not None else None)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
