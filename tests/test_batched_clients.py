@@ -42,8 +42,8 @@ def _same_updates(seq, bat) -> None:
             _close(u.extras[k], v.extras[k], f"client {u.cid} extra {k}")
         assert sorted(u.metrics) == sorted(v.metrics)
         assert u.metrics["steps"] == v.metrics["steps"]
-        for k in u.metrics:
-            assert abs(u.metrics[k] - v.metrics[k]) <= TOL, (u.cid, k, u.metrics[k], v.metrics[k])
+        for k in u.metrics:  # relative above 1: a sum of many squared gradients (FedAS's Fisher trace, ~80)
+            assert abs(u.metrics[k] - v.metrics[k]) <= TOL * max(1.0, abs(u.metrics[k])), (u.cid, k, u.metrics[k])
 
 
 def _same_states(a, b) -> None:
@@ -72,9 +72,11 @@ def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, captur
         plans = [sim.open_round(rnd) for sim in (seq, bat)]
         cids = [c for c in plans[0].sampled if c not in plans[0].gone]
         received = [{c: sim.params_for(c) for c in cids} for sim in (seq, bat)]
-        ups_seq = [seq._train(c, rnd, received[0][c], plans[0].broadcast) for c in cids]
+        sent = [{c: sim.sent_to(plan, c) for c in cids} for sim, plan in ((seq, plans[0]), (bat, plans[1]))]
+        ups_seq = [seq._train(c, rnd, received[0][c], sent[0][c]) for c in cids]
         inputs = (received[0], plans[0].broadcast) if same_inputs else (received[1], plans[1].broadcast)
-        ups_bat = train_batched(bat, rnd, cids, *inputs, capture=capture)
+        own = sent[0] if same_inputs else sent[1]
+        ups_bat = train_batched(bat, rnd, cids, *inputs, capture=capture, sent=own)
         for sim, plan, ups in ((seq, plans[0], ups_seq), (bat, plans[1], ups_bat)):
             for u in ups:
                 sim.take_upload(plan, u)
@@ -159,6 +161,18 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # (BN at batch 32 is not used: its last-bit differences grow through the inner steps erratically, measured
         # 3e-5 at K=3, 2e-7 at K=4, 2.7e-4 at K=5; at batch 24 K=5 agrees to 2e-7 in both rounds)
         ("pfedme", None, {**BN, "batch_size": 24}),
+        # FedAS: begin aligns the received body to the client's own prototypes (drawing from its shuffle stream
+        # before the epochs' permutations), training starts from it, end sends the Fisher trace (round 2 aligns)
+        ("fedas", None, {"momentum": 0.5}),
+        ("fedas", {"first_align": True, "align_epochs": 2}, {**BN, "batch_size": 32}),
+        # FedPAC: a head phase at its own rate, then the body with the prototype term from round 2 (begin's
+        # statistics and end's prototypes per client)
+        ("fedpac", {"head_lr": 0.05}, {"momentum": 0.5}),
+        ("fedpac", {"lam": 2.0}, {**BN, "batch_size": 32}),
+        # FedFomo: each client is sent its own peers (the server half's downloads), weighs them on its validation
+        # split (begin) and trains from their combination; 3 rounds: round 3's peers are round 2's uploads
+        ("fedfomo", {"peers": 2}, {"validation": 0.2, "rounds": 3}),
+        ("fedfomo", {"anchor": "start", "epsilon": 0.3}, {**BN, "batch_size": 32, "validation": 0.2, "rounds": 3}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -182,7 +196,8 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert not torch.equal(heads[0], heads[1])  # what each client receives differs
     if over.get("model") == "lenet_bn":
         u = rounds[0][3][0]
-        assert int(u.params["body.1.num_batches_tracked"]) == u.metrics["steps"]
+        tracked = int(u.params["body.1.num_batches_tracked"])
+        assert tracked > u.metrics["steps"] if method == "fedas" else tracked == u.metrics["steps"]  # + alignment
     if "afl" in method:
         assert all("loss_after" in u.metrics for u in rounds[0][3])
     if "qffl" in method:
@@ -206,6 +221,14 @@ def test_batched_matches_sequential(one_thread, method, args, over):
         assert all(st["feddbe_bias"]["bias"].abs().max() > 0 for st in bat.client_states.values())
     if method == "mofedsam":  # round 2 mixes in a non-zero direction
         assert any(t.abs().max() > 0 for k, t in rounds[1][1].items() if k.startswith("mofedsam_delta/"))
+    if method == "fedas":  # the Fisher traces were sent and the own models kept; round 2 aligned before training
+        assert all(u.metrics["fedas_fisher_trace"] > 0 for r in rounds for u in r[3])
+        assert all("personal_model" in s for s in bat.client_states.values())
+    if method == "fedpac":  # round 2 trained against the global prototypes the server broadcast
+        assert "fedpac/protos" in rounds[1][1] and all("fedpac/v" in u.extras for u in rounds[1][3])
+    if method == "fedfomo":  # from round 2 each client weighed peers of its own, and some trained from a mix
+        ids = [u.extras["fomo_peer_ids"].tolist() for u in rounds[1][3]]
+        assert ids and len({tuple(i) for i in ids}) > 1
     if method.startswith("feddc"):
         assert all(any(t.abs().max() > 0 for t in s["feddc_drift"].values()) for s in bat.client_states.values())
         if (args or {}).get("correction", True) is not False:
@@ -393,9 +416,13 @@ def test_batched_runs_are_reproducible(one_thread):
         assert u.metrics == v.metrics
 
 
-@pytest.mark.parametrize("method", ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe", "apfl", "pfedme"])
+@pytest.mark.parametrize(
+    "method",
+    ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe", "apfl", "pfedme", "fedas", "fedpac", "fedfomo"],
+)
 def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
-    """FedDyn, FedDC, FedALA and FedGen batched, with partial participation, drop-outs and ``on_bad_update: drop``:
+    """The client parts with state across rounds batched (FedDyn, FedDC, FedALA, FedGen, the personalized ones), with
+    partial participation, drop-outs and ``on_bad_update: drop``:
     interrupted after round 2 and resumed gives the uninterrupted batched run's records, and both follow the
     sequential run (FedGen's only in round 1: its server amplifies rounding, see SERVER_AMPLIFIES)."""
     import json
@@ -408,6 +435,8 @@ def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, met
     base |= {"join_ratio": 0.67, "client_dropout": 0.2, "on_bad_update": "drop", "batched_clients": True}
     if method == "fedgen":  # 100 generator steps a round on the server, not 1,000 (its state resumes the same)
         base["method_args"] = {"server_epochs": 100}
+    if method == "fedfomo":  # its peers are weighed on a validation split
+        base["validation"] = 0.2
 
     def records(out):
         lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -1,8 +1,6 @@
 """FedFomo (issue 42): the first-order weights and their combination by hand, the peer ranking with ε-greedy
 exploration, the server half's affinities and downloads, and the per-client downloads through the engine."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -115,9 +113,7 @@ def test_client_combines_its_peers_by_their_validation_gain_then_trains_from_the
     def val_loss(p):
         return float(F.cross_entropy(xv @ p["head.weight"].T + p["head.bias"], yv))
 
-    dist = [
-        sum(float(((p[n] - own[n]) ** 2).sum()) for n in own) ** 0.5 for p in peers
-    ]
+    dist = [sum(float(((p[n] - own[n]) ** 2).sum()) for n in own) ** 0.5 for p in peers]
     expected = [(val_loss(own) - val_loss(p)) / (d + 1e-5) for p, d in zip(peers, dist, strict=True)]
     _close(up.extras[PEER_WEIGHTS], expected)
     assert up.extras[PEER_IDS].tolist() == [4, 0, 7]
@@ -179,9 +175,19 @@ def test_fedfomo_needs_a_validation_split_and_anchor_start_keeps_the_start_model
     assert all("fedfomo_start" in sim.client_states[c] for c in range(5))
 
 
-def test_a_server_half_with_downloads_is_not_batched():
-    from fedskew.engine.batched_steps import batchable
-    from fedskew.methods import resolve_method
+def test_batched_clients_get_their_own_downloads_and_give_the_sequential_run():
+    """With ``batched_clients`` each client is sent its own peers (the round server's ``sent_to``), as in the
+    sequential loop: the same records and personal models; batched training without them is refused by name."""
+    from fedskew.engine.batched import train_batched
 
-    method = dataclasses.replace(resolve_method("fedavg", {}), server_half=FomoServer())
-    assert "downloads" in batchable(method)
+    seq, bat = _sim(method_args={"peers": 2}), _sim(method_args={"peers": 2}, batched_clients=True)
+    assert bat._batched is not None  # trained batched, not fallen back to the sequential loop
+    for rnd in (1, 2, 3):
+        a, b = seq.round(rnd).record, bat.round(rnd).record
+        assert a["bytes_down"] == b["bytes_down"]
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5
+    for c in range(5):
+        for n, t in seq.personal_params(c).items():
+            assert (t.double() - bat.personal_params(c)[n].double()).abs().max() <= 1e-5, (c, n)
+    with pytest.raises(ValueError, match="downloads"):
+        train_batched(bat, 4, [0, 1], {c: bat.params_for(c) for c in (0, 1)}, {})

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import PERSONAL, is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, TrainSettings, snapshot
 from fedskew.client.prototypes import class_sums
@@ -160,10 +161,11 @@ class FedAS(LocalAlgorithm):
         )
         return {}
 
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep()  # plain steps: the alignment (begin) and the Fisher pass (end) run per client
+
     def personal_model(self, client_state: dict[str, Any]) -> Params | None:
         return PERSONAL.get(client_state)
-
-    unbatched = "a prototype alignment of the received body and a Fisher pass per client"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep
 from fedskew.client.kernels import forward_with
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
@@ -216,7 +217,8 @@ class FedFomo(LocalAlgorithm):
         r = ctx.prep(FomoRound)
         return {PEER_IDS: r.ids, PEER_WEIGHTS: r.weights} if r.ids.numel() else {}
 
-    unbatched = "a pass of every downloaded peer model over the client's validation split before training"
+    def batched_step(self) -> BatchedStep:
+        return BatchedStep()  # plain steps from the combined start: the peers' passes (begin) run per client
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.client.kernels import is_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.client.prototypes import PROTO_COUNT, PROTO_MEAN, class_sums
@@ -138,7 +139,26 @@ class FedPAC(LocalAlgorithm):
             PROTO_COUNT: counts.to(torch.float32),
         }
 
-    unbatched = "statistics and prototypes from passes over the local data under two models"
+    def batched_step(self) -> BatchedStep:
+        lam = float(self.lam)
+
+        def term(ctx: LocalContext) -> FrozenTermFn | None:
+            """``loss``'s term per client in the body phase: ``lam ·`` the MSE between each feature and its class's
+            global prototype (the feature itself where the class has none); none in the head phase and before the
+            first global prototypes (broadcast: the same for every client of the round). The statistics (begin)
+            and the prototypes (end) run per client."""
+            r = ctx.prep(PacRound)
+            if ctx.phase != "body" or r.protos is None or r.present is None or lam == 0:
+                return None
+            protos, present = r.protos, r.present.bool()
+
+            def alignment(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+                target = torch.where(present[y].unsqueeze(-1), protos[y].to(feats.dtype), feats.detach())
+                return lam * ((feats - target) ** 2).mean(dim=(1, 2))
+
+            return alignment
+
+        return BatchedStep(term=term)
 
 
 # ---- server ----------------------------------------------------------------------------------------------------------

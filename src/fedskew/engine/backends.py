@@ -26,7 +26,8 @@ class BatchedClients:
         cids = [cid for cid, _, _ in jobs]
         received = {cid: params for cid, params, _ in jobs}
         broadcast = jobs[0][2] if jobs else {}
-        return train_batched(host, rnd, cids, received, broadcast, capture=self.capture)
+        sent = {cid: own for cid, _, own in jobs}  # the broadcast, and a client's downloads (FedFomo's peers)
+        return train_batched(host, rnd, cids, received, broadcast, capture=self.capture, sent=sent)
 
     def close(self) -> None:
         pass

@@ -25,8 +25,9 @@ What makes it the sequential path's training, not an approximation of it:
   the batched form each client part declares beside its hooks (``LocalAlgorithm.batched_step``: FedProx's proximal
   term, SCAFFOLD's shift after the step; :mod:`fedskew.client.batched_form`).
 
-Anything else (other hooks, several phases, a personal model, per-client uploads, a randomized model) is refused by
-:func:`batchable` with the reason, and the engine trains such a method sequentially.
+Anything else (a client part without a declared form, a randomized model, a term on a model without a stacked form)
+is refused by :func:`batchable` with the reason, and the engine trains such a method sequentially. Each client gets
+what it alone is sent (``sent``: the broadcast with a server half's downloads, FedFomo's peers).
 
 Float rounding differs (a vmapped convolution or linear layer sums in another order than the module's kernel, about
 1e-8 per gradient), so models usually agree to 1e-7 after a round (tests/test_batched_clients.py checks 1e-5). Local
@@ -37,7 +38,7 @@ the branch. The sequential loop started from its input moved by one ulp differs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,7 @@ from fedskew.engine.stacked import ENV_THETA
 from fedskew.engine.step_functions import step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
+from fedskew.server.api import ServerHalf
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
@@ -79,9 +81,16 @@ def train_batched(
     broadcast: Params,
     max_clients: int | None = None,
     capture: bool | PaddedCache = False,
+    sent: Mapping[int, Params] | None = None,
 ) -> list[Upload]:
     """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
     order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
+
+    ``sent``: what each client is sent beside its model, where a server half sends some clients tensors of their own
+    (``downloads``: FedFomo's peer models; the round server's ``sent_to``); ``None``: ``broadcast`` for every
+    client, which a server half with downloads refuses (``ValueError``). Only the per-client hooks (``begin``,
+    ``end``, a form's per-client pieces) read a client's own; what a form builds once for the round reads the first
+    client's context, so it may read only what every client is sent alike.
 
     ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
     ``capture``: every step at one of a few shapes, padded and masked (:mod:`fedskew.engine.captured`), replayed as
@@ -92,6 +101,11 @@ def train_batched(
     reason = batchable(sim.method, sim.model)
     if reason is not None:
         raise ValueError(f"method {sim.method.name!r} cannot be trained with batched clients: {reason}")
+    if sent is None and type(sim.method.server_half).downloads is not ServerHalf.downloads:
+        raise ValueError(
+            f"method {sim.method.name!r} sends each client tensors of its own (its server half's downloads): "
+            "train_batched needs them as sent={client: what it is sent}"
+        )
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
@@ -99,7 +113,8 @@ def train_batched(
     updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
-        updates += _train_group(sim, rnd, chunk, received, broadcast, cache)
+        mine = {c: broadcast for c in chunk} if sent is None else {c: sent[c] for c in chunk}
+        updates += _train_group(sim, rnd, chunk, received, mine, cache)
     return updates
 
 
@@ -121,7 +136,7 @@ def _train_group(
     rnd: int,
     cids: list[int],
     received: dict[int, Params],
-    broadcast: Params,
+    sent: dict[int, Params],
     capture: PaddedCache | None = None,
 ) -> list[Upload]:
     method, model, s = sim.method, sim.model, sim.settings
@@ -147,7 +162,7 @@ def _train_group(
             model=model,
             received=received[cid],
             client_state=sim.client_states[cid],
-            broadcast=broadcast,
+            broadcast=sent[cid],
             settings=s,
             x=client.x_train,
             y=client.y_train,
@@ -446,6 +461,7 @@ def round_batched(sim: RoundHost, rnd: int, max_clients: int | None = None) -> R
     plan = sim.open_round(rnd)
     cids = [c for c in plan.sampled if c not in plan.gone]
     received = {c: sim.params_for(c) for c in cids}
-    for update in train_batched(sim, rnd, cids, received, plan.broadcast, max_clients):
+    sent = {c: sim.sent_to(plan, c) for c in cids}
+    for update in train_batched(sim, rnd, cids, received, plan.broadcast, max_clients, sent=sent):
         sim.take_upload(plan, update)
     return sim.close_round(plan)

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from fedskew.client.batched_form import Envelope, InnerStep, split_batch
 from fedskew.client.local import batched_form, unwrapped
 from fedskew.engine.stacked import stackable
-from fedskew.server.api import ServerHalf
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
@@ -59,8 +58,6 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     form = batched_form(method.client)
     if isinstance(form, str):
         return form
-    if type(method.server_half).downloads is not ServerHalf.downloads:
-        return "its server half sends each client tensors of its own (downloads), which a batch of clients shares"
     if model is not None:
         for name, module in model.named_modules():
             if isinstance(module, _RANDOM_LAYERS):

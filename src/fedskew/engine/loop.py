@@ -232,12 +232,12 @@ class Simulation:
         Each client gets its model and what the round server sends it beside it (``sent_to``)."""
         rnd = plan.rnd
         if self._batched is not None:
-            jobs = [(cid, self.params_for(cid), self.server.sent_to(plan, cid)) for cid in cids]
+            jobs = [(cid, self.params_for(cid), self.sent_to(plan, cid)) for cid in cids]
             yield from self._batched.train(self, rnd, jobs)
         elif self.cfg.workers > 1 and len(cids) > 1:
             if self._workers is None:
                 self._workers = worker_pool(self, min(self.cfg.workers, self.data.num_clients))
-            jobs = [(cid, self.params_for(cid), self.server.sent_to(plan, cid)) for cid in cids]
+            jobs = [(cid, self.params_for(cid), self.sent_to(plan, cid)) for cid in cids]
             yield from self._workers.train(self, rnd, jobs)
         else:
             # live: the upload's params are the model's tensors, which take_upload copies before the next trains;
@@ -247,7 +247,7 @@ class Simulation:
                 if stack is not None:
                     self._in_place.bind(stack.next_row())
                 try:
-                    upload = self._train(cid, rnd, self.params_for(cid), self.server.sent_to(plan, cid), live=True)
+                    upload = self._train(cid, rnd, self.params_for(cid), self.sent_to(plan, cid), live=True)
                 finally:
                     self._in_place.restore()  # before anything else uses the model (it would write the row)
                 yield upload
@@ -274,6 +274,11 @@ class Simulation:
         """Start round ``rnd`` on the round server (:meth:`~fedskew.engine.round_server.RoundServer.open_round`)."""
         self.current_round = rnd
         return self.server.open_round(rnd)
+
+    def sent_to(self, plan: RoundPlan, cid: int) -> Params:
+        """What client ``cid`` is sent beside its model this round (the round server's
+        :meth:`~fedskew.engine.round_server.RoundServer.sent_to`: the broadcast, and its own downloads)."""
+        return self.server.sent_to(plan, cid)
 
     def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
         """Hand one client's upload to the round server; the client keeps what it trained (unless the server

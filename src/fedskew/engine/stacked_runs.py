@@ -135,7 +135,9 @@ def train_together(
             out[r] = []
         elif any(sent for _, _, sent in jobs):  # a broadcast of its own: this run's clients alone
             received = {c: p for c, p, _ in jobs}
-            out[r] = train_batched(host, rnd, [c for c, _, _ in jobs], received, jobs[0][2], capture=capture([host]))
+            sent = {c: own for c, _, own in jobs}
+            cids = [c for c, _, _ in jobs]
+            out[r] = train_batched(host, rnd, cids, received, jobs[0][2], capture=capture([host]), sent=sent)
         else:
             together.setdefault(rnd, []).append(r)
     for rnd, runs in together.items():
