@@ -195,9 +195,10 @@ def main() -> None:
     if args.path == "vmap":
         from fedskew.engine.step_functions import vmap_step_function
 
-        batched_module.step_function = lambda model, names, mu, term=None, head_term=None: vmap_step_function(
-            model, names, mu
-        )
+        def vmap_always(model, names, mu, term=None, head_term=None, client_term=None, head_draw=None):
+            return vmap_step_function(model, names, mu, client_term, head_draw)
+
+        batched_module.step_function = vmap_always
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -61,7 +61,7 @@ from flops import matmul_gflops, run_arithmetic, run_fraction  # noqa: E402  (ar
 # proximal term, a shift after the step, a pull after the backward pass, terms against frozen models, a term on drawn
 # inputs, a start after begin, phases, prototype collection, uploads computed from the trained model, a map of the
 # logits, SAM's second pass, a head trained beside the model, pieces on the representation, a mixture, an inner step,
-# a model solved at every step
+# a model solved at every step, a per-client term under vmap with a decay of some parameters, a head's per-client draws
 BATCHED_METHODS = (
     "fedavg",
     "fedprox",
@@ -82,6 +82,8 @@ BATCHED_METHODS = (
     "apfl",
     "perfedavg",
     "pfedme",
+    "gpfl",
+    "fedcp",
 )
 
 

@@ -173,6 +173,14 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
         # split (begin) and trains from their combination; 3 rounds: round 3's peers are round 2's uploads
         ("fedfomo", {"peers": 2}, {"validation": 0.2, "rounds": 3}),
         ("fedfomo", {"anchor": "start", "epsilon": 0.3}, {**BN, "batch_size": 32, "validation": 0.2, "rounds": 3}),
+        # GPFL: the global-feature path through each client's trained valve and embeddings, computed per client
+        # under vmap (its composite head has no stacked form), and μ on their gradients after the backward pass
+        ("gpfl", {"lam": 0.5}, {"momentum": 0.5}),
+        ("gpfl", {"mu": 0.3}, {**BN, "batch_size": 32}),
+        # FedCP: each client's Gumbel draws from its own stream in its step order, passed to its head's forward, and
+        # the MMD to the received body's features computed per client under vmap
+        ("fedcp", None, {"momentum": 0.5}),
+        ("fedcp", {"lam": 1.0}, {**BN, "batch_size": 32}),
     ],
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
@@ -418,7 +426,10 @@ def test_batched_runs_are_reproducible(one_thread):
 
 @pytest.mark.parametrize(
     "method",
-    ["feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe", "apfl", "pfedme", "fedas", "fedpac", "fedfomo"],
+    [
+        *("feddyn+disco", "feddc", "fedala", "fedgen", "fedrod", "feddbe", "apfl", "pfedme"),
+        *("fedas", "fedpac", "fedfomo", "gpfl", "fedcp"),
+    ],
 )
 def test_batched_drift_hosts_resume_exactly_with_drops(tmp_path, one_thread, method):
     """The client parts with state across rounds batched (FedDyn, FedDC, FedALA, FedGen, the personalized ones), with

@@ -78,6 +78,9 @@ def test_refusals_name_what_cannot_be_padded():
     assert "no stacked form" in (capture_refusal(rule, res) or "")
     term = BatchedStep(term=lambda ctx: None)
     assert "loss term" in (capture_refusal(term, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) or "")
+    mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+    for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
+        assert "own per-client term" in (capture_refusal(own, mlp) or "")
     for method in ("moon", "fedrod"):  # frozen models; a side head trained beside the model
         sim = digits_simulation(method)
         with pytest.raises(ValueError, match="one shape: the client part's loss term"):

@@ -85,18 +85,19 @@ def test_methods_name_gives_each_parts_paper_defaults_and_what_the_composition_c
 
 
 def test_a_commands_warning_is_one_note_line_without_pythons_source_line(tmp_path, capsys):
-    """Issue 45: a warning (here: a client part without a batched form under --batched-clients) printed Python's
-    ``file:line: UserWarning`` header and the raw ``warnings.warn(`` line under it."""
+    """Issue 45: a warning (here: a loss term without a batched form on this model under --batched-clients) printed
+    Python's ``file:line: UserWarning`` header and the raw ``warnings.warn(`` line under it."""
     import warnings
 
     from fedskew.cli import main
 
     before = warnings.showwarning
-    args = ["run", "--method", "fedcp", "--batched-clients", "--rounds", "1", "--clients", "4", "--no-db", "--quiet"]
+    args = ["run", "--method", "moon", "--model", "resnet8", "--batched-clients", "--rounds", "1", "--clients", "4"]
+    args += ["--no-db", "--quiet"]
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         assert main([*args, "--out", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
-    assert "note: batched_clients: its client part FedCP declares no batched form" in err
+    assert "note: batched_clients: Moon's loss term is batched for standard-layer models only" in err
     assert "UserWarning" not in err and "warnings.warn(" not in err
     assert warnings.showwarning is before  # left as it was for the process that called main()

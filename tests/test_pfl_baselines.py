@@ -388,12 +388,23 @@ def test_killed_and_resumed_runs_equal_uninterrupted_ones(tmp_path, method, one_
     assert any("personal_acc_mean" in r for r in whole) or method == "lgfedavg"
 
 
-@pytest.mark.parametrize("method", ["fedcp", "gpfl"])
-def test_batched_clients_names_why_each_trains_sequentially(method):
+@pytest.mark.parametrize("method", ["fedcp", "gpfl", "fedas", "fedpac", "fedfomo"])
+def test_batched_clients_take_every_personalized_part_and_name_why_a_part_declares_none(method):
+    """Every built-in part has a batched form (tests/test_batched_clients.py checks each against the sequential
+    loop); a part that declares none is named with its own reason."""
+    import dataclasses
+
+    from fedskew.client.local import LocalAlgorithm
     from fedskew.engine.batched_steps import batchable
     from fedskew.methods import resolve_method
     from fedskew.models import build_model
 
     resolved = resolve_method(method, {})
-    why = batchable(resolved, build_model("mlp", in_channels=1, image_size=8, num_classes=3))
-    assert why is not None and resolved.client.unbatched and resolved.client.unbatched in why
+    model = build_model("mlp", in_channels=1, image_size=8, num_classes=3)
+    assert not resolved.client.unbatched and batchable(resolved, model) is None
+
+    class Mine(LocalAlgorithm):
+        unbatched = "a draw of its own inside every step"
+
+    why = batchable(dataclasses.replace(resolved, client=Mine()), model)
+    assert why == "its client part Mine declares no batched form (a draw of its own inside every step)"

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, ClientTerm, HeadDraw
 from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.models import LinearFrom
@@ -75,18 +76,26 @@ class CPHead(nn.Module):
         self.tau = tau
         self.noise: torch.Generator | None = None
 
-    def gate(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """The personal and global shares ``(r, 1 − r)`` of each feature of ``z`` ``[B, d]``."""
+    def gate(self, z: Tensor, exponential: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The personal and global shares ``(r, 1 − r)`` of each feature of ``z`` ``[B, d]``; ``exponential``: the
+        step's ``Exp(1)`` draws ``[B, 2, d]`` given from outside (the batched path), else drawn here in training."""
         context = F.normalize(self.personal.context, p=2, dim=1)
         s = self.policy(z * context).view(z.shape[0], 2, -1)
-        if self.training and self.noise is not None:  # torch's gumbel_softmax, drawn from the client's stream
-            s = s - torch.empty_like(s).exponential_(generator=self.noise).log()
+        if exponential is None and self.training and self.noise is not None:  # drawn from the client's stream
+            exponential = draw_exponential(self.noise, s.shape, s.dtype)
+        if exponential is not None:  # torch's gumbel_softmax: Gumbel noise −log(Exp(1))
+            s = s - exponential.log()
         r = torch.softmax(s / self.tau, dim=1)
         return r[:, 0], r[:, 1]
 
-    def forward(self, z: Tensor) -> Tensor:
-        personal, shared = self.gate(z)
+    def forward(self, z: Tensor, exponential: Tensor | None = None) -> Tensor:
+        personal, shared = self.gate(z, exponential)
         return self.personal(z * personal) + self.generic(z * shared)
+
+
+def draw_exponential(noise: torch.Generator, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """One training forward's ``Exp(1)`` draws from the client's noise stream (on the stream's device)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=noise.device).exponential_(generator=noise)
 
 
 def mmd_rbf(x: Tensor, y: Tensor, bandwidths: Sequence[float] = RBF_BANDWIDTHS) -> Tensor:
@@ -108,6 +117,7 @@ class CPRound:
 
     body: Params
     head: CPHead
+    noise: torch.Generator  # the client's stream of Gumbel draws this round
 
 
 @dataclass
@@ -124,7 +134,7 @@ class FedCP(LocalAlgorithm):
         head.noise = noise
         # copies: in training mode a BatchNorm layer's running statistics move with each forward pass
         body = {n.removeprefix("body."): t.clone() for n, t in ctx.received.items() if n.startswith("body.")}
-        ctx.prepared = CPRound(body, head)
+        ctx.prepared = CPRound(body, head, noise)
 
     def phases(self, ctx: LocalContext) -> list[Phase]:
         return [Phase(ctx.settings.epochs, trains=lambda n: not n.startswith(GENERIC))]
@@ -151,7 +161,28 @@ class FedCP(LocalAlgorithm):
         needed = {f"{GENERIC}weight", f"{POLICY}0.weight", "head.personal.weight", "head.personal.context"}
         check_composite_head(template, needed, "FedCP", "policy, generic and personal heads")
 
-    unbatched = "a Gumbel gate drawn per feature and an MMD term against the received body"
+    def batched_step(self) -> BatchedStep:
+        lam = float(self.lam)
+
+        def mmd(model: nn.Module, state: Params, z: Tensor, y: Tensor, x: Tensor, reads: Params) -> Tensor:
+            """``lam ·`` MMD² between one client's features and the received body's on the same batch (its copy of
+            the received buffers moves, as ``loss``'s copy does)."""
+            body = {n.removeprefix("body."): t.clone() for n, t in reads.items()}
+            with torch.no_grad():
+                received = torch.func.functional_call(model.body, body, (x,))
+            return lam * mmd_rbf(z, received)
+
+        def term(ctx: LocalContext) -> ClientTerm | None:
+            if lam == 0:
+                return None
+            return ClientTerm(mmd, reads=tuple(n for n in ctx.received if n.startswith("body.")))
+
+        def draws(ctx: LocalContext) -> HeadDraw:
+            r = ctx.prep(CPRound)
+            d = r.head.personal.context.shape[1]
+            return HeadDraw("exponential", lambda b: draw_exponential(r.noise, (b, 2, d), r.head.personal.weight.dtype))
+
+        return BatchedStep(client_term=term, head_draw=draws)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

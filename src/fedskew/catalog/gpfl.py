@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from fedskew.client.batched_form import BatchedStep, ClientTerm
 from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import LinearFrom
@@ -147,7 +148,21 @@ class GPFL(LocalAlgorithm):
         needed = {EMBEDDING, "head.valve.gamma.0.weight", "head.personal.weight", "head.personal.personal_input"}
         check_composite_head(template, needed, "GPFL", "conditional valve, class embeddings, personal head")
 
-    unbatched = "a second feature path through the conditional valve, aligned with the class embeddings"
+    def batched_step(self) -> BatchedStep:
+        lam, mu = float(self.lam), float(self.mu)
+
+        def global_path(model: nn.Module, state: Params, z: Tensor, y: Tensor, x: Tensor, reads: Params) -> Tensor:
+            """``loss``'s terms for one client: the global features ``CoV(z, g_k)`` through its trained valve, their
+            angle-level loss against its trained embeddings and ``lam ·`` their distance to the received ones."""
+            valve = {n.removeprefix("head.valve."): t for n, t in state.items() if n.startswith("head.valve.")}
+            shared = torch.func.functional_call(model.head.valve, valve, (z, state["head.personal.generic_input"]))
+            loss = embedding_loss(shared, y, state[EMBEDDING])
+            return loss + lam * torch.linalg.matrix_norm(shared - reads[EMBEDDING][y])
+
+        def term(ctx: LocalContext) -> ClientTerm:
+            return ClientTerm(global_path, reads=(EMBEDDING,))
+
+        return BatchedStep(client_term=term, decay=lambda n: mu if n.startswith(SHARED) else 0.0)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedskew.protocol import Params
 
@@ -134,6 +134,30 @@ class Mixture(NamedTuple):
     alpha_l2: float
 
 
+# a loss term computed for one client at a time (inside vmap: any model): (the model, the client's state by full
+# names: trained parameters and buffers, the body's output [B, d], the labels [B], the inputs [B, ...], the client's
+# own rows of the received model's entries the term reads) -> a scalar
+ClientTermFn = Callable[[nn.Module, dict[str, Tensor], Tensor, Tensor, Tensor, dict[str, Tensor]], Tensor]
+
+
+class ClientTerm(NamedTuple):
+    """A loss term computed one client at a time under ``vmap`` (any model, a composite head included): ``fn``
+    (:data:`ClientTermFn`) and ``reads``, the received model's entries (full names) it reads, each client's own
+    (GPFL's path through its trained valve and embeddings; FedCP's MMD to the received body's features)."""
+
+    fn: ClientTermFn
+    reads: tuple[str, ...] = ()
+
+
+class HeadDraw(NamedTuple):
+    """Random inputs a client's head draws at every training forward (FedCP's Gumbel noise), drawn by the batched
+    path from the client's own stream in its step order, as the sequential forward draws them, and passed to the
+    head's forward as its keyword ``name``: ``draw(b)``, one step's draw for a batch of ``b``."""
+
+    name: str
+    draw: Callable[[int], Tensor]
+
+
 class LogitMap(NamedTuple):
     """A client's fixed map of its logits before the cross-entropy, ``logits · scale + shift`` (``[C]`` each;
     ``None``: that part is absent): FedRS's restricted softmax (``scale``), FedLC's calibration (``shift``)."""
@@ -203,7 +227,12 @@ class BatchedStep:
     to the step's) by plain SGD at the run's learning rate after every step (FedRoD's personal head).
     ``representation``: per client after ``begin``, a :class:`Representation` (FedDBE). ``mixture``: per client
     after ``begin``, a :class:`Mixture` (APFL). ``inner``: an :class:`InnerStep` (Per-FedAvg). ``envelope``: per
-    client after ``begin``, an :class:`Envelope` (pFedMe)."""
+    client after ``begin``, an :class:`Envelope` (pFedMe). ``client_term``: from the first client's context, a
+    :class:`ClientTerm` added to each client's loss, computed one client at a time (the steps then run under ``vmap``
+    whatever the model; GPFL). ``decay``: per trained parameter name, a weight ``μ`` whose ``μ·θ`` is added to the
+    gradient after the backward pass, before the optimizer's own weight decay (0: none; GPFL's valve and embeddings).
+    ``head_draw``: per client after ``begin``, a :class:`HeadDraw` (the steps then run under ``vmap``; FedCP).
+    """
 
     prox_mu: Callable[[str], float] | None = None
     shift: Callable[[LocalContext], Shift | None] | None = None
@@ -224,6 +253,9 @@ class BatchedStep:
     mixture: Callable[[LocalContext], Mixture] | None = None
     inner: InnerStep | None = None
     envelope: Callable[[LocalContext], Envelope] | None = None
+    client_term: Callable[[LocalContext], ClientTerm | None] | None = None
+    decay: Callable[[str], float] | None = None
+    head_draw: Callable[[LocalContext], HeadDraw] | None = None
 
     @property
     def has_term(self) -> bool:

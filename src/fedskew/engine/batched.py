@@ -298,6 +298,11 @@ def _run_phase(
             if blends[0].direction is not None:
                 stack.blend_dir = flat.stack([b.direction for b in blends]).to(device)  # type: ignore[misc]
         term = rule.term(contexts[0]) if rule.term is not None else None
+        own_term = rule.client_term(contexts[0]) if rule.client_term is not None else None
+        if own_term is not None:  # each client's rows of the received entries its term reads (GPFL's embeddings)
+            stack.reads = {k: torch.stack([received[c][k] for c in cids]).to(device) for k in own_term.reads}
+        decays = [rule.decay(n) for n in names] if rule.decay is not None else []
+        head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
         if term is not None:
             glob = [received[c] for c in cids]
             models = {"received": glob}
@@ -339,7 +344,8 @@ def _run_phase(
     # training mode, as local_train sets it: vmap's functional_call runs the modules in their current mode, and the
     # model comes here from an evaluation (eval mode: BatchNorm would normalize by its running statistics)
     model.train()
-    step = step_function(model, names, mu, term, generated.term if generated is not None else None)
+    draw_name = head_draws[0].name if head_draws else None
+    step = step_function(model, names, mu, term, generated.term if generated is not None else None, own_term, draw_name)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 
@@ -369,6 +375,11 @@ def _run_phase(
             if rule.logits is not None:
                 scale, shift = (None if v is None else take(v) for v in (stack.logit_scale, stack.logit_shift))
                 mapped["logit_map"] = (scale, shift)
+            if own_term is not None:
+                mapped["reads"] = {k: take(v) for k, v in stack.reads.items()}
+            if head_draws:  # each client's draws for this step from its own stream, in its step order (FedCP)
+                assert bucket.clients is not None
+                mapped["drawn"] = torch.stack([head_draws[k].draw(size) for k in bucket.clients.tolist()])
             drawn = None
             if drawn_all is not None and generated is not None and bucket.drawn is not None:
                 at = index[bucket.drawn]
@@ -405,6 +416,8 @@ def _run_phase(
                     carried[ENV_THETA] = torch.cat([theta[n].flatten(1) for n in names], dim=1)
                 for key, rows_now in carried.items():
                     stack.extra[key] = rows_now if pos is None else stack.extra[key].index_copy(0, pos, rows_now)
+                if any(decays):  # after_backward: μ·θ added to the decayed parameters' gradients (GPFL)
+                    g = [gi + d * p if d else gi for gi, p, d in zip(g, p_list, decays, strict=True)]
                 if share is not None:
                     direction = None if stack.blend_dir is None else flat.views(take(stack.blend_dir)).values()
                     g = blend_rows(g, share, direction)

@@ -40,6 +40,7 @@ class Stack:
     logit_shift: Tensor | None = None  # [R, C] and their shift (FedLC)
     blend_dir: Tensor | None = None  # [R, D] the direction a blend mixes into the gradient (MoFedSAM's Δ)
     frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
+    reads: dict[str, Tensor] = field(default_factory=dict)  # [R, ...] received entries a client term reads (GPFL)
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
     _ROWS = (
@@ -69,6 +70,7 @@ class Stack:
                 setattr(self, name, value[sel])
         self.extra = {k: v[sel] for k, v in self.extra.items()}
         self.frozen_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.frozen_models.items()}
+        self.reads = {k: v[sel] for k, v in self.reads.items()}
         self.live = self.live[keep]
 
 

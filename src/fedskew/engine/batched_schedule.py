@@ -93,6 +93,7 @@ class Bucket:
     sample: slice  # their [rows, size] sample indices, flattened, in the round's index tensor
     pos: slice | None  # their positions among the live rows (None: all of them, in order)
     drawn: slice | None = None  # their rows of the schedule's drawn inputs at this step (FedGen)
+    clients: np.ndarray | None = None  # their positions in the group, on the host (a head's draws per client)
 
 
 @dataclass
@@ -128,7 +129,7 @@ def plan_steps(sched: Schedule, device: torch.device) -> tuple[list[StepPlan], T
         for size, rows, idx in buckets:
             pos = None if rows.size == live.size else put(np.searchsorted(live, rows))
             drawn = None if sched.drawn_base is None else put(sched.drawn_base[rows] + t)
-            planned.append(Bucket(size, int(rows.size), put(rows), put(idx), pos, drawn))
+            planned.append(Bucket(size, int(rows.size), put(rows), put(idx), pos, drawn, rows))
         steps.append(StepPlan(keep, sel, planned))
     flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return steps, upload_index(flat, device)

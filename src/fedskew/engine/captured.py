@@ -55,6 +55,11 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
         return "the model has buffers (BatchNorm statistics would be computed over padded batches)"
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # no running statistics kept
         return "the model has BatchNorm layers (their batch statistics would include the padding)"
+    if rule.client_term is not None or rule.decay is not None or rule.head_draw is not None:
+        return (
+            "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
+            "run in buckets only"
+        )
     if rule.has_term:
         return (
             "the client part's loss term (frozen models, generated inputs, collected class sums or a side head) is "

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, map_logits
+from fedskew.client.batched_form import ClientTerm, FrozenTermFn, HeadTermFn, map_logits
 from fedskew.engine.stacked import stackable, stacked_step_function
 
 
@@ -21,11 +21,18 @@ def step_function(
     mu: float,
     term: FrozenTermFn | None = None,
     head_term: HeadTermFn | None = None,
+    client_term: ClientTerm | None = None,
+    head_draw: str | None = None,
 ) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
-    layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model
+    layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model,
+    and a term computed one client at a time (``client_term``) or a head's draws passed as its keyword ``head_draw``,
     as ``vmap(grad(loss))`` of one client's step."""
+    if client_term is not None or head_draw is not None:
+        if term is not None or head_term is not None:
+            raise ValueError("a term computed one client at a time does not combine with a term on stacked clients")
+        return vmap_step_function(model, names, mu, client_term, head_draw)
     if stackable(model.body) is None and stackable(model.head) is None:
         return stacked_step_function(model, names, mu, term, head_term)
     if term is not None or head_term is not None:
@@ -35,8 +42,12 @@ def step_function(
     return vmap_step_function(model, names, mu)
 
 
-def vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callable[..., Any]:
-    """``vmap(grad(loss))`` of one client's step (any model): the contract of :func:`step_function`."""
+def vmap_step_function(
+    model: nn.Module, names: list[str], mu: float, client_term: ClientTerm | None = None, head_draw: str | None = None
+) -> Callable[..., Any]:
+    """``vmap(grad(loss))`` of one client's step (any model): the contract of :func:`step_function`; ``client_term``
+    added to each client's loss (its ``reads`` rows passed as ``reads=``); ``head_draw``: the keyword of the head's
+    forward the step's draws (``drawn=``) go to."""
     body_prefix, head_prefix = "body.", "head."
 
     def client_loss(
@@ -47,23 +58,34 @@ def vmap_step_function(model: nn.Module, names: list[str], mu: float) -> Callabl
         y: Tensor,
         scale: Tensor | None,
         shift: Tensor | None,
+        reads: dict[str, Tensor] | None,
+        drawn: Tensor | None,
     ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
         state = {**params, **{k: v.clone() for k, v in buffers.items()}}  # the forward updates its own copies
         body = {k[len(body_prefix) :]: v for k, v in state.items() if k.startswith(body_prefix)}
         head = {k[len(head_prefix) :]: v for k, v in state.items() if k.startswith(head_prefix)}
         feats = functional_call(model.body, body, (x,))
-        logits = functional_call(model.head, head, (feats,))
+        kwargs = {} if head_draw is None else {head_draw: drawn}  # FedCP's Gumbel noise, drawn outside
+        logits = functional_call(model.head, head, (feats,), kwargs)
         loss = F.cross_entropy(map_logits(logits, scale, shift), y)
+        if client_term is not None:  # the client's own term (GPFL's valve path, FedCP's MMD)
+            loss = loss + client_term.fn(model, state, feats, y, x, reads or {})
         if mu != 0:  # FedProx.loss: ce + proximal(ctx, ctx.received, mu), over the trained parameters
             loss = loss + 0.5 * mu * torch.stack([((params[n] - anchor[n]) ** 2).sum() for n in names]).sum()
         new_buffers = {k: state[k] for k in buffers}
         return loss, (loss.detach(), new_buffers)
 
-    def step(*inputs: Any, logit_map: tuple[Tensor | None, Tensor | None] | None = None) -> Any:
+    def step(
+        *inputs: Any,
+        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
+        reads: dict[str, Tensor] | None = None,
+        drawn: Tensor | None = None,
+    ) -> Any:
         """``inputs``: (params, buffers, anchor, x, y), each mapped over its first axis; ``logit_map`` as the
-        stacked step's."""
+        stacked step's; ``reads``: the clients' rows of the received entries ``client_term`` reads; ``drawn``: the
+        step's draws of the clients' heads."""
         scale, shift = logit_map if logit_map is not None else (None, None)
-        dims = (0,) * len(inputs) + (None if scale is None else 0, None if shift is None else 0)
-        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(*inputs, scale, shift)
+        dims = (0,) * len(inputs) + tuple(None if v is None else 0 for v in (scale, shift, reads, drawn))
+        return vmap(grad(client_loss, has_aux=True), in_dims=dims)(*inputs, scale, shift, reads, drawn)
 
     return step
