@@ -38,20 +38,26 @@ def _close(a, b, path=""):
 
 @pytest.mark.parametrize(
     ("method", "args"),
-    [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedala", {"layer_idx": 2}), ("scaffold", {})],
-    ids=["fedavg", "fedprox", "fedala", "scaffold-broadcast"],
+    [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedala", {"layer_idx": 2}), ("scaffold", {}), ("fedproto", {})],
+    ids=["fedavg", "fedprox", "fedala", "scaffold-broadcast", "fedproto-broadcast-term"],
 )
 def test_stacked_seeds_give_each_runs_batched_records(tmp_path, monkeypatch, method, args):
     import fedskew.engine.stacked_runs as stacked_runs
 
-    meetings = []
-    original = stacked_runs.train_together
+    meetings, steps = [], []
+    original, step = stacked_runs.train_together, stacked_runs.train_batched
 
     def counted(batch, *rest):
         meetings.append(sorted(r for r, (_, _, jobs) in batch.items() if jobs))
+        steps.append(0)
         return original(batch, *rest)
 
+    def one_step(host, *rest, **kw):
+        steps[-1] += 1
+        return step(host, *rest, **kw)
+
     monkeypatch.setattr(stacked_runs, "train_together", counted)
+    monkeypatch.setattr(stacked_runs, "train_batched", one_step)
     seeds = (0, 1, 2)
     values = {**BASE, "method": method, "method_args": args}
     cfgs = [make_config(None, {**values, "seed": s, "out": str(tmp_path / f"stacked{s}")}) for s in seeds]
@@ -62,8 +68,10 @@ def test_stacked_seeds_give_each_runs_batched_records(tmp_path, monkeypatch, met
         run_experiment(make_config(None, alone))
         _close(_records(tmp_path / f"alone{s}"), _records(tmp_path / f"stacked{s}"))
         assert "batched_clients: true" in (tmp_path / f"stacked{s}" / "config.yaml").read_text()  # recorded as batched
-    # every round met with the three runs' clients at once
+    # every round met with the three runs' clients at once, in one batched step, SCAFFOLD's too (its shift reads
+    # each client's own run's c); FedProto's term reads the round's prototypes once: from round 2 on, a step per run
     assert meetings == [[0, 1, 2]] * BASE["rounds"]
+    assert steps == ([1, 3, 3] if method == "fedproto" else [1] * BASE["rounds"])
 
 
 def test_the_runs_must_be_one_experiments_seeds(tmp_path):

@@ -9,9 +9,12 @@ over (or left), one thread trains all the jobs together through :func:`~fedskew.
 seed, data and state, and every run gets its uploads back in its own order and numbering. The results are those of
 each run trained alone with ``--batched-clients``, to float32 rounding (``tests/test_stacked_runs.py``).
 
-Runs whose server sends a broadcast (SCAFFOLD's control variate, FedGen's generator) differ in what their clients
-receive beside the model: their jobs are trained per run, still at the rendezvous. A run whose method has no batched
-form trains its clients itself (it leaves the rendezvous at its start).
+Runs whose server sends a broadcast (SCAFFOLD's control variate, FedProto's prototypes) differ in what their clients
+receive beside the model: each client gets its own run's (``train_batched``'s ``sent``), which a batched form reads
+per client (SCAFFOLD's shift), so such runs still share a step; a form that builds a piece once for the round from
+the first client's context (a loss term, FedGen's generated inputs) would read one run's broadcast for all, and
+those runs' jobs are trained per run, still at the rendezvous. A run whose method has no batched form trains its
+clients itself (it leaves the rendezvous at its start).
 """
 
 from __future__ import annotations
@@ -117,11 +120,22 @@ def _captures(hosts: list[ClientHost]) -> bool:
     return not isinstance(form, str) and capture_refusal(form, hosts[0].model) is None
 
 
+def _reads_per_client(host: ClientHost) -> bool:
+    """Whether the host's batched form reads what a client is sent only per client (a shift, a pull, a logit map, its
+    own ``begin`` and ``end``), so that runs sending different broadcasts can share a step; not when it builds a
+    piece once for the round from the first client's context (a loss term, generated inputs)."""
+    form = batched_form(host.method.client)
+    if isinstance(form, str):
+        return False
+    return form.term is None and form.generated is None and form.client_term is None
+
+
 def train_together(
     batch: dict[int, tuple[ClientHost, int, list[TrainJob]]], cache: PaddedCache | None = None
 ) -> dict[int, list[Upload]]:
     """Every run's jobs of the round (``batch[r] = (host, round, jobs)``), trained as one batched step where the runs
-    share a round and send no broadcast, else per run; each run's uploads in its own order and numbering. ``cache``:
+    share a round and either send no broadcast or have a batched form that reads it per client (each client gets its
+    own run's), else per run; each run's uploads in its own order and numbering. ``cache``:
     where steps at padded shapes (``capture_steps``) keep their buffers and CUDA graphs from one meeting to the next
     (``None``: a new one each time)."""
 
@@ -133,7 +147,7 @@ def train_together(
     for r, (host, rnd, jobs) in batch.items():
         if not jobs:
             out[r] = []
-        elif any(sent for _, _, sent in jobs):  # a broadcast of its own: this run's clients alone
+        elif any(sent for _, _, sent in jobs) and not _reads_per_client(host):  # its broadcast read once: alone
             received = {c: p for c, p, _ in jobs}
             sent = {c: own for c, _, own in jobs}
             cids = [c for c, _, _ in jobs]
@@ -144,11 +158,13 @@ def train_together(
         stacked = StackedRuns([batch[r][0] for r in runs])
         cids: list[int] = []
         received: dict[int, Params] = {}
+        sent: dict[int, Params] = {}
         for i, r in enumerate(runs):
-            for cid, params, _ in batch[r][2]:
+            for cid, params, own in batch[r][2]:
                 cids.append(stacked.offsets[i] + cid)
-                received[cids[-1]] = params
-        uploads = train_batched(stacked, rnd, cids, received, {}, capture=capture([batch[r][0] for r in runs]))
+                received[cids[-1]], sent[cids[-1]] = params, own
+        hosts = [batch[r][0] for r in runs]
+        uploads = train_batched(stacked, rnd, cids, received, {}, capture=capture(hosts), sent=sent)
         for i, r in enumerate(runs):
             start, n = stacked.offsets[i], len(batch[r][2])
             mine = [u for u in uploads if start <= u.cid < stacked.offsets[i + 1]]
