@@ -191,3 +191,5 @@ def test_batched_clients_get_their_own_downloads_and_give_the_sequential_run():
             assert (t.double() - bat.personal_params(c)[n].double()).abs().max() <= 1e-5, (c, n)
     with pytest.raises(ValueError, match="downloads"):
         train_batched(bat, 4, [0, 1], {c: bat.params_for(c) for c in (0, 1)}, {})
+    with pytest.raises(ValueError, match=r"sent has nothing for client\(s\) \[1\]"):
+        train_batched(bat, 4, [0, 1], {c: bat.params_for(c) for c in (0, 1)}, {}, sent={0: {}})

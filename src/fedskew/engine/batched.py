@@ -106,6 +106,8 @@ def train_batched(
             f"method {sim.method.name!r} sends each client tensors of its own (its server half's downloads): "
             "train_batched needs them as sent={client: what it is sent}"
         )
+    if sent is not None and (missing := [c for c in cids if c not in sent]):
+        raise ValueError(f"sent has nothing for client(s) {missing[:5]}: give every trained client what it is sent")
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
