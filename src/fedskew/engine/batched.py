@@ -48,7 +48,7 @@ from torch import Tensor
 
 from fedskew.client.batched_form import BatchedStep, GeneratedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext, batched_form, check_state, snapshot
-from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, Stack, phase_plans
+from fedskew.engine.batched_rows import Beside, Collect, PhasePlan, PhaseRows, phase_plans, phase_stack
 from fedskew.engine.batched_schedule import Schedule, plan_steps, schedule
 from fedskew.engine.batched_steps import (
     Flat,
@@ -262,61 +262,19 @@ def _run_phase(
     lr = s.lr if phase.lr is None else phase.lr
     names = phase.trains  # this phase's trained parameters; every other entry is carried per client
     flat = Flat(names, [starts[0][n].shape for n in names])
-    others = [k for k in order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen parameters
     mutable = {n for n, _ in model.named_buffers()}
     device = x_all.device
     mu = rule.prox_mu(phase.name) if rule.prox_mu is not None else 0.0
 
+    term = rule.term(contexts[0]) if rule.term is not None else None
+    own_term = rule.client_term(contexts[0]) if rule.client_term is not None else None
+    source = PhaseRows(cids, received, starts, flat, order, sim.data.num_classes, device)
+    stack = phase_stack(rule, contexts, source, s.momentum, mu, term, own_term)
+    alpha, share, clip = stack.shift_scale, stack.blend_share, rule.clip
     with torch.no_grad():
-        params = flat.stack([[st[n] for n in names] for st in starts]).to(device)
-        extra = {k: torch.stack([st[k] for st in starts]).to(device) for k in others}
-        stack = Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
-        stack.buf = torch.zeros_like(params) if s.momentum != 0 else None  # a new optimizer per phase
-        stack.anchor = flat.stack([[received[c][n] for n in names] for c in cids]).to(device) if mu != 0 else None
-        alpha = 0.0
-        shifts = [rule.shift(ctx) for ctx in contexts] if rule.shift is not None else []
-        if shifts and shifts[0] is not None:
-            stack.shift = flat.stack([sh.tensors for sh in shifts]).to(device)  # type: ignore[union-attr]
-            alpha = shifts[0].scale
-        if rule.pull is not None:
-            pulls = [rule.pull(ctx) for ctx in contexts]
-            stack.pull_alpha = torch.tensor([a for a, _, _ in pulls], dtype=params.dtype, device=device)
-            stack.pull_anchor = flat.stack([anchor for _, anchor, _ in pulls]).to(device)
-            if pulls and pulls[0][2] is not None:
-                stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
-        clip = rule.clip
-        if rule.logits is not None:  # each client's map of its logits before the loss (FedLC, FedRS)
-            maps = [rule.logits(ctx, sim.data.num_classes) for ctx in contexts]
-            scales, shifts = [m.scale for m in maps], [m.shift for m in maps]
-            if scales[0] is not None:
-                stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
-            if shifts[0] is not None:
-                stack.logit_shift = torch.stack(shifts).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
         beside = Beside(rule, contexts, stack, s.lr, flat)  # FedRoD's personal head, FedDBE's bias and running mean
-        share = None
-        if rule.blend is not None:  # MoFedSAM: g <- share·g + (1 − share)·Δ, Δ each client's (none before round 2)
-            blends = [rule.blend(ctx) for ctx in contexts]
-            share = blends[0].share
-            if blends[0].direction is not None:
-                stack.blend_dir = flat.stack([b.direction for b in blends]).to(device)  # type: ignore[misc]
-        term = rule.term(contexts[0]) if rule.term is not None else None
-        own_term = rule.client_term(contexts[0]) if rule.client_term is not None else None
-        if own_term is not None:  # each client's rows of the received entries its term reads (GPFL's embeddings)
-            stack.reads = {k: torch.stack([received[c][k] for c in cids]).to(device) for k in own_term.reads}
-        decays = [rule.decay(n) for n in names] if rule.decay is not None else []
-        head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
-        if term is not None:
-            glob = [received[c] for c in cids]
-            models = {"received": glob}
-            if "previous" in rule.frozen and rule.previous is not None:
-                previous = [rule.previous(ctx) for ctx in contexts]
-                stack.term_mask = torch.tensor([p is not None for p in previous], dtype=params.dtype, device=device)
-                models["previous"] = [p if p is not None else g for p, g in zip(previous, glob, strict=True)]
-            stack.frozen_models = {
-                m: {k: torch.stack([state[k] for state in states]).to(device) for k in order}
-                for m, states in models.items()
-                if m in rule.frozen
-            }
+    decays = [rule.decay(n) for n in names] if rule.decay is not None else []
+    head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
     # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
     if capture is not None:
         trained, losses = run_padded(

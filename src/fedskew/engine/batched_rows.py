@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep, ClassSums
+from fedskew.client.batched_form import BatchedStep, ClassSums, ClientTerm, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.engine.batched_steps import Flat
 from fedskew.engine.stacked import ENV_THETA, MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
@@ -40,6 +40,8 @@ class Stack:
     logit_shift: Tensor | None = None  # [R, C] and their shift (FedLC)
     blend_dir: Tensor | None = None  # [R, D] the direction a blend mixes into the gradient (MoFedSAM's Δ)
     frozen_models: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # "received"/"previous" -> [R, ...]
+    shift_scale: float = 0.0  # the shift's scale (SCAFFOLD: −lr), the same for every client
+    blend_share: float | None = None  # a blend's share of the gradient (MoFedSAM's α), None: no blend
     reads: dict[str, Tensor] = field(default_factory=dict)  # [R, ...] received entries a client term reads (GPFL)
     done: dict[int, tuple[Tensor, dict[str, Tensor], Tensor]] = field(default_factory=dict)
 
@@ -72,6 +74,80 @@ class Stack:
         self.frozen_models = {m: {k: v[sel] for k, v in rows.items()} for m, rows in self.frozen_models.items()}
         self.reads = {k: v[sel] for k, v in self.reads.items()}
         self.live = self.live[keep]
+
+
+@dataclass(frozen=True)
+class PhaseRows:
+    """Where a phase's rows come from: the group's clients, what each received, each one's start of the phase, the
+    trained parameters' layout, the state dict's order, the number of classes and the device."""
+
+    cids: list[int]
+    received: dict[int, Params]
+    starts: list[Params]
+    flat: Flat
+    order: list[str]
+    num_classes: int
+    device: torch.device
+
+
+@torch.no_grad()
+def phase_stack(
+    rule: BatchedStep,
+    contexts: list[LocalContext],
+    rows: PhaseRows,
+    momentum: float,
+    mu: float,
+    term: FrozenTermFn | None,
+    own_term: ClientTerm | None,
+) -> Stack:
+    """The stack a phase of the batched clients starts from: each client's trained rows and the rest of its state,
+    a new optimizer's buffers, and the rows the form's pieces read (the proximal anchor, SCAFFOLD's shift, a pull,
+    logit maps, a blend's direction, the frozen models of a term, the received entries of a client term)."""
+    flat, device, cids, received = rows.flat, rows.device, rows.cids, rows.received
+    names = flat.names
+    params = flat.stack([[st[n] for n in names] for st in rows.starts]).to(device)
+    others = [k for k in rows.order if k not in set(names)]  # buffers, frozen parameters, the phase's frozen ones
+    extra = {k: torch.stack([st[k] for st in rows.starts]).to(device) for k in others}
+    stack = Stack(np.arange(len(cids)), params, extra, torch.zeros(len(cids), dtype=torch.float64, device=device))
+    stack.buf = torch.zeros_like(params) if momentum != 0 else None  # a new optimizer per phase
+    stack.anchor = flat.stack([[received[c][n] for n in names] for c in cids]).to(device) if mu != 0 else None
+    shifts = [rule.shift(ctx) for ctx in contexts] if rule.shift is not None else []
+    if shifts and shifts[0] is not None:
+        stack.shift = flat.stack([sh.tensors for sh in shifts]).to(device)  # type: ignore[union-attr]
+        stack.shift_scale = shifts[0].scale
+    if rule.pull is not None:
+        pulls = [rule.pull(ctx) for ctx in contexts]
+        stack.pull_alpha = torch.tensor([a for a, _, _ in pulls], dtype=params.dtype, device=device)
+        stack.pull_anchor = flat.stack([anchor for _, anchor, _ in pulls]).to(device)
+        if pulls and pulls[0][2] is not None:
+            stack.pull_linear = flat.stack([lin for _, _, lin in pulls]).to(device)  # type: ignore[misc]
+    if rule.logits is not None:  # each client's map of its logits before the loss (FedLC, FedRS)
+        maps = [rule.logits(ctx, rows.num_classes) for ctx in contexts]
+        scales, offsets = [m.scale for m in maps], [m.shift for m in maps]
+        if scales[0] is not None:
+            stack.logit_scale = torch.stack(scales).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
+        if offsets[0] is not None:
+            stack.logit_shift = torch.stack(offsets).to(device=device, dtype=params.dtype)  # type: ignore[arg-type]
+    if rule.blend is not None:  # MoFedSAM: g <- share·g + (1 − share)·Δ, Δ each client's (none before round 2)
+        blends = [rule.blend(ctx) for ctx in contexts]
+        stack.blend_share = blends[0].share
+        if blends[0].direction is not None:
+            stack.blend_dir = flat.stack([b.direction for b in blends]).to(device)  # type: ignore[misc]
+    if own_term is not None:  # each client's rows of the received entries its term reads (GPFL's embeddings)
+        stack.reads = {k: torch.stack([received[c][k] for c in cids]).to(device) for k in own_term.reads}
+    if term is not None:
+        glob = [received[c] for c in cids]
+        models = {"received": glob}
+        if "previous" in rule.frozen and rule.previous is not None:
+            previous = [rule.previous(ctx) for ctx in contexts]
+            stack.term_mask = torch.tensor([p is not None for p in previous], dtype=params.dtype, device=device)
+            models["previous"] = [p if p is not None else g for p, g in zip(previous, glob, strict=True)]
+        stack.frozen_models = {
+            m: {k: torch.stack([state[k] for state in states]).to(device) for k in rows.order}
+            for m, states in models.items()
+            if m in rule.frozen
+        }
+    return stack
 
 
 @dataclass
