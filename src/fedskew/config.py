@@ -234,6 +234,14 @@ class RunConfig(StrictSettings):
         le=MAX_SEED,
         description="the one seed of the run (partition, sampling, init, shuffling); 0 to 2**53 - 1",
     )
+    data_seed: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEED,
+        description="the federation's own seed (partition, splits, the data's own draws), in place of seed for "
+        "them alone: fixed while seed varies, every run trains the same clients' data and differs in init, "
+        "sampling and shuffling (default: seed)",
+    )
     device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     threads: int = Field(
         1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"
@@ -399,7 +407,13 @@ class RunConfig(StrictSettings):
 
     def data_settings(self) -> DataSettings:
         """What building the federation reads of this run (:func:`fedskew.data.federated.build_federated`)."""
-        return DataSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSettings)})
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(DataSettings)}
+        return DataSettings(**{**values, "seed": self.federation_seed})
+
+    @property
+    def federation_seed(self) -> int:
+        """The seed of everything that builds the federation: ``data_seed`` when set, else the run's ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     def round_settings(self) -> RoundSettings:
         """What the server side of a round reads of this run (:class:`fedskew.engine.round_server.RoundServer`)."""

@@ -60,6 +60,7 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "dataset_args": {},
     "heldout_clients": 0,
     "validation_select": False,
+    "data_seed": None,
 }
 
 

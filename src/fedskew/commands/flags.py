@@ -68,6 +68,7 @@ FLAG_KEYS = (
     "aggregation",
     "checkpoint_every",
     "seed",
+    "data_seed",
     "device",
     "threads",
     "workers",

@@ -49,7 +49,7 @@ class DataSettings:
     evaluate_on: str  # test | validation
     batch_size: int  # PFLlib's least_samples (protocol pfllib)
     # seeding and placement
-    seed: int
+    seed: int  # the federation's: RunConfig.federation_seed (data_seed when set, else the run's seed)
     device: str
 
 

@@ -181,7 +181,7 @@ def own_part(cfg: RunConfig, cid: int) -> NodePart:
     else:
         try:
             (tr,), (te,) = train_test_split_clients(
-                [np.arange(len(y))], cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 4, cid)
+                [np.arange(len(y))], cfg.train_ratio, numpy_rng(cfg.federation_seed, Purpose.SPLIT, 4, cid)
             )
         except PartitionError as exc:
             raise PartitionError(f"{cfg.data_dir}: too few samples to split off a test split: {exc}") from None
@@ -190,7 +190,7 @@ def own_part(cfg: RunConfig, cid: int) -> NodePart:
     if cfg.validation:
         try:
             (tr,), (va,) = train_test_split_clients(
-                [np.arange(len(y))], 1.0 - cfg.validation, numpy_rng(cfg.seed, Purpose.SPLIT, 5, cid)
+                [np.arange(len(y))], 1.0 - cfg.validation, numpy_rng(cfg.federation_seed, Purpose.SPLIT, 5, cid)
             )
         except PartitionError as exc:
             raise PartitionError(f"validation={cfg.validation}: {cfg.data_dir} is too small to carve: {exc}") from None
