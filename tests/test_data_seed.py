@@ -49,3 +49,14 @@ def test_the_flag_and_a_bad_value():
     assert key == "data_seed" and parse("7") == 7 and "federation" in text
     with pytest.raises(ConfigError, match="data_seed"):
         make_config(None, {**BASE, "data_seed": -1})
+
+
+def test_fedskew_partition_shows_the_federation_of_the_data_seed(capsys):
+    from fedskew.cli import main
+
+    assert main(["partition", "--clients", "5", "--seed", "1", "--data-seed", "9"]) == 0
+    fixed = capsys.readouterr().out
+    assert main(["partition", "--clients", "5", "--seed", "9"]) == 0
+    plain = capsys.readouterr().out
+    assert "data seed 9" in fixed.splitlines()[0]
+    assert fixed.splitlines()[1:] == plain.splitlines()[1:]  # the same clients' label table

@@ -41,6 +41,7 @@ def add_parsers(sub: Any) -> None:
         "--image-size",
         "--resize",
         "--seed",
+        "--data-seed",
     ):
         _, typ, help_ = RUN_FLAGS[flag]
         pa.add_argument(flag, type=typ, default=None, help=help_)
@@ -78,10 +79,11 @@ def cmd_partition(args: argparse.Namespace) -> int:
         overrides["dataset_args"] = parse_kv(args.dataset_arg, "-D/--dataset-arg")
     cfg = make_config({**file_values, "db": None}, overrides)
     data = build_federated(cfg)
-    print(f"{cfg.dataset}, partition {cfg.partition}, seed {cfg.seed} (global test set: {len(data.y_test)} samples)")
+    seed = f"seed {cfg.seed}" if cfg.data_seed is None else f"data seed {cfg.data_seed}"
+    print(f"{cfg.dataset}, partition {cfg.partition}, {seed} (global test set: {len(data.y_test)} samples)")
     print(label_table(data.train_hists, data.test_hists))
     if args.plot:
-        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, seed {cfg.seed} (train + test samples)"
+        title = f"{cfg.dataset}: {cfg.partition}, {cfg.clients} clients, {seed} (train + test samples)"
         print(f"bubble plot: {bubble_plot(data.train_hists + data.test_hists, args.plot, title)}")
     return 0
 
