@@ -274,6 +274,7 @@ def _run_phase(
     with torch.no_grad():
         beside = Beside(rule, contexts, stack, s.lr, flat)  # FedRoD's personal head, FedDBE's bias and running mean
     decays = [rule.decay(n) for n in names] if rule.decay is not None else []
+    decayed = any(decays)  # once per phase, not per step
     head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
     # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
     if capture is not None:
@@ -335,7 +336,7 @@ def _run_phase(
             if rule.logits is not None:
                 scale, shift = (None if v is None else take(v) for v in (stack.logit_scale, stack.logit_shift))
                 mapped["logit_map"] = (scale, shift)
-            if own_term is not None:
+            if stack.reads:  # a client term's rows of the received entries it reads (none read: nothing mapped)
                 mapped["reads"] = {k: take(v) for k, v in stack.reads.items()}
             if head_draws:  # each client's draws for this step from its own stream, in its step order (FedCP)
                 assert bucket.clients is not None
@@ -376,7 +377,7 @@ def _run_phase(
                     carried[ENV_THETA] = torch.cat([theta[n].flatten(1) for n in names], dim=1)
                 for key, rows_now in carried.items():
                     stack.extra[key] = rows_now if pos is None else stack.extra[key].index_copy(0, pos, rows_now)
-                if any(decays):  # after_backward: μ·θ added to the decayed parameters' gradients (GPFL)
+                if decayed:  # after_backward: μ·θ added to the decayed parameters' gradients (GPFL)
                     g = [gi + d * p if d else gi for gi, p, d in zip(g, p_list, decays, strict=True)]
                 if share is not None:
                     direction = None if stack.blend_dir is None else flat.views(take(stack.blend_dir)).values()
