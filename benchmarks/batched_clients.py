@@ -8,7 +8,9 @@ script uses random uint8 28x28 images of MNIST's shape and counts (70,000 sample
 Each repetition trains the same clients from the same received model twice, once one after another with
 ``Simulation._train`` (the sequential loop) and once with ``train_batched``, alternating which goes first; it prints
 both times, the speedup (median over repetitions), the largest difference between the two paths' uploads, and on a
-GPU the device's utilization during the batched training (``torch.cuda.utilization``, which needs pynvml).
+GPU the device's utilization during the batched training (``torch.cuda.utilization``, which needs pynvml; NVML's
+window of 1/6 to 1 s reaches back before a short block, so its mean understates) and, from one more profiled round of
+the batched path, the share of the batched time in which a kernel ran (the kernels' own start and end times).
 
     python benchmarks/batched_clients.py                            # CPU: 10 clients, 3% of their samples
     python benchmarks/batched_clients.py --clients 100 --fraction 1 # the goal's workload (the default on a GPU)
@@ -132,6 +134,38 @@ class UtilizationSampler:
             self._thread.join()
 
 
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals in microseconds, in seconds: the time in which at least
+    one of them ran (kernels on different streams overlap; each instant counts once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total / 1e6
+
+
+def kernel_busy_seconds(device: torch.device, fn: Callable[[], object]) -> float | str:
+    """``fn()`` run once under the profiler's CUDA activity (CUPTI): the seconds in which a kernel, copy or memset of
+    it ran on the device, from their own start and end times, or why that cannot be measured. Unlike NVML's sampled
+    utilization this has no averaging window reaching back before the block; the tracing itself slows the host's
+    launches, so divide by the block's unprofiled time."""
+    if device.type != "cuda":
+        return "not a GPU run"
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    except Exception as exc:  # noqa: BLE001 - CUPTI unavailable: reported, the benchmark goes on
+        return f"unavailable ({type(exc).__name__}: {exc})"
+    return union_seconds(spans) if spans else "unavailable (the profiler recorded no device activity)"
+
+
 def timed(device: torch.device, fn: Callable[[], list[Upload]]) -> tuple[float, float, list[Upload]]:
     """Wall seconds (the device synchronized), this process's CPU seconds, and ``fn()``."""
     if device.type == "cuda":
@@ -190,6 +224,8 @@ def main() -> None:
         "captured (every step at a few padded shapes, replayed as CUDA graphs on a GPU: --capture-steps)",
     )
     args = p.parse_args()
+    if args.repeats < 0:
+        p.error(f"--repeats must be 0 or more (timed repeats after the warm-up), got {args.repeats}")
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     if args.path == "vmap":
@@ -287,9 +323,9 @@ def main() -> None:
         if args.noise_floor:
             nudged = {c: {k: one_ulp(v) for k, v in received[c].items()} for c in cids}
             ref = Simulation(cfg, data)
-            floor = (
-                f" | one-ulp sequential {max_error(a, [ref._train(c, rnd, nudged[c], broadcast) for c in cids]):.2e}"
-            )
+            moved = [ref._train(c, rnd, nudged[c], broadcast) for c in cids]
+            moved_above = sum(max_error([u], [v]) > 1e-5 for u, v in zip(a, moved, strict=True))
+            floor = f" | one-ulp sequential {max_error(a, moved):.2e} ({moved_above}/{len(cids)} clients > 1e-5)"
         util = (
             sampler.error
             if sampler.error or not sampler.samples
@@ -297,7 +333,7 @@ def main() -> None:
         )
         errors.append(err)
         flips.append(flipped(a, b))
-        if rep:
+        if rep or not args.repeats:  # without timed repeats the warm-up's times are all there is
             rows.append((t_seq, t_bat, c_seq, c_bat))
         label = f"repeat {rep}" if rep else "warm-up"
         print(
@@ -307,13 +343,30 @@ def main() -> None:
             flush=True,
         )
     t_seq, t_bat, c_seq, c_bat = (statistics.median(col) for col in list(zip(*rows, strict=True))[:4])
-    print(f"\nspeedup batched/sequential: {t_seq / t_bat:.2f}x (median; sequential {t_seq:.3f}s, batched {t_bat:.3f}s)")
+    which = "median" if args.repeats else "the warm-up alone, no timed repeats"
+    print(
+        f"\nspeedup batched/sequential: {t_seq / t_bat:.2f}x ({which}; sequential {t_seq:.3f}s, batched {t_bat:.3f}s)"
+    )
     print(f"speedup in this process's CPU time: {c_seq / c_bat:.2f}x (the figure to read on a shared, busy machine)")
     print(f"max equivalence error: {max(errors):.2e} (every run, warm-up included)")
     print(
         f"fraction of the matmul rate: batched {train_gflop / t_bat / rate:.2%}, sequential "
         f"{train_gflop / t_seq / rate:.2%} ({train_gflop / t_bat:.1f} and {train_gflop / t_seq:.1f} GFLOP/s)"
     )
+    if device.type == "cuda":  # one more round of the batched path, profiled: the device's busy share from its kernels
+        rnd = args.repeats + 2
+        received = {c: seq.params_for(c) for c in cids}
+        broadcast = seq.method.server_half.broadcast(seq.server_half_state)
+        busy = kernel_busy_seconds(
+            device,
+            lambda: train_batched(bat, rnd, cids, received, broadcast, args.max_clients, args.path == "captured"),
+        )
+        print(
+            f"device busy (batched, kernels' own times, one profiled round): {busy / t_bat:.0%} of the batched time "
+            f"({busy:.3f}s of kernels, copies and memsets)"
+            if isinstance(busy, float)
+            else f"device busy (batched, kernels' own times): {busy}"
+        )
     diff, total = (sum(col) for col in zip(*flips, strict=True))
     if total:
         print(f"mask entries that differ: {diff} of {total} (every run; entries at the threshold flip with rounding)")

@@ -90,3 +90,31 @@ def test_a_piece_slower_than_the_budget_left_is_cut_at_it_and_run_again_next_tim
     code, ran, _ = suite(out, 200)
     assert code == 0 and ran == ["batched-fedprox", "pfl-batched", "run100", "runs-per-gpu"]
     assert json.loads((out / "batched-fedprox.json").read_text())["ok"]
+
+
+def test_a_batched_pieces_figures_are_read_from_its_output(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_suite_figures", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, suite)
+    spec.loader.exec_module(suite)
+    # the lines batched_clients.py printed on the H200 (docs/measured/gpu-h200-2026-12-04/batched-fedavg-captured.log)
+    # and the busy share from the kernels' own times, which it prints on a GPU since
+    out = (
+        "MNIST data: 100 clients, 52456 training samples (per client 32..3261), model cnn, method fedavg, batch 10\n"
+        "arithmetic: 1342.981 GFLOP of training; dense fp32 matmul on the device: 47029 GFLOP/s\n"
+        "repeat 1: sequential 7.666s (cpu 7.168s) | batched 0.476s (cpu 0.478s) | speedup 16.10x | max |difference| "
+        "2.59e-04 (8/100 clients > 1e-5) | GPU utilization (batched) mean 65%, max 90%\n"
+        "\nspeedup batched/sequential: 16.03x (median; sequential 7.740s, batched 0.483s)\n"
+        "max equivalence error: 2.59e-04 (every run, warm-up included)\n"
+        "fraction of the matmul rate: batched 5.93%, sequential 0.37% (2780.5 and 173.5 GFLOP/s)\n"
+        "device busy (batched, kernels' own times, one profiled round): 71% of the batched time (0.343s of kernels, "
+        "copies and memsets)\n"
+    )
+    piece = suite.Piece("batched-fedavg-captured", [], 45, 240)
+    got = suite.figures(piece, out)
+    assert got["speedup"] == 16.03 and got["sequential_s"] == 7.74 and got["batched_s"] == 0.483
+    assert got["max_error"] == 2.59e-4 and got["fraction_of_matmul_rate"] == pytest.approx(0.0593)
+    assert got["utilization"] == "mean 65%, max 90%"
+    assert got["kernel_busy"] == "71% of the batched time (0.343s of kernels, copies and memsets)"
+    off = out.replace(got["kernel_busy"], "unavailable (the profiler recorded no device activity)")
+    assert suite.figures(piece, off.replace(", one profiled round): ", "): "))["kernel_busy"].startswith("unavailable")
