@@ -23,6 +23,8 @@ there is skipped, so running the suite again continues where the last call stopp
   and each side's arithmetic rate as a fraction of a dense matmul's on the device in the same run.
 - ``stacked-runs``: ``benchmarks/runs_per_gpu.py --jobs 1 --stacked``, the same 8 seeds as batched runs one at a time
   and as rows of one stacked computation (``fedskew sweep --stack-seeds``): the speed-up, and whether the records agree.
+- ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
+  dispatches outside its steps, by engine function, and on a GPU the round's time.
 - ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
 - ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
   left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
@@ -178,6 +180,14 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--runs", "8", "--rounds", "10"]
     found.append(Piece("stacked-runs", argv, 30 if smoke else 300, 300 if smoke else 540))
+    # the host's work in a round of the pfl-research shape with captured steps: the operations dispatched outside the
+    # steps, by engine function, and the round's time (benchmarks/host_ops.py)
+    argv = [sys.executable, str(HERE / "host_ops.py"), "--device", device]
+    if smoke:
+        argv += ["--clients", "100", "--join-ratio", "0.1", "--model", "mlp", "--rounds", "1", "--warmup", "1"]
+    else:
+        argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--rounds", "5", "--warmup", "3"]
+    found.append(Piece("host-ops", argv, 20 if smoke else 40, 300 if smoke else 180))
     # the same FedAvg workload (1,000 MNIST users, 50 a round, batch 10, the CNN) on Flower's Simulation Engine with a
     # plain PyTorch ClientApp and on pfl-research's simulator, beside fedskew sequential, batched and captured on the
     # same device (benchmarks/vs_flower_sim.py)
@@ -251,6 +261,13 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         got["stacked_speedup"] = float(m[1]) if m else None
         m = re.search(r"^stacked metrics: largest difference from the batched runs' ([\d.e+-]+|inf)", stdout, re.M)
         got["stacked_max_difference"] = float(m[1]) if m else None
+    if piece.name == "host-ops":
+        m = re.search(r"^operations a round outside the steps: (\d+) \(inside the steps' bodies: (\d+)", stdout, re.M)
+        if m:
+            got.update(ops_outside_steps=int(m[1]), ops_inside_steps=int(m[2]))
+        m = re.search(r"^round time \(unprofiled, median of \d+\): ([\d.]+) ms", stdout, re.M)
+        got["round_ms"] = float(m[1]) if m else None
+        got["by_function"] = re.findall(r"^ +([\d.]+)  (\S.*)$", stdout, re.M)[:8]
     if piece.name in ("runs-per-gpu", "stacked-runs"):
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)

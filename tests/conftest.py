@@ -16,6 +16,19 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, cpus))
 
 
+def load_script(path: Path, name: str):
+    """A script under ``benchmarks/`` (or ``tools/``) imported as module ``name``, registered in ``sys.modules`` while
+    it runs (its dataclasses look their module up there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def shared_dataset_dir(name: str) -> Path:
     d = SHARED_DATA / name
     if not d.is_dir():

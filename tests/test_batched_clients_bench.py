@@ -1,7 +1,6 @@
 """benchmarks/batched_clients.py's command line at toy size on the CPU: a noise-floor measurement without timed repeats
 (the warm-up's figures, how a slow CPU measures the float32 floor of a large workload) and a refused repeat count."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "batched_clients.py"
 
@@ -36,10 +36,7 @@ def test_a_negative_repeat_count_is_refused_by_name():
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("batched_clients_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "batched_clients_bench")
 
 
 def test_busy_time_is_the_union_of_the_kernels_spans():

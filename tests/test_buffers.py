@@ -17,11 +17,12 @@ def test_nonfinite_is_exact():
         torch.tensor([float("inf")]),
         torch.tensor([float("-inf"), float("inf")]),
         torch.tensor([60000.0, 60000.0], dtype=torch.float16),
+        torch.tensor([60000.0, -60000.0], dtype=torch.float16),  # a zero sum, an abs-sum past float16's range
         torch.tensor([1.0, float("nan")], dtype=torch.float64),
         torch.tensor([float("-inf")], dtype=torch.bfloat16),
         torch.zeros(0),
     ]
-    assert nonfinite(cases) == [1, 4, 5, 7, 8]
+    assert nonfinite(cases) == [1, 4, 5, 8, 9]
     assert nonfinite([]) == [] and nonfinite([torch.tensor([1, 2])]) == []
 
 

@@ -18,7 +18,7 @@ BATCHED += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "
 BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apfl", "perfedavg", "pfedme")]
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
-WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco"]
+WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -86,6 +86,8 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     report = (out / "suite.md").read_text()
     assert "pfl-research workload: 3 rounds batched" in report
     assert "pfl-research workload with --capture-steps: 3 rounds" in report
+    host = _results(out, ["host-ops"])["host-ops"]  # the round's dispatches outside and inside the steps
+    assert host["ops_outside_steps"] > 0 and host["ops_inside_steps"] > 0 and host["by_function"]
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
 

@@ -297,10 +297,11 @@ def _run_phase(
             None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
             None if share is None else (share, stack.blend_dir),
         )
-        states = []
-        for k in range(len(cids)):
-            mine = flat.views(trained[k])
-            states.append({key: (mine[key] if key in mine else stack.extra[key][k]) for key in order})
+        others = {key: v.unbind(0) for key, v in stack.extra.items()}
+        states = [
+            {key: (mine[key] if key in mine else others[key][k]) for key in order}
+            for k, mine in enumerate(flat.rows(trained))
+        ]
         return states, losses
     # training mode, as local_train sets it: vmap's functional_call runs the modules in their current mode, and the
     # model comes here from an evaluation (eval mode: BatchNorm would normalize by its running statistics)

@@ -37,12 +37,29 @@ class Flat:
         self.sizes = [math.prod(s) for s in shapes]
 
     def stack(self, rows: Sequence[Sequence[Tensor]]) -> Tensor:
-        """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``."""
-        return torch.stack([torch.cat([t.reshape(-1) for t in row]) for row in rows])
+        """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``. A row given more than once (the same
+        tensors: clients sent the same model) is flattened once."""
+        flat: dict[tuple[int, ...], Tensor] = {}
+        for row in rows:
+            key = tuple(id(t) for t in row)  # the rows hold their tensors for the call: their ids stay theirs
+            if key not in flat:
+                flat[key] = torch.cat([t.reshape(-1) for t in row])
+        return torch.stack([flat[tuple(id(t) for t in row)] for row in rows])
 
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         parts = flat.split(self.sizes, dim=-1)
-        return {n: p.view(*flat.shape[:-1], *s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
+        return {n: p.view((*flat.shape[:-1], *s)) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
+
+    def rows(self, flat: Tensor) -> list[dict[str, Tensor]]:
+        """``[views(flat[k]) for k in range(K)]`` for ``flat`` ``[K, D]`` (the same views), in a split and a view and
+        an unbind per name whatever ``K``, instead of a split and a view per name and row."""
+        k = flat.shape[0]
+        parts = [p.view(k, *s).unbind(0) for p, s in zip(flat.split(self.sizes, dim=-1), self.shapes, strict=True)]
+        return (
+            [dict(zip(self.names, row, strict=True)) for row in zip(*parts, strict=True)]
+            if parts
+            else [{} for _ in range(k)]
+        )
 
 
 def batchable(method: Method, model: nn.Module | None = None) -> str | None:

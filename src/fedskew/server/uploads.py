@@ -64,12 +64,15 @@ def nonfinite(tensors: Sequence[Tensor]) -> list[int]:
     """The positions of the floating tensors holding NaN or Inf, exactly, in one device sync. Each tensor's sum is
     finite when all its elements are (NaN and Inf propagate through a sum); only a tensor whose sum is not finite
     (a bad element, or finite elements that overflow the sum) is checked element by element. A sum reads the tensor
-    once without allocating: ``isfinite(t).all()`` costs about 15 times as much on a CPU."""
+    once without allocating: ``isfinite(t).all()`` costs about 15 times as much on a CPU. The sums are of absolute
+    values, all tensors' in one multi-tensor operation (``torch._foreach_norm``, as ``clip_grad_norm_`` uses it)."""
     floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
     if not floats:
         return []
-    sums = torch.stack([tensors[i].sum().float() for i in floats])
-    suspect = [i for i, ok in zip(floats, torch.isfinite(sums).tolist(), strict=True) if not ok]
+    # the sums of |x| (L1 norms: NaN and Inf propagate through them as through a sum) of all the tensors in one
+    # multi-tensor operation, stacked in the widest of their dtypes: a few dispatches whatever the count of tensors
+    norms = torch.stack(torch._foreach_norm([tensors[i] for i in floats], 1))
+    suspect = [i for i, ok in zip(floats, torch.isfinite(norms).tolist(), strict=True) if not ok]
     return [i for i in suspect if not bool(torch.isfinite(tensors[i]).all())]
 
 
@@ -111,6 +114,11 @@ class UploadStack:
             n: self._alloc(n, (capacity, *t.shape), t.dtype, t.device) for n, t in global_params.items()
         }
         self.extras: Params | None = None  # allocated from the first accepted upload
+        # the buffers' rows as views made a chunk of rows at a time: an upload is checked against and copied into
+        # its row without indexing every buffer for it (a dispatch each, per tensor and upload)
+        self._rows = {n: RowViews(buf) for n, buf in self.params.items()}
+        self._extra_rows: dict[str, RowViews] = {}
+        self._template: Params | None = None  # the first accepted upload's extras (its rows): what later ones match
         self.cids: list[int] = []
         self.num_samples: list[float] = []
         self.metrics: list[dict[str, float]] = []
@@ -121,8 +129,7 @@ class UploadStack:
         return len(self.cids)
 
     def add(self, upload: Upload) -> Rejection | None:
-        template = None if self.extras is None else {n: buf[0] for n, buf in self.extras.items()}
-        bad = check_upload(upload, self.global_params, template)
+        bad = check_upload(upload, self.global_params, self._template)
         if bad is not None:
             self.rejected.append(bad)
             return bad
@@ -133,12 +140,18 @@ class UploadStack:
                 n: self._alloc(f"extra:{n}", (self.capacity, *t.shape), t.dtype, t.device)
                 for n, t in sorted(upload.extras.items())
             }
+            self._extra_rows = {n: RowViews(buf) for n, buf in self.extras.items()}
+            self._template = {n: buf[0] for n, buf in self.extras.items()}
         row = self.count
-        for n, buf in self.params.items():
-            if not _is_view_of(upload.params[n], buf[row]):  # trained in place (next_row): already there
-                buf[row].copy_(upload.params[n])
-        for n, buf in self.extras.items():
-            buf[row].copy_(upload.extras[n])
+        into, given = [], []
+        for n, rows in self._rows.items():
+            if not _is_view_of(upload.params[n], rows[row]):  # trained in place (next_row): already there
+                into.append(rows[row])
+                given.append(upload.params[n])
+        for n, rows in self._extra_rows.items():
+            into.append(rows[row])
+            given.append(upload.extras[n])
+        copy_all(into, given)
         release_pages()  # a disk-backed stack (server.paging): the row's pages go back to the kernel
         self.cids.append(upload.cid)
         self.num_samples.append(float(upload.num_samples))
@@ -151,7 +164,7 @@ class UploadStack:
         A rejected upload leaves the row free for the next."""
         if self.count >= self.capacity:
             return None
-        return {n: buf[self.count] for n, buf in self.params.items()}
+        return {n: rows[self.count] for n, rows in self._rows.items()}
 
     def round_input(
         self,
@@ -183,6 +196,41 @@ class UploadStack:
             reports=reports,
             alloc=self._alloc,
         )
+
+
+class RowViews:
+    """``rows[i]``: the view ``buf[i]`` of a ``[capacity, ...]`` buffer, the views made :data:`ROW_CHUNK` rows at a
+    time (one ``unbind`` of the chunk holding the row asked for, kept until a row of another chunk is asked for): a
+    stack filled row after row indexes each buffer once a chunk, and a stack of 100,000 rows holds one chunk's views,
+    not 100,000."""
+
+    def __init__(self, buf: Tensor) -> None:
+        self.buf = buf
+        self.start = -1
+        self.views: tuple[Tensor, ...] = ()
+
+    def __getitem__(self, row: int) -> Tensor:
+        start = row - row % ROW_CHUNK
+        if start != self.start:
+            self.views = self.buf[start : start + ROW_CHUNK].unbind(0)
+            self.start = start
+        return self.views[row - start]
+
+
+ROW_CHUNK = 256
+
+
+def copy_all(into: Sequence[Tensor], given: Sequence[Tensor]) -> None:
+    """``into[i].copy_(given[i])`` for every ``i``: one multi-tensor copy when every tensor has one device and dtype
+    (``torch._foreach_copy_``: one dispatch, and on a GPU a few kernel launches, for all of them), else one by one."""
+    if not into:
+        return
+    kinds = {(t.device, t.dtype) for t in (*into, *given)}
+    if len(kinds) == 1:
+        torch._foreach_copy_(list(into), list(given))
+        return
+    for dst, src in zip(into, given, strict=True):
+        dst.copy_(src)
 
 
 def _is_view_of(t: Tensor, row: Tensor) -> bool:
