@@ -39,12 +39,12 @@ class Flat:
     def stack(self, rows: Sequence[Sequence[Tensor]]) -> Tensor:
         """``rows[k]`` (one tensor per name) flattened and stacked: ``[K, D]``. A row given more than once (the same
         tensors: clients sent the same model) is flattened once."""
+        keys = [tuple(id(t) for t in row) for row in rows]  # the rows hold their tensors for the call: ids stay theirs
         flat: dict[tuple[int, ...], Tensor] = {}
-        for row in rows:
-            key = tuple(id(t) for t in row)  # the rows hold their tensors for the call: their ids stay theirs
+        for key, row in zip(keys, rows, strict=True):
             if key not in flat:
                 flat[key] = torch.cat([t.reshape(-1) for t in row])
-        return torch.stack([flat[tuple(id(t) for t in row)] for row in rows])
+        return torch.stack([flat[key] for key in keys])
 
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         parts = flat.split(self.sizes, dim=-1)
