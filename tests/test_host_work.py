@@ -141,3 +141,11 @@ def test_a_stack_past_a_chunk_of_rows_holds_every_upload():
         assert stack.add(Upload(cid=c, params=params, num_samples=1, extras={"e": torch.tensor([c])})) is None
     assert stack.params["w"][:, 0].tolist() == [float(c) for c in range(n)]
     assert stack.extras["e"][:, 0].tolist() == list(range(n))
+
+
+def test_host_ops_refuses_a_count_of_rounds_below_one():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(BENCH), "--rounds", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
