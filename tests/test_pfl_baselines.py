@@ -277,6 +277,17 @@ def test_feddbe_regularizes_the_mean_and_trains_the_representation_bias():
         _close(model(x), expected)
 
 
+def test_feddbe_state_is_made_on_the_models_device():
+    # a run on a GPU crashed here (the bias and running mean were made on the CPU beside CUDA features): the meta
+    # device stands in for a second device on a CPU-only machine
+    model = _model(nn.Linear(D, D)).to("meta")
+    ctx = LocalContext(0, 1, model, snapshot(model), {}, {}, TrainSettings(epochs=1, batch_size=N, lr=0.1))
+    FedDBE().begin(ctx)
+    r = ctx.prepared
+    assert r.bias[BIAS].device.type == "meta" and r.running.device.type == "meta"
+    assert r.bias[BIAS].shape == (D,) and r.running.dtype == model.head.weight.dtype
+
+
 def test_dbe_server_keeps_the_sample_weighted_mean_of_the_first_round():
     half = DbeServer()
     state = DbeState(None)

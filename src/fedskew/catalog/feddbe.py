@@ -69,8 +69,8 @@ class FedDBE(LocalAlgorithm):
     mean_momentum: float = 1.0
 
     def begin(self, ctx: LocalContext) -> None:
-        width = ctx.received[HEAD_WEIGHT].shape[1]
-        bias = ctx.kept(DBE_BIAS) or {BIAS: torch.zeros(width, dtype=ctx.received[HEAD_WEIGHT].dtype)}
+        w = ctx.received[HEAD_WEIGHT]
+        bias = ctx.kept(DBE_BIAS) or {BIAS: w.new_zeros(w.shape[1])}  # on the model's device (a GPU run's too)
         running = torch.zeros_like(bias[BIAS])
         ctx.prepared = DbeRound(leaf_copy(bias), running, ctx.broadcast.get(GLOBAL_MEAN))
 
