@@ -240,3 +240,17 @@ def test_fedskew_methods_states_whether_a_composition_can_be_securely_aggregated
     assert main(["methods", "fedsa"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "secure aggregation on Flower (flower.secagg): no: its server combines the individual updates" in out
+
+
+def test_the_secure_sums_are_on_the_models_device():
+    # the decoded sum was rebuilt on the CPU beside a server whose model is on a GPU (the meta device stands in)
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+
+    from fedskew.flower import secagg
+
+    gp = {"w": torch.zeros(2, device="meta"), "n": torch.zeros((), dtype=torch.long, device="meta")}
+    layout = {"entries": [f"{secagg.PARAM}:w", f"{secagg.EXTRA}:e"], "dtypes": ["float32", "float32"], "ints": {"n": 3}}
+    metrics = {secagg.LAYOUT: json.dumps(layout), "num-examples": 5, "cid": 0}
+    got = {0: FitRes(Status(Code.OK, ""), ndarrays_to_parameters([]), 5, metrics)}
+    rs = secagg._as_sums(got, [np.ones(2), np.ones(3)], {0: 1.0}, gp)
+    assert {t.device.type for t in (*rs.sums.values(), *rs.extra_sums.values(), rs.extra_template["e"])} == {"meta"}

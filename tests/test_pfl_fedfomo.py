@@ -193,3 +193,10 @@ def test_batched_clients_get_their_own_downloads_and_give_the_sequential_run():
         train_batched(bat, 4, [0, 1], {c: bat.params_for(c) for c in (0, 1)}, {})
     with pytest.raises(ValueError, match=r"sent has nothing for client\(s\) \[1\]"):
         train_batched(bat, 4, [0, 1], {c: bat.params_for(c) for c in (0, 1)}, {}, sent={0: {}})
+
+
+def test_fomo_weights_are_on_the_distances_device():
+    # the peers' losses are host numbers, the distances the models' own: on a GPU they met on two devices (the meta
+    # device stands in for a second one on a CPU-only machine)
+    w = fomo_weights(1.0, torch.tensor([0.5, 2.0], dtype=torch.float64), torch.ones(2, device="meta"))
+    assert w.device.type == "meta" and w.dtype == torch.float64

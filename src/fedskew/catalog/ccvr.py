@@ -68,7 +68,7 @@ class CCVR(Calibration):
 
     def virtual(self, stats: Params, key: CalibrationKey) -> tuple[Tensor, Tensor]:
         """The virtual features ``[M, d]`` and their labels, ``samples_per_class`` per class some client holds."""
-        n, mean, cov = class_moments(stats)
+        n, mean, cov = class_moments({k: v.cpu() for k, v in stats.items()})  # drawn on the host (a GPU run's too)
         rng = numpy_rng(key.seed, Purpose.CALIBRATION, key.round, 0)
         xs, ys = [], []
         for c in range(n.shape[0]):

@@ -146,8 +146,9 @@ class OwnModels:
 
 # ---- client ----------------------------------------------------------------------------------------------------------
 def fomo_weights(own_loss: float, peer_losses: Tensor, distances: Tensor) -> Tensor:
-    """``w_n = (L(θ_i) − L(θ_n)) / (‖θ_n − θ_i‖ + 1e-5)`` (float64)."""
-    return (own_loss - peer_losses.double()) / (distances.double() + 1e-5)
+    """``w_n = (L(θ_i) − L(θ_n)) / (‖θ_n − θ_i‖ + 1e-5)`` (float64, on the distances' device: the losses are host
+    numbers, the distances the models' own, a GPU run's too)."""
+    return (own_loss - peer_losses.double().to(distances.device)) / (distances.double() + 1e-5)
 
 
 def combination(weights: Tensor) -> Tensor | None:

@@ -327,17 +327,20 @@ def _as_sums(
     sums: Params = {}
     extra_sums: Params = {}
     template: Params = {}
+    device = next(iter(global_params.values())).device  # where the server aggregates (the model's: a GPU's too)
     for entry, dtype, arr in zip(entries, dtypes, mean, strict=True):
         kind, name = entry.split(":", 1)
-        total = torch.from_numpy(np.asarray(arr, dtype=np.float64) * n)
+        total = torch.from_numpy(np.asarray(arr, dtype=np.float64) * n).to(device)
         if kind == PARAM:
             sums[name] = total.reshape(global_params[name].shape)
         else:
             extra_sums[name] = total
-            template[name] = torch.empty(total.shape, dtype=getattr(torch, dtype))
+            template[name] = torch.empty(total.shape, dtype=getattr(torch, dtype), device=device)
     for name, g in global_params.items():
         if not g.is_floating_point():  # integer buffers (in the clear): the maximum, as the weighted mean takes them
-            values = [torch.tensor(layouts[c]["ints"][name], dtype=g.dtype).reshape(g.shape) for c in cids]
+            values = [
+                torch.tensor(layouts[c]["ints"][name], dtype=g.dtype, device=g.device).reshape(g.shape) for c in cids
+            ]
             sums[name] = torch.stack(values).amax(0)
     missing = sorted(set(global_params) - set(sums))
     if missing:
