@@ -146,11 +146,24 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def kernel_busy_seconds(device: torch.device, fn: Callable[[], object]) -> float | str:
-    """``fn()`` run once under the profiler's CUDA activity (CUPTI): the seconds in which a kernel, copy or memset of
-    it ran on the device, from their own start and end times, or why that cannot be measured. Unlike NVML's sampled
-    utilization this has no averaging window reaching back before the block; the tracing itself slows the host's
-    launches, so divide by the block's unprofiled time."""
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What the device did while a block ran: ``busy`` seconds in which a kernel, copy or memset ran (their union),
+    and ``top``, the kernels (copies, memsets) with the most device time: ``(name, seconds, count)``."""
+
+    busy: float
+    top: list[tuple[str, float, int]]
+
+    def lines(self, n: int = 6) -> list[str]:
+        total = sum(t for _, t, _ in self.top) or 1.0
+        return [f"  {t * 1e3:9.2f} ms  {t / total:4.0%}  x{c:<6d} {name[:90]}" for name, t, c in self.top[:n]]
+
+
+def device_profile(device: torch.device, fn: Callable[[], object]) -> DeviceProfile | str:
+    """``fn()`` run once under the profiler's CUDA activity (CUPTI), from the device's work's own start and end times
+    (:class:`DeviceProfile`), or why that cannot be measured. Unlike NVML's sampled utilization this has no averaging
+    window reaching back before the block; the tracing itself slows the host's launches, so divide by the block's
+    unprofiled time."""
     if device.type != "cuda":
         return "not a GPU run"
     from torch.autograd import DeviceType
@@ -160,10 +173,20 @@ def kernel_busy_seconds(device: torch.device, fn: Callable[[], object]) -> float
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize(device)
-        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        work = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     except Exception as exc:  # noqa: BLE001 - CUPTI unavailable: reported, the benchmark goes on
         return f"unavailable ({type(exc).__name__}: {exc})"
-    return union_seconds(spans) if spans else "unavailable (the profiler recorded no device activity)"
+    if not work:
+        return "unavailable (the profiler recorded no device activity)"
+    return DeviceProfile(union_seconds([(e.time_range.start, e.time_range.end) for e in work]), top_work(work))
+
+
+def top_work(events) -> list[tuple[str, float, int]]:
+    """Device events (with ``name`` and ``time_range`` in µs) summed by name, the most time first."""
+    by: dict[str, list[float]] = {}
+    for e in events:
+        by.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e6)
+    return sorted(((n, sum(ts), len(ts)) for n, ts in by.items()), key=lambda r: -r[1])
 
 
 def timed(device: torch.device, fn: Callable[[], list[Upload]]) -> tuple[float, float, list[Upload]]:
@@ -357,16 +380,19 @@ def main() -> None:
         rnd = args.repeats + 2
         received = {c: seq.params_for(c) for c in cids}
         broadcast = seq.method.server_half.broadcast(seq.server_half_state)
-        busy = kernel_busy_seconds(
+        prof = device_profile(
             device,
             lambda: train_batched(bat, rnd, cids, received, broadcast, args.max_clients, args.path == "captured"),
         )
-        print(
-            f"device busy (batched, kernels' own times, one profiled round): {busy / t_bat:.0%} of the batched time "
-            f"({busy:.3f}s of kernels, copies and memsets)"
-            if isinstance(busy, float)
-            else f"device busy (batched, kernels' own times): {busy}"
-        )
+        if isinstance(prof, DeviceProfile):
+            print(
+                f"device busy (batched, kernels' own times, one profiled round): {prof.busy / t_bat:.0%} of the "
+                f"batched time ({prof.busy:.3f}s of kernels, copies and memsets)"
+            )
+            print("the device's work by kernel (one profiled round; share of the kernels' summed time):")
+            print("\n".join(prof.lines()))
+        else:
+            print(f"device busy (batched, kernels' own times): {prof}")
     diff, total = (sum(col) for col in zip(*flips, strict=True))
     if total:
         print(f"mask entries that differ: {diff} of {total} (every run; entries at the threshold flip with rounding)")

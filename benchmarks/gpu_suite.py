@@ -4,6 +4,9 @@ Pieces (each a subprocess with its own time limit; its result lands in ``OUT/<pi
 there is skipped, so running the suite again continues where the last call stopped):
 
 - ``env``: the card, the driver's CUDA, torch and fedskew versions.
+- ``methods-on-device``: ``benchmarks/methods_on_device.py``, every registered method for 2 rounds on the device,
+  sequential and batched, on the digits data: which keep their tensors on the run's device (CI has no GPU to see a
+  tensor made on the CPU meet a CUDA one). The first piece to run on a GPU.
 - ``batched-<method>`` for every family of batched step (:data:`BATCHED_METHODS`): batched clients
   against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
   clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
@@ -25,6 +28,9 @@ there is skipped, so running the suite again continues where the last call stopp
   and as rows of one stacked computation (``fedskew sweep --stack-seeds``): the speed-up, and whether the records agree.
 - ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
   dispatches outside its steps, by engine function, and on a GPU the round's time.
+- ``conv-forms``: ``benchmarks/conv_forms.py``, one step of the CNN's two convolutions for 50 and 100 stacked
+  clients in each form (the engine's grouped convolution, with cuDNN's benchmark mode, unfold and a batched matmul,
+  one convolution per client), TF32 off and on: each form's speed against the grouped one's.
 - ``run100``: issue 15's ``fedskew run`` of the 100-client workload for ``--run-rounds`` rounds, batched.
 - ``reproduce-<paper>``: ``fedskew reproduce PAPER --scale small`` on the given rows and seeds, with what time is
   left; ``reproduce`` is idempotent, so a later call finishes the runs a deadline cut (their run directories are
@@ -122,6 +128,10 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
         ["--dataset", "digits"] if smoke else ["--dataset", "mnist", "--data-dir", str(Path(args.data_dir) / "mnist")]
     )
     found: list[Piece] = []
+    # every method on the device first: a crash there is a bug CI cannot see (FedDBE's, 2026-12-04)
+    argv = [sys.executable, str(HERE / "methods_on_device.py"), "--device", device]
+    argv += ["--methods", "fedavg,feddbe,fedfomo,fedavg+ccvr"] if smoke else []
+    found.append(Piece("methods-on-device", argv, 30 if smoke else 150, 300 if smoke else 400))
     paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
     for m, path in paths:
         argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
@@ -188,6 +198,10 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--rounds", "5", "--warmup", "3"]
     found.append(Piece("host-ops", argv, 20 if smoke else 40, 300 if smoke else 180))
+    # the stacked convolution's form: what the pfl-shaped round's kernels could gain (benchmarks/conv_forms.py)
+    argv = [sys.executable, str(HERE / "conv_forms.py"), "--device", device]
+    argv += ["--clients", "3", "--batch", "2", "--repeats", "1"] if smoke else []
+    found.append(Piece("conv-forms", argv, 15 if smoke else 40, 300 if smoke else 180))
     # the same FedAvg workload (1,000 MNIST users, 50 a round, batch 10, the CNN) on Flower's Simulation Engine with a
     # plain PyTorch ClientApp and on pfl-research's simulator, beside fedskew sequential, batched and captured on the
     # same device (benchmarks/vs_flower_sim.py)
@@ -261,6 +275,17 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         got["stacked_speedup"] = float(m[1]) if m else None
         m = re.search(r"^stacked metrics: largest difference from the batched runs' ([\d.e+-]+|inf)", stdout, re.M)
         got["stacked_max_difference"] = float(m[1]) if m else None
+    if piece.name == "conv-forms":  # {"K 50, TF32 off": {form: its speed over grouped's}}
+        speeds: dict[str, dict[str, float]] = {}
+        for block in re.split(r"^(?=K \d+, TF32 \w+:)", stdout, flags=re.M)[1:]:
+            head = block.split(":", 1)[0]
+            speeds[head] = {f: float(x) for f, x in re.findall(r"^  (\S+) +[\d.]+ ms +([\d.]+)x", block, re.M)}
+        got["speed_over_grouped"] = speeds
+    if piece.name == "methods-on-device":
+        m = re.search(r"^methods on \S+: (\d+) ok, (\d+) refused, (\d+) failed of (\d+) runs", stdout, re.M)
+        if m:
+            got.update(ok_runs=int(m[1]), refused_runs=int(m[2]), failed_runs=int(m[3]), runs=int(m[4]))
+        got["failed"] = [" ".join(line.split()[1:3]) for line in stdout.splitlines() if line.startswith("FAILED ")]
     if piece.name == "host-ops":
         m = re.search(r"^operations a round outside the steps: (\d+) \(inside the steps' bodies: (\d+)", stdout, re.M)
         if m:
@@ -268,6 +293,10 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         m = re.search(r"^round time \(unprofiled, median of \d+\): ([\d.]+) ms", stdout, re.M)
         got["round_ms"] = float(m[1]) if m else None
         got["by_function"] = re.findall(r"^ +([\d.]+)  (\S.*)$", stdout, re.M)[:8]
+        m = re.search(r"^device busy \(one profiled round, kernels' own times\): ([\d.]+) ms, (\d+)% of", stdout, re.M)
+        if m:  # the device's share of the round, and where its time went
+            got.update(device_busy_ms=float(m[1]), device_busy_share=int(m[2]) / 100)
+            got["top_kernels"] = re.findall(r"^ +([\d.]+) ms +\d+% +x\d+ +(\S.*)$", stdout, re.M)[:4]
     if piece.name in ("runs-per-gpu", "stacked-runs"):
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)
@@ -300,8 +329,10 @@ def run_piece(piece: Piece, out: Path) -> dict:
         return {"piece": piece.name, "ok": False, "error": f"timed out after {piece.limit_s:.0f}s", "tail": str(tail)}
     seconds = time.perf_counter() - t0
     (out / f"{piece.name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode != 0:
-        return {"piece": piece.name, "ok": False, "error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
+    if proc.returncode != 0:  # what it printed before failing still counts (methods-on-device: which methods)
+        seen = figures(piece, proc.stdout) if piece.run_dir is None else {}
+        failed = {"piece": piece.name, "ok": False, "error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
+        return {**failed, **seen}
     env = out / "env.json"
     rate = json.loads(env.read_text()).get("matmul_gflops") if env.exists() else None
     return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout, rate)}

@@ -9,7 +9,9 @@ which is the same on every device, is the host cost a change can remove without 
 the workload's rounds under ``torch.profiler`` (CPU activity, Python stacks) after warm-up rounds and attributes
 every outermost ``aten::`` operation to the innermost fedskew function on its stack; the operations inside a
 captured step's body (``engine/captured.py``'s ``_step``: one graph replay on a GPU) are counted apart. On a CUDA
-device it also times the same rounds unprofiled (the median round).
+device it also times the same rounds unprofiled (the median round), and profiles one more round's device work
+(CUPTI): the share of the round in which a kernel, copy or memset ran, and the kernels with the most time, which say
+whether what is left of the round is the host's or the device's.
 
     python benchmarks/host_ops.py --data-dir ../shared/data/mnist            # the pfl-research shape, CPU
     python benchmarks/host_ops.py --data-dir ../shared/data/mnist --device cuda
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +32,11 @@ from torch.profiler import ProfilerActivity, profile
 from fedskew.config import make_config
 from fedskew.data.federated import build_federated
 from fedskew.engine.loop import Simulation
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batched_clients import DeviceProfile, device_profile  # noqa: E402  (the device's own times, CUPTI)
+
+OUTSIDE = "(outside fedskew)"
 
 
 def attribute(events) -> tuple[collections.Counter, int]:
@@ -48,7 +57,7 @@ def attribute(events) -> tuple[collections.Counter, int]:
         if any("captured.py" in n and "_step" in n for n in ours):
             in_steps += 1
             continue
-        by[ours[0].split("fedskew/")[-1] if ours else "(outside fedskew)"] += 1
+        by[ours[0].split("fedskew/")[-1] if ours else OUTSIDE] += 1
     return by, in_steps
 
 
@@ -84,7 +93,7 @@ def main() -> None:
             "device": args.device,
             "batched_clients": True,
             "capture_steps": not args.no_capture,
-            "rounds": 2 * args.rounds + args.warmup,
+            "rounds": 2 * args.rounds + args.warmup + 1,
             "eval_every": 10**6,
         },
     )
@@ -106,8 +115,11 @@ def main() -> None:
         f"operations a round outside the steps: {total / args.rounds:.0f} (inside the steps' bodies: "
         f"{in_steps / args.rounds:.0f}{', one graph replay a step on a GPU' if not args.no_capture else ''})"
     )
-    for name, n in by.most_common(args.top):
-        print(f"{n / args.rounds:9.1f}  {name}")
+    if total and set(by) == {OUTSIDE}:  # torch 2.11 on CUDA recorded no Python frames (2026-12-04)
+        print(f"  (the profiler recorded no Python frames of fedskew under torch {torch.__version__}: not attributed)")
+    else:
+        for name, n in by.most_common(args.top):
+            print(f"{n / args.rounds:9.1f}  {name}")
     if args.device.startswith("cuda"):  # the same rounds' time, unprofiled
         times = []
         for rnd in range(first + args.rounds, first + 2 * args.rounds):
@@ -116,7 +128,16 @@ def main() -> None:
             sim.round(rnd)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        print(f"round time (unprofiled, median of {len(times)}): {statistics.median(times) * 1000:.1f} ms")
+        median = statistics.median(times)
+        print(f"round time (unprofiled, median of {len(times)}): {median * 1000:.1f} ms")
+        prof = device_profile(torch.device(args.device), lambda: sim.round(first + 2 * args.rounds))
+        if isinstance(prof, DeviceProfile):
+            share = prof.busy / median
+            print(f"device busy (one profiled round, kernels' own times): {prof.busy * 1000:.1f} ms, {share:.0%} of")
+            print("the unprofiled round; the device's work by kernel (share of the kernels' summed time):")
+            print("\n".join(prof.lines(8)))
+        else:
+            print(f"device busy: {prof}")
     sim.close()
 
 

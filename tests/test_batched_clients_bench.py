@@ -1,6 +1,7 @@
 """benchmarks/batched_clients.py's command line at toy size on the CPU: a noise-floor measurement without timed repeats
 (the warm-up's figures, how a slow CPU measures the float32 floor of a large workload) and a refused repeat count."""
 
+import collections
 import re
 import subprocess
 import sys
@@ -50,4 +51,16 @@ def test_busy_time_is_the_union_of_the_kernels_spans():
 
 def test_busy_time_off_a_gpu_says_why():
     bench = _module()
-    assert bench.kernel_busy_seconds(torch.device("cpu"), lambda: None) == "not a GPU run"
+    assert bench.device_profile(torch.device("cpu"), lambda: None) == "not a GPU run"
+
+
+def test_the_devices_work_is_summed_by_kernel_most_time_first():
+    bench = _module()
+    span = collections.namedtuple("span", "start end")
+    event = collections.namedtuple("event", "name time_range")
+    work = [event("gemm", span(0, 300)), event("relu", span(300, 350)), event("gemm", span(400, 600))]
+    work.append(event("memcpy", span(600, 1000)))
+    top = bench.top_work(work)
+    assert top == [("gemm", pytest.approx(500e-6), 2), ("memcpy", pytest.approx(400e-6), 1), ("relu", 50e-6, 1)]
+    lines = bench.DeviceProfile(0.00095, top).lines(2)
+    assert len(lines) == 2 and "gemm" in lines[0] and "53%" in lines[0] and "x2" in lines[0]

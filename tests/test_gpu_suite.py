@@ -18,7 +18,8 @@ BATCHED += [f"batched-{m}" for m in ("fedala", "ditto", "fedbabu", "fedproto", "
 BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apfl", "perfedavg", "pfedme")]
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
-WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops"]
+WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
+WHOLE_RUNS += ["conv-forms"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -88,6 +89,11 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert "pfl-research workload with --capture-steps: 3 rounds" in report
     host = _results(out, ["host-ops"])["host-ops"]  # the round's dispatches outside and inside the steps
     assert host["ops_outside_steps"] > 0 and host["ops_inside_steps"] > 0 and host["by_function"]
+    methods = _results(out, ["methods-on-device"])["methods-on-device"]  # 4 methods, sequential and batched
+    assert methods["runs"] == 8 and methods["ok_runs"] == 8 and methods["failed"] == []
+    forms = _results(out, ["conv-forms"])["conv-forms"]["speed_over_grouped"]  # on a CPU: no TF32, no cuDNN
+    assert list(forms) == ["K 3, TF32 off"] and set(forms["K 3, TF32 off"]) == {"grouped", "unfold+bmm", "loop"}
+    assert forms["K 3, TF32 off"]["grouped"] == 1.0
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
 

@@ -6,9 +6,11 @@ from the budget alone. Nothing here reads the machine's clock, so a slow or busy
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 ONLY = "env,batched-fedavg,batched-fedprox,pfl-batched,run100,runs-per-gpu"  # smoke estimates 1, 20, 20, 20, 20, 30
@@ -118,3 +120,81 @@ def test_a_batched_pieces_figures_are_read_from_its_output(monkeypatch):
     assert got["kernel_busy"] == "71% of the batched time (0.343s of kernels, copies and memsets)"
     off = out.replace(got["kernel_busy"], "unavailable (the profiler recorded no device activity)")
     assert suite.figures(piece, off.replace(", one profiled round): ", "): "))["kernel_busy"].startswith("unavailable")
+
+
+def test_the_host_ops_figures_are_read_from_its_output(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_suite_host_figures", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, suite)
+    spec.loader.exec_module(suite)
+    # the lines host_ops.py printed on the H200 (docs/measured/gpu-h200-2026-12-04b/host-ops.log), then the device's
+    # own times, which it prints on a GPU since
+    out = (
+        "workload: mnist, 1000 clients, 0.05 a round, cnn, fedavg, batch 10, 1 epoch, captured steps, device cuda\n"
+        "operations a round outside the steps: 1019 (inside the steps' bodies: 0, one graph replay a step on a GPU)\n"
+        "  (the profiler recorded no Python frames of fedskew under torch 2.11.0+cu130: not attributed)\n"
+        "round time (unprofiled, median of 5): 28.7 ms\n"
+        "device busy (one profiled round, kernels' own times): 21.4 ms, 75% of\n"
+        "the unprofiled round; the device's work by kernel (share of the kernels' summed time):\n"
+        "      9.12 ms   41%  x480    void cudnn::cnn::wgrad2d_grouped_direct_kernel<float>\n"
+        "      4.00 ms   18%  x960    sm90_xmma_gemm_f32f32\n"
+    )
+    got = suite.figures(suite.Piece("host-ops", [], 40, 180), out)
+    assert got["ops_outside_steps"] == 1019 and got["ops_inside_steps"] == 0 and got["round_ms"] == 28.7
+    assert got["by_function"] == []  # nothing attributed: no line of counts
+    assert got["device_busy_ms"] == 21.4 and got["device_busy_share"] == 0.75
+    assert got["top_kernels"][0] == ("9.12", "void cudnn::cnn::wgrad2d_grouped_direct_kernel<float>")
+    assert len(got["top_kernels"]) == 2
+
+
+def test_a_method_that_fails_on_the_device_is_named_and_fails_the_check(monkeypatch, capsys):
+    bench = load_script(SUITE.parent / "methods_on_device.py", "methods_on_device_under_test")
+    cuda_error = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+
+    def run(cfg, **kwargs):
+        if cfg.method == "feddbe":
+            raise RuntimeError(cuda_error)
+        return types.SimpleNamespace(summary={"global_acc": {"final": 0.5}})
+
+    monkeypatch.setattr(bench, "run_experiment", run)
+    monkeypatch.setattr(sys, "argv", ["methods_on_device.py", "--device", "cpu", "--methods", "fedavg,feddbe"])
+    assert bench.main() == 1
+    out = capsys.readouterr().out
+    assert "methods on cpu: 2 ok, 0 refused, 2 failed of 4 runs" in out
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and all(
+        "feddbe" in line and "RuntimeError: Expected all tensors" in line for line in failed
+    )
+    # the run book keeps which methods failed, though the piece exited 1
+    spec = importlib.util.spec_from_file_location("gpu_suite_methods", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, suite)
+    spec.loader.exec_module(suite)
+    got = suite.figures(suite.Piece("methods-on-device", [], 150, 400), out)
+    assert got["failed"] == ["feddbe sequential", "feddbe batched"] and got["failed_runs"] == 2 and got["runs"] == 4
+    # every registered method is in the default list, a plug-in tied to its client part with that part
+    names = bench.all_methods()
+    assert {"fedavg", "feddbe", "fedfomo", "fedavg+ccvr", "fedavg+heal"} <= set(names)
+    assert "fedavg+cloud" not in names and "fedavg+fomo" not in names
+
+
+def test_the_convolution_forms_speeds_are_read_per_workload(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_suite_conv", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, suite)
+    spec.loader.exec_module(suite)
+    out = (
+        "PFLlib CNN's convolutions, forward + backward, batch 10, cuda (torch 2.11.0+cu130)\n"
+        "K 50, TF32 off:\n"
+        "  grouped                2.000 ms    1.00x grouped's speed  max diff 0.0e+00\n"
+        "  grouped+benchmark      1.000 ms    2.00x grouped's speed  max diff 0.0e+00\n"
+        "  unfold+bmm             4.000 ms    0.50x grouped's speed  max diff 1.5e-05\n"
+        "K 50, TF32 on:\n"
+        "  grouped                1.000 ms    1.00x grouped's speed  max diff 0.0e+00\n"
+        "  loop                  10.000 ms    0.10x grouped's speed  max diff 0.0e+00\n"
+    )
+    got = suite.figures(suite.Piece("conv-forms", [], 40, 180), out)["speed_over_grouped"]
+    assert got == {
+        "K 50, TF32 off": {"grouped": 1.0, "grouped+benchmark": 2.0, "unfold+bmm": 0.5},
+        "K 50, TF32 on": {"grouped": 1.0, "loop": 0.1},
+    }

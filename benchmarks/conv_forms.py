@@ -1,0 +1,151 @@
+"""The stacked convolution's form, timed: which way of convolving K clients' batches at once is fastest on this device?
+
+``engine/stacked.py`` convolves K clients as one grouped convolution (their channels side by side, ``groups = K``).
+On the H200 the pfl-research-shaped round (50 clients, batch 10, PFLlib's CNN) ran its kernels at 6–7% of the fp32
+matmul rate (docs/design.md), so the convolutions' form may be what is left between the round and the device. This
+script times one training step's forward and backward of PFLlib's CNN's two convolutions (5×5, 1→32 on 28×28, then
+32→64 on 12×12) for K clients of B samples in each form, in the same run:
+
+* ``grouped``: the engine's form, cuDNN's (or oneDNN's) grouped convolution;
+* ``grouped+benchmark``: the same with ``torch.backends.cudnn.benchmark`` (cuDNN times its algorithms per shape; a
+  GPU only);
+* ``unfold+bmm``: im2col (``F.unfold``) and one batched matmul over the clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
+* ``loop``: one ordinary convolution per client (the sequential loop's kernels, K launches).
+
+Each form's outputs are checked against ``grouped``'s (float32 rounding), and each time is the median of
+``--repeats`` synchronized steps after a warm-up, printed with its ratio to ``grouped``'s measured in the same run.
+
+    python benchmarks/conv_forms.py --device cuda                 # the pfl shape (K 50) and issue 15's (K 100)
+    python benchmarks/conv_forms.py --device cpu --clients 4 --batch 2 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# PFLlib's CNN on MNIST: (input channels, output channels, input side), 5×5 kernels, no padding
+LAYERS = ((1, 32, 28), (32, 64, 12))
+
+
+def grouped(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``x [K, B, C, H, W]``, ``w [K, O, C, k, k]``, ``b [K, O]`` → ``[K, B, O, H', W']``, as engine/stacked.py."""
+    k, n = x.shape[0], x.shape[1]
+    xs = x.transpose(0, 1).reshape(n, k * x.shape[2], *x.shape[3:])
+    out = F.conv2d(xs, w.reshape(k * w.shape[1], *w.shape[2:]), b.reshape(-1), groups=k)
+    return out.view(n, k, -1, *out.shape[2:]).transpose(0, 1)
+
+
+def unfold_bmm(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    k, n, c, h, wd = x.shape
+    o, kh, kw = w.shape[1], w.shape[3], w.shape[4]
+    cols = F.unfold(x.reshape(k * n, c, h, wd), (kh, kw))  # [K·B, C·k·k, L]
+    cols = cols.view(k, n, -1, cols.shape[-1]).transpose(1, 2).reshape(k, c * kh * kw, -1)  # [K, C·k·k, B·L]
+    out = torch.baddbmm(b.unsqueeze(2), w.reshape(k, o, -1), cols)  # [K, O, B·L]
+    return out.view(k, o, n, h - kh + 1, wd - kw + 1).transpose(1, 2)
+
+
+def loop(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    return torch.stack([F.conv2d(x[i], w[i], b[i]) for i in range(x.shape[0])])
+
+
+def step(form: Callable[[Tensor, Tensor, Tensor], Tensor], xs: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+    """Each layer's forward, ReLU and 2×2 max-pool as the CNN does, and the backward of their outputs' sum of
+    squares: the layers' outputs (for the check)."""
+    outs, loss = [], None
+    for x, (w, b) in zip(xs, zip(params[0::2], params[1::2], strict=True), strict=True):
+        y = form(x, w, b)
+        k, n = y.shape[0], y.shape[1]
+        pooled = F.max_pool2d(F.relu(y.reshape(k * n, *y.shape[2:])), 2)
+        loss = pooled.square().sum() if loss is None else loss + pooled.square().sum()
+        outs.append(y.detach())
+    assert loss is not None
+    loss.backward()
+    return outs
+
+
+def timed(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: cuDNN's algorithm search, oneDNN's primitives, the allocator
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(device: torch.device, k: int, n: int, repeats: int, tf32: bool) -> list[tuple[str, float, float]]:
+    """``(form, seconds, largest difference from grouped's outputs)`` for K clients of ``n`` samples."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(k, n, c, s, s, generator=g).to(device) for c, _, s in LAYERS]
+    params = []
+    for c, o, _ in LAYERS:
+        params.append((0.1 * torch.randn(k, o, c, 5, 5, generator=g)).to(device).requires_grad_())
+        params.append((0.1 * torch.randn(k, o, generator=g)).to(device).requires_grad_())
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    forms: list[tuple[str, Callable, bool]] = [("grouped", grouped, False), ("unfold+bmm", unfold_bmm, False)]
+    forms += [("loop", loop, False)]
+    if device.type == "cuda":
+        forms.insert(1, ("grouped+benchmark", grouped, True))
+    reference = step(grouped, xs, params)
+    found = []
+    for name, form, bench in forms:
+        torch.backends.cudnn.benchmark = bench
+        try:
+            outs = step(form, xs, params)
+            diff = max(float((a - r).abs().max()) for a, r in zip(outs, reference, strict=True))
+            found.append((name, timed(device, lambda form=form: step(form, xs, params), repeats), diff))
+        finally:
+            torch.backends.cudnn.benchmark = False
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--clients", default="50,100", help="K values (50: the pfl-research shape, 100: issue 15's)")
+    p.add_argument("--batch", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tf32", default="off,on", help="off, on or both (cuDNN's and matmul's TF32; a GPU only)")
+    args = p.parse_args()
+    if args.repeats < 1 or args.batch < 1:
+        p.error("--repeats and --batch must be at least 1")
+    try:
+        ks = [int(v) for v in args.clients.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--clients takes comma-separated counts, not {args.clients!r}")
+    if not ks or min(ks) < 1:
+        p.error("--clients needs counts of at least 1")
+    modes = [m.strip() for m in args.tf32.split(",") if m.strip()]
+    if not modes or set(modes) - {"off", "on"}:
+        p.error(f"--tf32 takes off and/or on, not {args.tf32!r}")
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        modes = ["off"]  # TF32 is a GPU's
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    print(f"PFLlib CNN's convolutions, forward + backward, batch {args.batch}, {device} (torch {torch.__version__})")
+    for k in ks:
+        for mode in modes:
+            found = measure(device, k, args.batch, args.repeats, mode == "on")
+            base = found[0][1]
+            print(f"K {k}, TF32 {mode}:")
+            for name, seconds, diff in found:
+                print(
+                    f"  {name:18s} {seconds * 1e3:9.3f} ms  {base / seconds:6.2f}x grouped's speed  max diff {diff:.1e}"
+                )
+
+
+if __name__ == "__main__":
+    main()

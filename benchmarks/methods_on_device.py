@@ -1,0 +1,117 @@
+"""Every registered method run for a few rounds on one device, sequential and batched: does each keep its tensors on
+the run's device? A check to run first whenever a GPU is lent, since CI has none.
+
+On a CUDA run the model, the uploads, their stack and the server's state live on the GPU; a tensor a method makes
+without ``device=`` lives on the CPU, and the two meet in a crash ("Expected all tensors to be on the same device")
+that no CPU test sees. FedDBE's client did that on the H200 (2026-12-04). This script runs each client part (with
+fedavg's server) and each server plug-in (on fedavg's client) for ``--rounds`` rounds on the embedded digits data,
+evaluated every round, once with the sequential loop and once with ``--batched-clients``, and prints one line a run:
+``ok``, ``refused`` (the configuration was refused by name: a method that needs another model or data, or a path it
+has no batched form for, which the engine says and falls back from) or ``FAILED`` with the error's last line. Exit
+status 1 when any run failed.
+
+    python benchmarks/methods_on_device.py --device cuda                      # all of them (a few minutes)
+    python benchmarks/methods_on_device.py --device cpu --methods fedavg,feddbe,fedavg+ccvr --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from fedskew.config import ConfigError, make_config
+from fedskew.methods import CLIENTS, SERVER_PLUGINS, resolve_method
+from fedskew.runner import run_experiment
+
+
+def all_methods() -> list[str]:
+    """Each client part alone (with the plug-ins it implies: FedDyn's ``cloud``), then each plug-in that reads any
+    client part's uploads on fedavg's client (one that reads a particular client part's runs with that part)."""
+    implied = {p for part in CLIENTS.values() for p in part.implies}
+    free = [p for p, plugin in sorted(SERVER_PLUGINS.items()) if not plugin.clients and p not in implied]
+    return [*sorted(CLIENTS), *(f"fedavg+{p}" for p in free)]
+
+
+def run_one(method: str, batched: bool, device: str, rounds: int, out: Path) -> tuple[str, str]:
+    """``(status, detail)`` of one run: ``ok`` with its accuracy, ``refused`` or ``FAILED`` with the reason."""
+    try:
+        cfg = make_config(
+            None,
+            {
+                "dataset": "digits",
+                "partition": "dir",
+                "alpha": 0.5,
+                "clients": 6,
+                "rounds": rounds,
+                "local_epochs": 1,
+                "batch_size": 16,
+                "method": method,
+                "device": device,
+                "batched_clients": batched,
+                "skew_probes": 0,
+                "eval_every": 1,
+                "validation": 0.2,  # FedFomo scores its peers on it; the others' validation paths run too
+                "db": None,
+                "out": str(out),
+                "seed": 0,
+            },
+        )
+        outcome = run_experiment(cfg, overwrite=True)
+    except ConfigError as e:
+        return "refused", " ".join(str(e).split())[:200]
+    except Exception as e:  # noqa: BLE001 - the point of the check: reported by name, the next method runs
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return (
+            "FAILED",
+            f"{type(e).__name__}: {str(e).splitlines()[0][:160]} ({Path(where.filename).name}:{where.lineno})",
+        )
+    acc = outcome.summary.get("global_acc", {}).get("final")
+    return "ok", "" if acc is None else f"accuracy {acc:.3f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--methods", default="", help="comma-separated methods (default: every registered one)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds a run (2: a method's second-round state is used)")
+    p.add_argument("--paths", default="sequential,batched", help="sequential, batched or both")
+    args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    paths = [s.strip() for s in args.paths.split(",") if s.strip()]
+    if not paths or set(paths) - {"sequential", "batched"}:
+        p.error(f"--paths takes sequential and/or batched, not {args.paths!r}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] or all_methods()
+    for method in methods:  # a method named here must exist and compose
+        try:
+            resolve_method(method, {})
+        except ConfigError as e:
+            p.error(" ".join(str(e).split()))
+    what = f"{len(methods)} methods x {len(paths)} paths on {args.device}"
+    print(f"{what} (torch {torch.__version__}), {args.rounds} rounds each, the digits data over 6 clients")
+    failed = refused = 0
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedskew-methods-") as tmp:
+        for i, method in enumerate(methods):
+            for path in paths:
+                t0 = time.perf_counter()
+                status, detail = run_one(method, path == "batched", args.device, args.rounds, Path(tmp) / f"r{i}{path}")
+                failed += status == "FAILED"
+                refused += status == "refused"
+                print(f"{status:8s} {method:24s} {path:10s} {time.perf_counter() - t0:6.1f}s  {detail}", flush=True)
+    ran = len(methods) * len(paths)
+    print(
+        f"methods on {args.device}: {ran - failed - refused} ok, {refused} refused, {failed} failed of {ran} runs "
+        f"in {time.perf_counter() - t_all:.0f}s"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
