@@ -1,5 +1,6 @@
 """The exact finiteness check by sums (server.api.nonfinite) and the upload-buffer pool (engine/buffers.py)."""
 
+import numpy as np
 import torch
 
 from fedskew.engine.buffers import BufferPool
@@ -114,3 +115,35 @@ def test_training_in_the_stack_gives_the_records_of_training_apart(tmp_path, mon
     assert bound and all(bound)
     monkeypatch.setattr(TrainInPlace, "bind", lambda self, row: False)
     assert {m: records("apart", m) for m in methods} == together
+
+
+def test_nonfinite_each_checks_a_rounds_uploads_in_one_multi_tensor_norm():
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedskew.protocol import Upload
+    from fedskew.server.uploads import check_upload, nonfinite_each, upload_tensors
+
+    glob = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+
+    def up(cid, w=0.0, b=0.0, e=0.0, **params):
+        p = {"w": torch.full((2, 2), w), "b": torch.tensor([1.0, b]), **params}
+        return Upload(cid=cid, params=p, num_samples=1, extras={"e": torch.tensor([e], dtype=torch.float64)})
+
+    nan, inf = float("nan"), float("inf")
+    ups = [up(0), up(1, b=nan), up(2, e=-inf), up(3, w=inf, b=nan), up(4, w=3e38)]  # the last: finite, sums overflow
+    ups.append(
+        Upload(cid=5, params={"w": np.zeros((2, 2), dtype=np.float32), "b": torch.tensor([nan, 0.0])}, num_samples=1)
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        found = nonfinite_each(ups)
+    assert found == [[], [1], [2], [0, 1], [], [1]]  # positions in upload_tensors: params, then extras
+    assert sum(e.name == "aten::_foreach_norm" for e in prof.events()) == 1  # all 6 uploads' tensors at once
+    assert [n for _, n, _ in upload_tensors(ups[2])] == ["w", "b", "e"]
+    for u, bad in zip(ups, found, strict=True):  # the same verdict as an upload checked alone
+        alone, together = check_upload(u, glob), check_upload(u, glob, None, bad)
+        assert (alone is None) == (together is None)
+        if alone is not None:
+            assert alone.reason == together.reason and alone.nonfinite == together.nonfinite
+    assert "'b' contains NaN or Inf" in check_upload(ups[1], glob, None, found[1]).reason
+    assert "dtype" in check_upload(ups[5], glob, None, found[5]).reason  # not a tensor: its dtype is named first
+    assert nonfinite_each([]) == []

@@ -372,3 +372,27 @@ def test_streaming_drops_a_bad_upload_before_summing_it(tmp_path, monkeypatch, k
         _corrupt_uploads(m, corrupt, {3})
         with pytest.raises(Exception, match="client 3" if kind == "shape" else "NaN|Inf|diverged"):
             Simulation(fail, build_federated(fail)).round(1)
+
+
+@pytest.mark.parametrize("policy", ["fail", "drop"])
+def test_batched_clients_uploads_checked_together_are_judged_as_one_by_one(tmp_path, monkeypatch, policy):
+    # batched clients' uploads arrive together and are checked for NaN/Inf in one multi-tensor norm: a bad one is
+    # still named, dropped or divergence, and a malformed one still reported before a non-finite one
+    import fedskew.engine.backends as backends
+
+    real = backends.BatchedClients.train
+
+    def faulty(self, host, rnd, jobs):
+        corrupt = {0: _nan, 2: _nan, 3: _wrong_dtype}
+        return [dataclasses.replace(u, params=corrupt.get(u.cid, dict)(u.params)) for u in real(self, host, rnd, jobs)]
+
+    monkeypatch.setattr(backends.BatchedClients, "train", faulty)
+    cfg = _cfg(tmp_path, batched_clients=True, on_bad_update=policy)
+    sim = Simulation(cfg, build_federated(cfg))
+    if policy == "fail":
+        with pytest.raises(UploadError, match="client 3: tensor .* has dtype"):
+            sim.round(1)
+        return
+    record = sim.round(1).record
+    assert [d["client"] for d in record["dropped"]] == [0, 2, 3] and record["participants"] == 2
+    assert ["NaN or Inf" in d["reason"] for d in record["dropped"]] == [True, True, False]

@@ -16,12 +16,17 @@ SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 ONLY = "env,batched-fedavg,batched-fedprox,pfl-batched,run100,runs-per-gpu"  # smoke estimates 1, 20, 20, 20, 20, 30
 
 
-@pytest.fixture
-def suite(monkeypatch):
+def _load_suite(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_suite_under_test", SUITE)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    module = _load_suite(monkeypatch)
     clock = {"now": 0.0, "ran": [], "limits": {}, "takes": {}}
 
     class FakeTime:
@@ -95,10 +100,7 @@ def test_a_piece_slower_than_the_budget_left_is_cut_at_it_and_run_again_next_tim
 
 
 def test_a_batched_pieces_figures_are_read_from_its_output(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_suite_figures", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     # the lines batched_clients.py printed on the H200 (docs/measured/gpu-h200-2026-12-04/batched-fedavg-captured.log)
     # and the busy share from the kernels' own times, which it prints on a GPU since
     out = (
@@ -123,10 +125,7 @@ def test_a_batched_pieces_figures_are_read_from_its_output(monkeypatch):
 
 
 def test_the_host_ops_figures_are_read_from_its_output(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_suite_host_figures", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     # the lines host_ops.py printed on the H200 (docs/measured/gpu-h200-2026-12-04b/host-ops.log), then the device's
     # own times, which it prints on a GPU since
     out = (
@@ -166,10 +165,7 @@ def test_a_method_that_fails_on_the_device_is_named_and_fails_the_check(monkeypa
         "feddbe" in line and "RuntimeError: Expected all tensors" in line for line in failed
     )
     # the run book keeps which methods failed, though the piece exited 1
-    spec = importlib.util.spec_from_file_location("gpu_suite_methods", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     got = suite.figures(suite.Piece("methods-on-device", [], 150, 400), out)
     assert got["failed"] == ["feddbe sequential", "feddbe batched"] and got["failed_runs"] == 2 and got["runs"] == 4
     # every registered method is in the default list, a plug-in tied to its client part with that part
@@ -179,10 +175,7 @@ def test_a_method_that_fails_on_the_device_is_named_and_fails_the_check(monkeypa
 
 
 def test_the_convolution_forms_speeds_are_read_per_workload(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_suite_conv", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     out = (
         "PFLlib CNN's convolutions, forward + backward, batch 10, cuda (torch 2.11.0+cu130)\n"
         "K 50, TF32 off:\n"

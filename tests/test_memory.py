@@ -77,6 +77,17 @@ def test_column_blocks_cover_every_column_once():
         assert k * widest <= max(combine.BLOCK_ELEMENTS["cpu"], k)  # the float64 buffer stays within its budget
 
 
+def test_column_blocks_on_an_accelerator_are_bounded_by_the_budget_alone():
+    # a CPU keeps a block to 1/16 of a large tensor's columns (RAM); a GPU launches each block's kernels from the
+    # host, so the pfl-research-shaped round's CNN (50 clients, fc1's 524,288 columns) is one block there, not 16
+    cpu = list(column_blocks(50, 524288, torch.device("cpu")))
+    gpu = list(column_blocks(50, 524288, torch.device("cuda")))
+    assert len(cpu) == 16 and gpu == [slice(0, 524288)]
+    big = list(column_blocks(1000, 156800, torch.device("cuda")))  # 1.6e8 float64 elements: over the 2**26 budget
+    assert len(big) > 1 and 1000 * max(b.stop - b.start for b in big) <= combine.BLOCK_ELEMENTS_DEFAULT
+    assert [i for b in big for i in range(b.start, b.stop)] == list(range(156800))
+
+
 def _rin(k=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     glob = {"a": torch.randn(6, 5, generator=g), "b": torch.randn(4, generator=g), "n": torch.tensor(2)}

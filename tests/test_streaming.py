@@ -102,7 +102,7 @@ def _lines(path):
 def test_a_streaming_run_gives_the_stacked_runs_records(tmp_path, monkeypatch, method, args):
     summed = []
     add = RunningSum.add
-    monkeypatch.setattr(RunningSum, "add", lambda self, up: summed.append(up.cid) or add(self, up))
+    monkeypatch.setattr(RunningSum, "add", lambda self, up, *rest: summed.append(up.cid) or add(self, up, *rest))
     base = {"method": method, "method_args": args, "clients": 6, "rounds": 3, "skew_probes": 0, "db": None}
     for mode in ("stacked", "streaming"):
         run_experiment(make_config(None, {**base, "aggregation": mode, "out": str(tmp_path / mode)}))

@@ -67,6 +67,7 @@ from fedskew.engine.step_functions import step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator
 from fedskew.server.api import ServerHalf
+from fedskew.server.uploads import nonfinite_each
 
 if TYPE_CHECKING:  # annotations only: the simulation is seen through engine/host.py, never engine/loop.py
     from fedskew.engine.host import ClientHost, RoundHost
@@ -437,6 +438,7 @@ def round_batched(sim: RoundHost, rnd: int, max_clients: int | None = None) -> R
     cids = [c for c in plan.sampled if c not in plan.gone]
     received = {c: sim.params_for(c) for c in cids}
     sent = {c: sim.sent_to(plan, c) for c in cids}
-    for update in train_batched(sim, rnd, cids, received, plan.broadcast, max_clients, sent=sent):
-        sim.take_upload(plan, update)
+    trained = train_batched(sim, rnd, cids, received, plan.broadcast, max_clients, sent=sent)
+    for update, bad in zip(trained, nonfinite_each(trained), strict=True):  # their finiteness in one device sync
+        sim.take_upload(plan, update, bad)
     return sim.close_round(plan)

@@ -16,7 +16,7 @@ One round, as a reader should see it::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ from fedskew.methods import Method, resolve_method
 from fedskew.privacy.server import noised_entries
 from fedskew.protocol import Params, Upload
 from fedskew.server.api import CalibrationKey
-from fedskew.server.uploads import UploadStack
+from fedskew.server.uploads import UploadStack, nonfinite_each
 
 # the round's and the model's parts, importable from here as before they moved out (engine/rounds.py, model_init.py)
 __all__ = [
@@ -220,9 +220,16 @@ class Simulation:
     def round(self, rnd: int) -> RoundResult:
         plan = self.open_round(rnd)
         reporting = [cid for cid in plan.sampled if cid not in plan.gone]  # drop-outs: no training, no state change
-        # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped
-        for upload in self._train_clients(plan, reporting):
-            self.take_upload(plan, upload)
+        # each upload is validated into preallocated [K, ...] buffers as soon as it is trained, then dropped;
+        # batched clients arrive together: their finiteness is checked at once (one device sync, not one each)
+        uploads = self._train_clients(plan, reporting)
+        if self._batched is not None:
+            trained = list(uploads)
+            for upload, bad in zip(trained, nonfinite_each(trained), strict=True):
+                self.take_upload(plan, upload, bad)
+        else:
+            for upload in uploads:
+                self.take_upload(plan, upload)
         return self.close_round(plan)
 
     def _train_clients(self, plan: RoundPlan, cids: list[int]) -> Iterator[Upload]:
@@ -280,10 +287,11 @@ class Simulation:
         :meth:`~fedskew.engine.round_server.RoundServer.sent_to`: the broadcast, and its own downloads)."""
         return self.server.sent_to(plan, cid)
 
-    def take_upload(self, plan: RoundPlan, upload: Upload) -> None:
-        """Hand one client's upload to the round server; the client keeps what it trained (unless the server
-        rejected a mis-shaped upload: docs/guide.md) and its state goes back to the store."""
-        rejected = self.server.take_upload(plan, upload)
+    def take_upload(self, plan: RoundPlan, upload: Upload, nonfinite_at: Sequence[int] | None = None) -> None:
+        """Hand one client's upload to the round server (``nonfinite_at``: its finiteness, already found); the
+        client keeps what it trained (unless the server rejected a mis-shaped upload: docs/guide.md) and its state
+        goes back to the store."""
+        rejected = self.server.take_upload(plan, upload, nonfinite_at)
         if rejected is None or rejected.nonfinite:  # the client holds the model it trained (docs/guide.md)
             self._keep_trained(upload.cid, upload)
         self.state_store.release(upload.cid)  # this round is done with the client's state: to disk (a disk store)

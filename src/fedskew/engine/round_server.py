@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -253,10 +253,13 @@ class RoundServer:
         plan.bytes_down = sum(self.wire_bytes(self.received(cid)) + payload_bytes(broadcast) for cid in sampled)
         return plan
 
-    def take_upload(self, plan: RoundPlan, upload: Upload) -> Rejection | None:
-        """Validate one client's upload into the round's buffers; its rejection under ``on_bad_update``, if any."""
+    def take_upload(
+        self, plan: RoundPlan, upload: Upload, nonfinite_at: Sequence[int] | None = None
+    ) -> Rejection | None:
+        """Validate one client's upload into the round's buffers; its rejection under ``on_bad_update``, if any
+        (``nonfinite_at``: its finiteness, found with the round's other uploads: ``server.uploads.check_upload``)."""
         plan.bytes_up += self.wire_bytes(upload.params) + payload_bytes(upload.extras)
-        rejected = plan.stack.add(upload)
+        rejected = plan.stack.add(upload, nonfinite_at)
         if rejected is None or self.settings.on_bad_update == "fail":
             plan.losses.append((upload.cid, upload.num_samples, upload.metrics.get(TRAIN_LOSS, math.nan)))
         return rejected

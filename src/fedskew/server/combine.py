@@ -19,7 +19,8 @@ from fedskew.server.paging import release_pages
 
 BLOCK_ELEMENTS = {"cpu": 1 << 22}  # float64 elements of one K × block working buffer (32 MiB); per device type
 BLOCK_ELEMENTS_DEFAULT = 1 << 26  # accelerators: fewer, larger kernels (512 MiB)
-BLOCK_FRACTION = 16  # and at most 1/16 of the columns (a float64 block <= 1/8 of a float32 [K, M] stack) ...
+# on a CPU also at most 1/16 of the columns (a float64 block <= 1/8 of a float32 [K, M] stack in RAM) ...
+BLOCK_FRACTION = {"cpu": 16}  # (accelerators: the budget alone; a block is a few kernels launched from the host)
 MIN_BLOCK_COLUMNS = 4096  # ... unless that is fewer columns than this
 
 
@@ -27,14 +28,17 @@ def column_blocks(
     k: int, m: int, device: torch.device, budget: int | None = None, max_columns: int | None = None
 ) -> Iterator[slice]:
     """Slices of ``range(m)`` such that a ``k × block`` float64 buffer stays within ``budget`` elements (default:
-    the device's, :data:`BLOCK_ELEMENTS`) and, for large tensors, small next to the ``[k, m]`` stack itself; at most
-    ``max_columns`` columns each when given. After
+    the device's, :data:`BLOCK_ELEMENTS`) and, on a CPU, for large tensors, small next to the ``[k, m]`` stack
+    itself (:data:`BLOCK_FRACTION`; on a GPU each block costs launches, and the pfl-research-shaped round aggregated
+    its CNN in 30 blocks of a few operations each); at most ``max_columns`` columns each when given. After
     each block is consumed, a disk-backed stack's pages go back to the kernel
     (:func:`fedskew.server.paging.release_pages`): iterate lazily (not ``list(...)``) for that to bound them."""
     if budget is None:
         budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS_DEFAULT)
     budget //= max(k, 1)
-    block = max(1, min(m, budget, max(MIN_BLOCK_COLUMNS, -(-m // BLOCK_FRACTION))))
+    fraction = BLOCK_FRACTION.get(device.type)
+    share = m if fraction is None else max(MIN_BLOCK_COLUMNS, -(-m // fraction))
+    block = max(1, min(m, budget, share))
     if max_columns is not None:
         block = min(block, max_columns)
     for s in range(0, m, block):

@@ -14,7 +14,7 @@ why. The result equals the stacked path's up to float64 rounding (the sums are t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,8 +95,9 @@ class RunningSum:
     def count(self) -> int:
         return len(self.cids)
 
-    def add(self, upload: Upload) -> Rejection | None:
-        bad = check_upload(upload, self.global_params, self.extra_template)
+    def add(self, upload: Upload, nonfinite_at: Sequence[int] | None = None) -> Rejection | None:
+        """Validate ``upload`` and add it to the sums (``nonfinite_at``: :func:`check_upload`'s)."""
+        bad = check_upload(upload, self.global_params, self.extra_template, nonfinite_at)
         if bad is not None:
             self.rejected.append(bad)
             return bad
