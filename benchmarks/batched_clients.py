@@ -246,11 +246,19 @@ def main() -> None:
         help="the batched step: auto (the stacked autograd graph for Sequential models, else vmap), vmap always, or "
         "captured (every step at a few padded shapes, replayed as CUDA graphs on a GPU: --capture-steps)",
     )
+    p.add_argument(
+        "--stacked-conv",
+        choices=("grouped", "unfold"),
+        default="grouped",
+        help="the stacked graph's convolutions: one grouped convolution, or unfolded patches times the filters in one "
+        "batched matmul (the run's stacked_conv; benchmarks/conv_forms.py times the two alone)",
+    )
     args = p.parse_args()
     if args.repeats < 0:
         p.error(f"--repeats must be 0 or more (timed repeats after the warm-up), got {args.repeats}")
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    captured, conv = args.path == "captured", args.stacked_conv
     if args.path == "vmap":
         from fedskew.engine.step_functions import vmap_step_function
 
@@ -301,6 +309,7 @@ def main() -> None:
         f"{sum(sizes)} training samples (per client {min(sizes)}..{max(sizes)}), model {args.model}, "
         f"method {args.method}, batch {args.batch_size}, {args.epochs} epoch(s), device {device}, "
         f"torch threads {torch.get_num_threads()}, TF32 {'on' if args.tf32 else 'off'}, batched step {args.path}"
+        f"{', convolutions unfolded' if args.stacked_conv == 'unfold' else ''}"
     )
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
     if args.path == "captured":  # the rows the padded steps run (engine/captured.py) against the clients' real steps
@@ -329,7 +338,7 @@ def main() -> None:
             return [seq._train(c, rnd, received[c], broadcast) for c in cids]
 
         def batched(received=received, broadcast=broadcast, rnd=rnd) -> list[Upload]:
-            return train_batched(bat, rnd, cids, received, broadcast, args.max_clients, args.path == "captured")
+            return train_batched(bat, rnd, cids, received, broadcast, args.max_clients, captured, conv=conv)
 
         sampler = UtilizationSampler(device)
         if rep % 2 == 0:
@@ -382,7 +391,7 @@ def main() -> None:
         broadcast = seq.method.server_half.broadcast(seq.server_half_state)
         prof = device_profile(
             device,
-            lambda: train_batched(bat, rnd, cids, received, broadcast, args.max_clients, args.path == "captured"),
+            lambda: train_batched(bat, rnd, cids, received, broadcast, args.max_clients, captured, conv=conv),
         )
         if isinstance(prof, DeviceProfile):
             print(

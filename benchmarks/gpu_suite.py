@@ -17,7 +17,8 @@ there is skipped, so running the suite again continues where the last call stopp
 - ``pfl-batched`` / ``pfl-sequential``: the pfl-research-shaped workload (1,000 users, 50 per round, batch 10,
   1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
   (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
-  round times; ``pfl-captured`` the batched run with ``--capture-steps``.
+  round times; ``pfl-captured`` the batched run with ``--capture-steps``, ``pfl-captured-unfold`` that with the
+  stacked convolutions unfolded (``--stacked-conv unfold``).
 - ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
   device: the speed-up per level and the best (what a sweep on CUDA should use).
 - ``vs-flower``: ``benchmarks/vs_flower_sim.py``, the pfl-research-shaped FedAvg workload for ``--flower-rounds``
@@ -165,6 +166,8 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     for name, extra, r in (
         ("pfl-batched", ["--batched-clients"], rounds),
         ("pfl-captured", ["--batched-clients", "--capture-steps"], rounds),
+        # the same with the convolutions unfolded into batched matmuls (--stacked-conv unfold, conv-forms' question)
+        ("pfl-captured-unfold", ["--batched-clients", "--capture-steps", "--stacked-conv", "unfold"], rounds),
         ("pfl-sequential", [], seq_rounds),
     ):
         run_dir = out / "runs" / name
@@ -365,6 +368,12 @@ def report(out: Path, order: list[str]) -> str:
         lines.append(
             f"- pfl-research workload with --capture-steps: {c['rounds']} rounds in {c['wall_time']:.1f}s; round "
             f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
+        )
+    if c and (u := _done(out, "pfl-captured-unfold")):
+        lines.append(
+            f"- pfl-research workload with --capture-steps --stacked-conv unfold: {u['rounds']} rounds in "
+            f"{u['wall_time']:.1f}s; round time grouped/unfolded {c['mean_time_round'] / u['mean_time_round']:.2f}x; "
+            f"accuracy {u['global_acc']['final'] * 100:.2f} (grouped {c['global_acc']['final'] * 100:.2f})"
         )
     if v := _done(out, "vs-flower"):
         ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)

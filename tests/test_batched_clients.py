@@ -62,9 +62,12 @@ def _same_states(a, b) -> None:
 SERVER_AMPLIFIES = ("fedgen",)
 
 
-def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, capture: bool = False, **over):
+def _side_by_side(
+    method: str, args: dict | None = None, rounds: int = 2, capture: bool = False, conv: str = "grouped", **over
+):
     """Rounds of the sequential and the batched simulation; per round (received, broadcast, sequential, batched
-    uploads). ``capture``: the batched steps at padded shapes (tests/test_captured_steps.py)."""
+    uploads). ``capture``: the batched steps at padded shapes (tests/test_captured_steps.py); ``conv``: the stacked
+    convolutions' form (tests/test_stacked_conv.py)."""
     seq, bat = digits_simulation(method, args, rounds=rounds, **over), digits_simulation(method, args, rounds, **over)
     same_inputs = method.startswith(SERVER_AMPLIFIES)
     out = []
@@ -76,7 +79,7 @@ def _side_by_side(method: str, args: dict | None = None, rounds: int = 2, captur
         ups_seq = [seq._train(c, rnd, received[0][c], sent[0][c]) for c in cids]
         inputs = (received[0], plans[0].broadcast) if same_inputs else (received[1], plans[1].broadcast)
         own = sent[0] if same_inputs else sent[1]
-        ups_bat = train_batched(bat, rnd, cids, *inputs, capture=capture, sent=own)
+        ups_bat = train_batched(bat, rnd, cids, *inputs, capture=capture, sent=own, conv=conv)
         for sim, plan, ups in ((seq, plans[0], ups_seq), (bat, plans[1], ups_bat)):
             for u in ups:
                 sim.take_upload(plan, u)

@@ -19,7 +19,7 @@ BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apf
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
 WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
-WHOLE_RUNS += ["conv-forms"]
+WHOLE_RUNS += ["conv-forms", "pfl-captured-unfold"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -94,8 +94,11 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     forms = _results(out, ["conv-forms"])["conv-forms"]["speed_over_grouped"]  # on a CPU: no TF32, no cuDNN
     assert list(forms) == ["K 3, TF32 off"] and set(forms["K 3, TF32 off"]) == {"grouped", "unfold+bmm", "loop"}
     assert forms["K 3, TF32 off"]["grouped"] == 1.0
+    unfolded = _results(out, ["pfl-captured-unfold"])["pfl-captured-unfold"]  # the same training, up to rounding
+    assert unfolded["rounds"] == 3 and "round time grouped/unfolded" in report
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
+    assert unfolded["global_acc"]["final"] == pytest.approx(captured["global_acc"]["final"], abs=0.02)
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)

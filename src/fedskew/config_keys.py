@@ -27,6 +27,7 @@ NOT_IDENTITY = frozenset(
         "workers",
         "batched_clients",
         "capture_steps",
+        "stacked_conv",
         "aggregation",
         "channels_last",
         "state_store",

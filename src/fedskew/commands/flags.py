@@ -66,6 +66,7 @@ FLAG_KEYS = (
     "dp_report_noise",
     "dp_extras_scale",
     "aggregation",
+    "stacked_conv",
     "checkpoint_every",
     "seed",
     "data_seed",

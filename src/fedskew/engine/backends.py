@@ -17,17 +17,19 @@ from fedskew.protocol import Upload
 
 class BatchedClients:
     """All of a round's clients trained together, vmapped (``batched_clients``; equal up to float32 rounding);
-    ``capture``: at a few padded shapes, replayed as CUDA graphs on a CUDA device (``capture_steps``)."""
+    ``capture``: at a few padded shapes, replayed as CUDA graphs on a CUDA device (``capture_steps``); ``conv``: the
+    stacked convolutions' form (``stacked_conv``)."""
 
-    def __init__(self, capture: bool = False) -> None:
-        self.capture = PaddedCache() if capture else False  # the run's graphs, replayed round after round
+    def __init__(self, capture: bool = False, conv: str = "grouped") -> None:
+        self.conv = conv
+        self.capture = PaddedCache(conv=conv) if capture else False  # the run's graphs, replayed round after round
 
     def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
         cids = [cid for cid, _, _ in jobs]
         received = {cid: params for cid, params, _ in jobs}
         broadcast = jobs[0][2] if jobs else {}
         sent = {cid: own for cid, _, own in jobs}  # the broadcast, and a client's downloads (FedFomo's peers)
-        return train_batched(host, rnd, cids, received, broadcast, capture=self.capture, sent=sent)
+        return train_batched(host, rnd, cids, received, broadcast, capture=self.capture, sent=sent, conv=self.conv)
 
     def close(self) -> None:
         pass
@@ -43,14 +45,15 @@ def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | No
     if why is not None:
         warnings.warn(f"batched_clients: {why}; training the clients one after the other", stacklevel=stacklevel + 1)
         return None
-    capture = bool(getattr(getattr(host, "cfg", None), "capture_steps", False))
+    cfg = getattr(host, "cfg", None)
+    capture = bool(getattr(cfg, "capture_steps", False))
     if capture:
         form = batched_form(host.method.client)
         refusal = capture_refusal(form, host.model) if not isinstance(form, str) else form
         if refusal is not None:
             warnings.warn(f"capture_steps: {refusal}; batched steps in buckets", stacklevel=stacklevel + 1)
             capture = False
-    return BatchedClients(capture)
+    return BatchedClients(capture, getattr(cfg, "stacked_conv", "grouped"))
 
 
 def worker_pool(host: ClientHost, n: int) -> ClientPool:

@@ -83,6 +83,7 @@ def train_batched(
     max_clients: int | None = None,
     capture: bool | PaddedCache = False,
     sent: Mapping[int, Params] | None = None,
+    conv: str = "grouped",
 ) -> list[Upload]:
     """The uploads ``sim._train(cid, rnd, received[cid], broadcast)`` would return for each of ``cids`` (in that
     order), trained together; each client's ``sim.client_states`` entry advances as there (SCAFFOLD's ``c_i``).
@@ -96,7 +97,8 @@ def train_batched(
     ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
     ``capture``: every step at one of a few shapes, padded and masked (:mod:`fedskew.engine.captured`), replayed as
     CUDA graphs on a CUDA device; ``ValueError`` when :func:`~fedskew.engine.captured.capture_refusal` refuses it.
-    A :class:`~fedskew.engine.captured.PaddedCache` keeps the graphs for the next call of the same shape.
+    A :class:`~fedskew.engine.captured.PaddedCache` keeps the graphs for the next call of the same shape (and its
+    own ``conv``). ``conv``: the stacked convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`).
     Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
     """
     reason = batchable(sim.method, sim.model)
@@ -112,12 +114,12 @@ def train_batched(
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
-    cache = capture if isinstance(capture, PaddedCache) else PaddedCache() if capture else None
+    cache = capture if isinstance(capture, PaddedCache) else PaddedCache(conv=conv) if capture else None
     updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
         mine = {c: broadcast for c in chunk} if sent is None else {c: sent[c] for c in chunk}
-        updates += _train_group(sim, rnd, chunk, received, mine, cache)
+        updates += _train_group(sim, rnd, chunk, received, mine, cache, conv)
     return updates
 
 
@@ -141,6 +143,7 @@ def _train_group(
     received: dict[int, Params],
     sent: dict[int, Params],
     capture: PaddedCache | None = None,
+    conv: str = "grouped",
 ) -> list[Upload]:
     method, model, s = sim.method, sim.model, sim.settings
     algo = method.client
@@ -206,7 +209,7 @@ def _train_group(
         draw = generated.draw if generated is not None else None
         sched = schedule(ns, offsets, replace(s, epochs=phase.epochs), gens, draw)  # type: ignore[arg-type]
         states, phase_loss = _run_phase(
-            sim, rule, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated, capture
+            sim, rule, contexts, cids, received, starts, phase, sched, x_all, y_all, order, generated, capture, conv
         )
         loss_sums += phase_loss
         seen += (sched.nb * sched.bs if s.drop_last else sched.n) * phase.epochs
@@ -256,6 +259,7 @@ def _run_phase(
     order: list[str],
     generated: GeneratedTerm | None = None,
     capture: PaddedCache | None = None,
+    conv: str = "grouped",
 ) -> tuple[list[Params], Tensor]:
     """One phase of every client's training from ``starts``: the clients' full state dicts after it and their summed
     ``batch loss × batch size`` (float64), as ``local_train``'s phase loop computes them."""
@@ -308,7 +312,8 @@ def _run_phase(
     # model comes here from an evaluation (eval mode: BatchNorm would normalize by its running statistics)
     model.train()
     draw_name = head_draws[0].name if head_draws else None
-    step = step_function(model, names, mu, term, generated.term if generated is not None else None, own_term, draw_name)
+    head_term = generated.term if generated is not None else None
+    step = step_function(model, names, mu, term, head_term, own_term, draw_name, conv)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 

@@ -189,7 +189,7 @@ class PaddedSteps:
     its steps and returns the trained rows; the graphs read and write only these buffers, so the next round of the
     same shape replays them."""
 
-    def __init__(self, model: nn.Module, shape: _Shape, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> None:
         self.shape = shape
         k, f32 = shape.rows, shape.dtypes[0]
 
@@ -210,7 +210,7 @@ class PaddedSteps:
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # width -> its x, y and count buffers
-        self.forward = stacked_step_function(model, list(shape.names), shape.mu)
+        self.forward = stacked_step_function(model, list(shape.names), shape.mu, conv=conv)
         self.replay = StepReplay(self._step, device)
 
     def _inputs(self, w: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -316,14 +316,16 @@ class PaddedSteps:
 
 class PaddedCache:
     """The :class:`PaddedSteps` of the shapes a run's phases have had (at most ``size``, the least recently used
-    dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs."""
+    dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs. ``conv``:
+    their convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`)."""
 
-    def __init__(self, size: int = 8) -> None:
+    def __init__(self, size: int = 8, conv: str = "grouped") -> None:
         self.size = size
+        self.conv = conv
         self.steps: OrderedDict[_Shape, PaddedSteps] = OrderedDict()
 
     def get(self, model: nn.Module, shape: _Shape, device: torch.device) -> PaddedSteps:
-        found = self.steps.pop(shape, None) or PaddedSteps(model, shape, device)
+        found = self.steps.pop(shape, None) or PaddedSteps(model, shape, device, self.conv)
         self.steps[shape] = found
         while len(self.steps) > self.size:
             self.steps.popitem(last=False)

@@ -9,7 +9,9 @@ own batching rules do, so that one step is one forward and one backward of plain
 
 * ``Linear``: ``x [K, B, in] @ W[K]ᵀ + b[K]`` (``baddbmm``);
 * ``Conv2d``: the K clients' channels side by side, ``[B, K·C, H, W]``, convolved with ``groups = K·groups``
-  (each client's filters see only its own channels);
+  (each client's filters see only its own channels); or, with ``conv="unfold"``, each client's patches unfolded
+  (im2col) and multiplied by its filters in one batched matmul (:data:`CONV_FORMS`; which is faster depends on the
+  device: ``benchmarks/conv_forms.py``);
 * ``BatchNorm1d/2d`` (training): the same channel layout, so every client's statistics are over its own batch, and
   its running statistics and ``num_batches_tracked`` are updated in its own rows;
 * ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``.
@@ -55,16 +57,56 @@ def stackable(module: nn.Module, prefix: str = "") -> str | None:
     return f"{name.rstrip('.')}: {type(module).__name__} has no stacked form"
 
 
+def grouped_conv(m: nn.Conv2d, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """K clients' convolutions as one grouped convolution: ``x [K, B, C, H, W]``, ``w [K, O, C/g, kh, kw]``, ``bias
+    [K, O]`` → ``[K, B, O, H', W']``."""
+    k, b = x.shape[0], x.shape[1]
+    xs = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])  # [B, K·C, H, W]
+    flat_bias = None if bias is None else bias.reshape(-1)
+    out = F.conv2d(
+        xs, w.reshape(k * w.shape[1], *w.shape[2:]), flat_bias, m.stride, m.padding, m.dilation, m.groups * k
+    )
+    return out.view(b, k, -1, *out.shape[2:]).transpose(0, 1)
+
+
+def unfold_conv(m: nn.Conv2d, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """The same as :func:`grouped_conv` as im2col and one batched matmul: each client's ``[O/g, C/g·kh·kw]`` filters
+    times its ``[C/g·kh·kw, B·L]`` patches, per group of its channels (``F.unfold`` orders a patch channel-major)."""
+    k, b, c, h, wd = x.shape
+    o, g = w.shape[1], m.groups
+    cols = F.unfold(x.reshape(k * b, c, h, wd), m.kernel_size, m.dilation, m.padding, m.stride)  # [K·B, C·kh·kw, L]
+    length = cols.shape[-1]
+    cols = cols.view(k, b, g, -1, length).permute(0, 2, 3, 1, 4).reshape(k, g, -1, b * length)
+    out = torch.matmul(w.reshape(k, g, o // g, -1), cols)  # [K, g, O/g, B·L]
+    if bias is not None:
+        out = out + bias.view(k, g, o // g, 1)
+    ho = (h + 2 * m.padding[0] - m.dilation[0] * (m.kernel_size[0] - 1) - 1) // m.stride[0] + 1
+    wo = (wd + 2 * m.padding[1] - m.dilation[1] * (m.kernel_size[1] - 1) - 1) // m.stride[1] + 1
+    return out.view(k, o, b, ho, wo).transpose(1, 2)
+
+
+# the stacked convolution's forms (the run's ``stacked_conv``)
+CONV_FORMS: dict[str, Callable[[nn.Conv2d, Tensor, Tensor, Tensor | None], Tensor]] = {
+    "grouped": grouped_conv,
+    "unfold": unfold_conv,
+}
+
+
 def stacked_forward(
-    module: nn.Module, state: dict[str, Tensor], x: Tensor, prefix: str = "", training: bool = True
+    module: nn.Module,
+    state: dict[str, Tensor],
+    x: Tensor,
+    prefix: str = "",
+    training: bool = True,
+    conv: str = "grouped",
 ) -> Tensor:
     """``module``'s forward for K clients at once: ``x [K, B, ...]`` → ``[K, B, ...]``, with ``state[prefix + name]``
     the clients' stacked tensors (``[K, *shape]``). BatchNorm running statistics in ``state`` are updated in place
-    in training mode (pass copies)."""
+    in training mode (pass copies). ``conv``: the convolutions' form (:data:`CONV_FORMS`)."""
     kind = type(module)
     if kind is nn.Sequential:
         for child_name, child in module.named_children():
-            x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training)
+            x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training, conv)
         return x
     k, b = x.shape[0], x.shape[1]
     if kind is nn.Linear:
@@ -78,20 +120,7 @@ def stacked_forward(
         )
         return out.view(*x.shape[:-1], w.shape[1])
     if kind is nn.Conv2d:
-        m: nn.Conv2d = module  # type: ignore[assignment]
-        w = state[prefix + "weight"]  # [K, O, C/g, kh, kw]
-        bias = state.get(prefix + "bias")
-        xs = x.transpose(0, 1).reshape(b, k * x.shape[2], *x.shape[3:])  # [B, K·C, H, W]
-        out = F.conv2d(
-            xs,
-            w.reshape(k * w.shape[1], *w.shape[2:]),
-            None if bias is None else bias.reshape(-1),
-            m.stride,
-            m.padding,
-            m.dilation,
-            m.groups * k,
-        )
-        return out.view(b, k, -1, *out.shape[2:]).transpose(0, 1)
+        return CONV_FORMS[conv](module, x, state[prefix + "weight"], state.get(prefix + "bias"))  # type: ignore[arg-type]
     if kind in (nn.BatchNorm1d, nn.BatchNorm2d):
         bn: nn.modules.batchnorm._BatchNorm = module  # type: ignore[assignment]
         c = x.shape[2]
@@ -132,6 +161,7 @@ def stacked_step_function(
     mu: float,
     term: FrozenTermFn | None = None,
     head_term: HeadTermFn | None = None,
+    conv: str = "grouped",
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
     ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers,
@@ -164,6 +194,11 @@ def stacked_step_function(
     cross-entropy of ``α·v + (1 − α)·w.detach()`` is added to each client's loss, the gradients returned under
     ``MIX_V + name`` and :data:`MIX_ALPHA`."""
     body, head = model.body, model.head
+    if conv not in CONV_FORMS:
+        raise ValueError(f"stacked convolution {conv!r}: expected one of {sorted(CONV_FORMS)}")
+
+    def fwd(module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True) -> Tensor:
+        return stacked_forward(module, state, x, training=training, conv=conv)
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}
@@ -193,9 +228,9 @@ def stacked_step_function(
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
         with torch.enable_grad():
-            feats = stacked_forward(body, part(state, "body."), x)
+            feats = fwd(body, part(state, "body."), x)
             head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
-            logits = stacked_forward(head, part(state, "head."), head_in)
+            logits = fwd(head, part(state, "head."), head_in)
             k, b = logits.shape[0], logits.shape[1]
             mapped = logits if logit_map is None else map_logits(logits, *logit_map)
             ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
@@ -210,8 +245,8 @@ def stacked_step_function(
                 for n, v in mix_v.items():
                     a_n = a.view(-1, *([1] * (v.dim() - 1)))
                     mixed_state[n] = a_n * v + (1 - a_n) * leaves[n].detach()
-                f2 = stacked_forward(body, part(mixed_state, "body."), x)
-                personal_logits = stacked_forward(head, part(mixed_state, "head."), f2)
+                f2 = fwd(body, part(mixed_state, "body."), x)
+                personal_logits = fwd(head, part(mixed_state, "head."), f2)
                 ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
                 loss = loss + ce2.view(k, b).mean(1)  # (no padding: a mixture is not at captured shapes)
             if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
@@ -227,13 +262,13 @@ def stacked_step_function(
                 outs = {}
                 with torch.no_grad():
                     for name, frozen in models.items():
-                        f = stacked_forward(body, part(frozen, "body."), x, training=False)
-                        outs[name] = (f, stacked_forward(head, part(frozen, "head."), f, training=False))
+                        f = fwd(body, part(frozen, "body."), x, training=False)
+                        outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
                 extra = term(feats, logits, y, outs)
                 loss = loss + (extra if mask is None else mask * extra)
             if head_term is not None and drawn is not None:
                 head_state = part(state, "head.")
-                loss = loss + head_term(lambda z: stacked_forward(head, head_state, z), drawn)
+                loss = loss + head_term(lambda z: fwd(head, head_state, z), drawn)
             mixed_leaves = [*mix_v.values(), mix_alpha] if mix_alpha is not None else []
             grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides, *mixed_leaves])
         out = dict(zip(names, grads, strict=False))

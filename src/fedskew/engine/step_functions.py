@@ -23,18 +23,20 @@ def step_function(
     head_term: HeadTermFn | None = None,
     client_term: ClientTerm | None = None,
     head_draw: str | None = None,
+    conv: str = "grouped",
 ) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
     layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model,
     and a term computed one client at a time (``client_term``) or a head's draws passed as its keyword ``head_draw``,
-    as ``vmap(grad(loss))`` of one client's step."""
+    as ``vmap(grad(loss))`` of one client's step. ``conv``: the stacked graph's convolutions' form
+    (:data:`~fedskew.engine.stacked.CONV_FORMS`; ``vmap`` batches a convolution its own way)."""
     if client_term is not None or head_draw is not None:
         if term is not None or head_term is not None:
             raise ValueError("a term computed one client at a time does not combine with a term on stacked clients")
         return vmap_step_function(model, names, mu, client_term, head_draw)
     if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu, term, head_term)
+        return stacked_step_function(model, names, mu, term, head_term, conv)
     if term is not None or head_term is not None:
         raise ValueError(
             "a loss term against frozen models or through the head is batched for models of standard layers only"

@@ -1,0 +1,80 @@
+"""The stacked convolution's two forms (engine/stacked.py, ``stacked_conv``): the engine's grouped convolution and
+im2col with one batched matmul compute each client's own convolution, and a batched round with either matches the
+sequential loop at the batched path's tolerance, plain and at captured shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import digits_simulation
+from test_batched_clients import _close, _same_states, _same_updates, _side_by_side
+from torch import nn
+
+from fedskew.engine.backends import batched_trainer
+from fedskew.engine.stacked import CONV_FORMS, stacked_step_function
+
+
+@pytest.mark.parametrize(
+    ("c", "o", "kernel", "stride", "padding", "dilation", "groups", "size"),
+    [
+        (1, 4, 5, 1, 0, 1, 1, (12, 12)),  # PFLlib's CNN's first convolution, smaller
+        (4, 6, 3, 2, 1, 1, 2, (9, 7)),  # strided, padded, two groups of channels per client
+        (6, 6, (3, 2), (1, 2), (1, 0), (2, 1), 3, (10, 11)),  # rectangular everything, dilated
+        (3, 5, 1, 1, 0, 1, 1, (4, 4)),  # a 1×1 convolution
+    ],
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_form_is_each_clients_own_convolution(c, o, kernel, stride, padding, dilation, groups, size, bias):
+    m = nn.Conv2d(c, o, kernel, stride, padding, dilation, groups, bias=bias)
+    g = torch.Generator().manual_seed(c * 10 + o)
+    k, b = 3, 2
+    x = torch.randn(k, b, c, *size, generator=g, dtype=torch.float64)
+    w = torch.randn(k, *m.weight.shape, generator=g, dtype=torch.float64)
+    bs = torch.randn(k, o, generator=g, dtype=torch.float64) if bias else None
+    own = torch.stack(
+        [F.conv2d(x[i], w[i], None if bs is None else bs[i], m.stride, m.padding, m.dilation, groups) for i in range(k)]
+    )
+    for name, form in CONV_FORMS.items():
+        got = form(m, x, w, bs)
+        assert got.shape == own.shape, name
+        torch.testing.assert_close(got, own, rtol=0, atol=1e-12, msg=name)
+
+
+def test_an_unknown_form_is_refused_by_name():
+    model = digits_simulation("fedavg", model="cnn").model
+    with pytest.raises(ValueError, match="stacked convolution 'im2col': expected one of"):
+        stacked_step_function(model, [n for n, _ in model.named_parameters()], 0.0, conv="im2col")
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "over", "capture"),
+    [
+        ("fedavg", None, {}, False),
+        ("fedavg", None, {}, True),
+        ("fedprox", {"mu": 0.1}, {"momentum": 0.5}, False),
+        ("fedprox", {"mu": 0.1}, {"momentum": 0.5}, True),
+        ("moon", None, {}, False),  # round 2: the frozen models' forward passes through the same form
+    ],
+)
+def test_unfolded_convolutions_match_the_sequential_loop(one_thread, monkeypatch, method, args, over, capture):
+    calls = []
+    unfold = CONV_FORMS["unfold"]
+    monkeypatch.setitem(CONV_FORMS, "unfold", lambda *a: calls.append(1) or unfold(*a))  # the form that ran
+    seq, bat, rounds = _side_by_side(method, args, capture=capture, conv="unfold", model="cnn", **over)
+    assert calls  # the batched steps convolved through the unfolded form
+    for received, _, ups_seq, ups_bat in rounds:
+        _same_updates(ups_seq, ups_bat)
+        for u in ups_seq:  # the clients did train
+            moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
+            assert moved > 1e-4
+    _same_states(seq.client_states, bat.client_states)
+    for k in seq.global_params:
+        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+
+
+def test_the_run_setting_reaches_the_batched_trainer():
+    for form in ("grouped", "unfold"):
+        sim = digits_simulation("fedavg", model="cnn", batched_clients=True, capture_steps=True, stacked_conv=form)
+        trainer = batched_trainer(sim)
+        assert trainer.conv == form and trainer.capture.conv == form
