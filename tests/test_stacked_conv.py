@@ -77,4 +77,21 @@ def test_the_run_setting_reaches_the_batched_trainer():
     for form in ("grouped", "unfold"):
         sim = digits_simulation("fedavg", model="cnn", batched_clients=True, capture_steps=True, stacked_conv=form)
         trainer = batched_trainer(sim)
-        assert trainer.conv == form and trainer.capture.conv == form
+        assert trainer.conv == form
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])
+def test_stacked_seeds_convolve_in_their_runs_form(tmp_path, monkeypatch, capture):
+    from fedskew.config import make_config
+    from fedskew.engine.stacked_runs import run_stacked
+
+    calls = []
+    unfold = CONV_FORMS["unfold"]
+    monkeypatch.setitem(CONV_FORMS, "unfold", lambda *a: calls.append(1) or unfold(*a))
+    values = {"clients": 4, "rounds": 2, "model": "cnn", "skew_probes": 0, "db": None, "stacked_conv": "unfold"}
+    values.update(capture_steps=capture, batched_clients=capture)  # (stacked seeds train batched either way)
+    cfgs = [make_config(None, {**values, "seed": s, "out": str(tmp_path / f"s{s}")}) for s in (0, 1)]
+    outcomes = run_stacked(cfgs)
+    assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
+    assert calls  # the two runs' clients convolved through the unfolded form
+    assert [o.summary["rounds"] for o in outcomes] == [2, 2]

@@ -22,7 +22,7 @@ class BatchedClients:
 
     def __init__(self, capture: bool = False, conv: str = "grouped") -> None:
         self.conv = conv
-        self.capture = PaddedCache(conv=conv) if capture else False  # the run's graphs, replayed round after round
+        self.capture = PaddedCache() if capture else False  # the run's graphs, replayed round after round
 
     def train(self, host: ClientHost, rnd: int, jobs: Sequence[TrainJob]) -> list[Upload]:
         cids = [cid for cid, _, _ in jobs]

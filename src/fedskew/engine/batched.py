@@ -97,8 +97,8 @@ def train_batched(
     ``max_clients``: train at most this many clients at once (device memory), the rest in further groups.
     ``capture``: every step at one of a few shapes, padded and masked (:mod:`fedskew.engine.captured`), replayed as
     CUDA graphs on a CUDA device; ``ValueError`` when :func:`~fedskew.engine.captured.capture_refusal` refuses it.
-    A :class:`~fedskew.engine.captured.PaddedCache` keeps the graphs for the next call of the same shape (and its
-    own ``conv``). ``conv``: the stacked convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`).
+    A :class:`~fedskew.engine.captured.PaddedCache` keeps the graphs for the next call of the same shape. ``conv``:
+    the stacked convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`).
     Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
     """
     reason = batchable(sim.method, sim.model)
@@ -114,7 +114,7 @@ def train_batched(
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     group = max_clients or max(len(cids), 1)
-    cache = capture if isinstance(capture, PaddedCache) else PaddedCache(conv=conv) if capture else None
+    cache = capture if isinstance(capture, PaddedCache) else PaddedCache() if capture else None
     updates: list[Upload] = []
     for i in range(0, len(cids), group):
         chunk = list(cids[i : i + group])
@@ -301,6 +301,7 @@ def _run_phase(
             capture,
             None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
             None if share is None else (share, stack.blend_dir),
+            conv,
         )
         others = {key: v.unbind(0) for key, v in stack.extra.items()}
         states = [

@@ -316,17 +316,16 @@ class PaddedSteps:
 
 class PaddedCache:
     """The :class:`PaddedSteps` of the shapes a run's phases have had (at most ``size``, the least recently used
-    dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs. ``conv``:
-    their convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`)."""
+    dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs. A shape's
+    steps are kept per form of the stacked convolutions (:data:`~fedskew.engine.stacked.CONV_FORMS`)."""
 
-    def __init__(self, size: int = 8, conv: str = "grouped") -> None:
+    def __init__(self, size: int = 8) -> None:
         self.size = size
-        self.conv = conv
-        self.steps: OrderedDict[_Shape, PaddedSteps] = OrderedDict()
+        self.steps: OrderedDict[tuple[_Shape, str], PaddedSteps] = OrderedDict()
 
-    def get(self, model: nn.Module, shape: _Shape, device: torch.device) -> PaddedSteps:
-        found = self.steps.pop(shape, None) or PaddedSteps(model, shape, device, self.conv)
-        self.steps[shape] = found
+    def get(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> PaddedSteps:
+        found = self.steps.pop((shape, conv), None) or PaddedSteps(model, shape, device, conv)
+        self.steps[(shape, conv)] = found
         while len(self.steps) > self.size:
             self.steps.popitem(last=False)
         return found
@@ -350,6 +349,7 @@ def run_padded(
     cache: PaddedCache | None = None,
     logit_map: tuple[Tensor | None, Tensor | None] | None = None,
     blend: tuple[float, Tensor | None] | None = None,
+    conv: str = "grouped",
 ) -> tuple[Tensor, Tensor]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
@@ -381,6 +381,6 @@ def run_padded(
         sam_rho=float(rule.sam_rho),
         blend=None if blend is None else (float(blend[0]), blend[1] is not None),
     )
-    steps = (cache if cache is not None else PaddedCache()).get(model, shape, device)
+    steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
     shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
     return steps.run(plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows)

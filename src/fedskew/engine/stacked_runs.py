@@ -142,6 +142,9 @@ def train_together(
     def capture(hosts: list[ClientHost]) -> bool | PaddedCache:
         return _captures(hosts) and (cache if cache is not None else True)
 
+    def conv(hosts: list[ClientHost]) -> str:  # the runs' stacked convolutions (one experiment's: one form)
+        return str(getattr(getattr(hosts[0], "cfg", None), "stacked_conv", "grouped"))
+
     out: dict[int, list[Upload]] = {}
     together: dict[int, list[int]] = {}  # round -> runs
     for r, (host, rnd, jobs) in batch.items():
@@ -151,7 +154,9 @@ def train_together(
             received = {c: p for c, p, _ in jobs}
             sent = {c: own for c, _, own in jobs}
             cids = [c for c, _, _ in jobs]
-            out[r] = train_batched(host, rnd, cids, received, jobs[0][2], capture=capture([host]), sent=sent)
+            out[r] = train_batched(
+                host, rnd, cids, received, jobs[0][2], capture=capture([host]), sent=sent, conv=conv([host])
+            )
         else:
             together.setdefault(rnd, []).append(r)
     for rnd, runs in together.items():
@@ -164,7 +169,7 @@ def train_together(
                 cids.append(stacked.offsets[i] + cid)
                 received[cids[-1]], sent[cids[-1]] = params, own
         hosts = [batch[r][0] for r in runs]
-        uploads = train_batched(stacked, rnd, cids, received, {}, capture=capture(hosts), sent=sent)
+        uploads = train_batched(stacked, rnd, cids, received, {}, capture=capture(hosts), sent=sent, conv=conv(hosts))
         for i, r in enumerate(runs):
             start, n = stacked.offsets[i], len(batch[r][2])
             mine = [u for u in uploads if start <= u.cid < stacked.offsets[i + 1]]
