@@ -27,6 +27,8 @@ there is skipped, so running the suite again continues where the last call stopp
   and each side's arithmetic rate as a fraction of a dense matmul's on the device in the same run.
 - ``stacked-runs``: ``benchmarks/runs_per_gpu.py --jobs 1 --stacked``, the same 8 seeds as batched runs one at a time
   and as rows of one stacked computation (``fedskew sweep --stack-seeds``): the speed-up, and whether the records agree.
+- ``stacked-vs-concurrent``: the same with the batched runs also 4 and 8 at a time sharing the device: whether
+  stacking the seeds beats running them side by side on the GPU (what ``--stack-seeds auto`` chooses between).
 - ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
   dispatches outside its steps, by engine function, and on a GPU the round's time.
 - ``conv-forms``: ``benchmarks/conv_forms.py``, one step of the CNN's two convolutions for 50 and 100 stacked
@@ -193,6 +195,13 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--runs", "8", "--rounds", "10"]
     found.append(Piece("stacked-runs", argv, 30 if smoke else 300, 300 if smoke else 540))
+    # and against the same batched runs 4 and 8 at a time sharing the device: which --stack-seeds auto should pick
+    argv = [sys.executable, str(HERE / "runs_per_gpu.py"), "--device", device, "--stacked"]
+    if smoke:
+        argv += ["--smoke", "--jobs", "1,2", "--runs", "2"]
+    else:
+        argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--jobs", "1,4,8", "--runs", "8", "--rounds", "10"]
+    found.append(Piece("stacked-vs-concurrent", argv, 40 if smoke else 330, 300 if smoke else 540))
     # the host's work in a round of the pfl-research shape with captured steps: the operations dispatched outside the
     # steps, by engine function, and the round's time (benchmarks/host_ops.py)
     argv = [sys.executable, str(HERE / "host_ops.py"), "--device", device]
@@ -273,7 +282,7 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
                 got[key] = float(m[1]) / 100
             elif m:
                 got[key] = float(m[1]) if key in ("max_error", "train_gflop") else m[1].strip()
-    if piece.name == "stacked-runs":
+    if piece.name in ("stacked-runs", "stacked-vs-concurrent"):
         m = re.search(r"^stacked: .* speed-up ([\d.]+)x", stdout, re.M)
         got["stacked_speedup"] = float(m[1]) if m else None
         m = re.search(r"^stacked metrics: largest difference from the batched runs' ([\d.e+-]+|inf)", stdout, re.M)
@@ -300,7 +309,7 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         if m:  # the device's share of the round, and where its time went
             got.update(device_busy_ms=float(m[1]), device_busy_share=int(m[2]) / 100)
             got["top_kernels"] = re.findall(r"^ +([\d.]+) ms +\d+% +x\d+ +(\S.*)$", stdout, re.M)[:4]
-    if piece.name in ("runs-per-gpu", "stacked-runs"):
+    if piece.name in ("runs-per-gpu", "stacked-runs", "stacked-vs-concurrent"):
         got["speedup_by_jobs"] = {
             int(j): float(x) for j, x in re.findall(r"^jobs (\d+): .* speed-up ([\d.]+)x", stdout, re.M)
         }

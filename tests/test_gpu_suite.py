@@ -46,10 +46,12 @@ def test_smoke_suite_leaves_what_does_not_fit_then_resumes(tmp_path):
     assert "**batched-fedavg**: not run yet" in (out / "suite.md").read_text()  # the report says what is missing
 
     # these pieces fit this call's budget on a slow or busy machine
-    second = _suite(out, "--budget", "3000", "--only", "env,run100,runs-per-gpu,stacked-runs")
+    second = _suite(out, "--budget", "3000", "--only", "env,run100,runs-per-gpu,stacked-runs,stacked-vs-concurrent")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "env: done earlier, skipped" in second.stdout
-    got = _results(out, ["run100", "runs-per-gpu", "stacked-runs"])
+    got = _results(out, ["run100", "runs-per-gpu", "stacked-runs", "stacked-vs-concurrent"])
+    both = got["stacked-vs-concurrent"]  # batched runs 1 and 2 at a time, and stacked, on the same seeds
+    assert sorted(both["speedup_by_jobs"]) == ["1", "2"] and both["stacked_speedup"] > 0 and both["identical"] is True
     assert got["stacked-runs"]["stacked_speedup"] > 0 and got["stacked-runs"]["stacked_max_difference"] < 1e-4
     assert got["run100"]["fraction_of_matmul_rate"] > 0  # the run's arithmetic against the env piece's matmul rate
     shared = got["runs-per-gpu"]
