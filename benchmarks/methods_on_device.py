@@ -42,7 +42,7 @@ def run_one(method: str, batched: bool, device: str, rounds: int, out: Path) -> 
     """``(status, detail)`` of one run: ``ok`` with its accuracy, ``refused`` or ``FAILED`` with the reason."""
     try:
         cfg = make_config(
-            None,
+            {"db": None},  # no results database (a None override would mean "unset": the default database)
             {
                 "dataset": "digits",
                 "partition": "dir",
@@ -57,7 +57,6 @@ def run_one(method: str, batched: bool, device: str, rounds: int, out: Path) -> 
                 "skew_probes": 0,
                 "eval_every": 1,
                 "validation": 0.2,  # FedFomo scores its peers on it; the others' validation paths run too
-                "db": None,
                 "out": str(out),
                 "seed": 0,
             },
