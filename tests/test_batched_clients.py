@@ -88,6 +88,19 @@ def _side_by_side(
     return seq, bat, out
 
 
+def _trained_alike(seq, bat, rounds, moved_at_least: float = 1e-3) -> None:
+    """Every round's uploads, the client states and the global models of :func:`_side_by_side`'s two runs agree, and
+    the clients did train."""
+    for received, _, ups_seq, ups_bat in rounds:
+        _same_updates(ups_seq, ups_bat)
+        for u in ups_seq:
+            moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
+            assert moved > moved_at_least
+    _same_states(seq.client_states, bat.client_states)
+    for k in seq.global_params:
+        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+
+
 BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
 
 
@@ -192,14 +205,7 @@ BN = {"model": "lenet_bn", "momentum": 0.9, "weight_decay": 1e-3, "lr": 0.01}
 )
 def test_batched_matches_sequential(one_thread, method, args, over):
     seq, bat, rounds = _side_by_side(method, args, **over)
-    for received, _, ups_seq, ups_bat in rounds:
-        _same_updates(ups_seq, ups_bat)
-        for u in ups_seq:  # the clients did train
-            moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
-            assert moved > 1e-3
-    _same_states(seq.client_states, bat.client_states)
-    for k in seq.global_params:
-        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+    _trained_alike(seq, bat, rounds)
     # the cases exercise what they are named for
     steps = {u.metrics["steps"] for u in rounds[0][2]}
     assert len(steps) > 1  # clients of different sizes train different numbers of steps

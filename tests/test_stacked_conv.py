@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import digits_simulation
-from test_batched_clients import _close, _same_states, _same_updates, _side_by_side
+from test_batched_clients import _side_by_side, _trained_alike
 from torch import nn
 
 from fedskew.engine.backends import batched_trainer
@@ -63,14 +63,7 @@ def test_unfolded_convolutions_match_the_sequential_loop(one_thread, monkeypatch
     monkeypatch.setitem(CONV_FORMS, "unfold", lambda *a: calls.append(1) or unfold(*a))  # the form that ran
     seq, bat, rounds = _side_by_side(method, args, capture=capture, conv="unfold", model="cnn", **over)
     assert calls  # the batched steps convolved through the unfolded form
-    for received, _, ups_seq, ups_bat in rounds:
-        _same_updates(ups_seq, ups_bat)
-        for u in ups_seq:  # the clients did train
-            moved = max((u.params[k] - received[u.cid][k]).abs().max().item() for k in seq.trainable)
-            assert moved > 1e-4
-    _same_states(seq.client_states, bat.client_states)
-    for k in seq.global_params:
-        _close(seq.global_params[k], bat.global_params[k], f"global {k}")
+    _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
 
 
 def test_the_run_setting_reaches_the_batched_trainer():
