@@ -6,10 +6,11 @@ matmul rate (docs/design.md), so the convolutions' form may be what is left betw
 script times one training step's forward and backward of PFLlib's CNN's two convolutions (5×5, 1→32 on 28×28, then
 32→64 on 12×12) for K clients of B samples in each form, in the same run:
 
-* ``grouped``: the engine's form, cuDNN's (or oneDNN's) grouped convolution;
+* ``grouped``: the engine's default form (``stacked_conv: grouped``), cuDNN's (or oneDNN's) grouped convolution;
 * ``grouped+benchmark``: the same with ``torch.backends.cudnn.benchmark`` (cuDNN times its algorithms per shape; a
   GPU only);
-* ``unfold+bmm``: im2col (``F.unfold``) and one batched matmul over the clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
+* ``unfold+bmm``: the engine's ``stacked_conv: unfold``, im2col (``F.unfold``) and one batched matmul over the
+  clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
 * ``loop``: one ordinary convolution per client (the sequential loop's kernels, K launches).
 
 Each form's outputs are checked against ``grouped``'s (float32 rounding), and each time is the median of
@@ -28,27 +29,28 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from fedskew.engine.stacked import CONV_FORMS
 
 # PFLlib's CNN on MNIST: (input channels, output channels, input side), 5×5 kernels, no padding
 LAYERS = ((1, 32, 28), (32, 64, 12))
 
 
-def grouped(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """``x [K, B, C, H, W]``, ``w [K, O, C, k, k]``, ``b [K, O]`` → ``[K, B, O, H', W']``, as engine/stacked.py."""
-    k, n = x.shape[0], x.shape[1]
-    xs = x.transpose(0, 1).reshape(n, k * x.shape[2], *x.shape[3:])
-    out = F.conv2d(xs, w.reshape(k * w.shape[1], *w.shape[2:]), b.reshape(-1), groups=k)
-    return out.view(n, k, -1, *out.shape[2:]).transpose(0, 1)
+# the layers' settings (kernel, stride, padding) as the engine reads them from a Conv2d: made once, not per step
+CONVS = {(c, o): nn.Conv2d(c, o, 5) for c, o, _ in LAYERS}
 
 
-def unfold_bmm(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    k, n, c, h, wd = x.shape
-    o, kh, kw = w.shape[1], w.shape[3], w.shape[4]
-    cols = F.unfold(x.reshape(k * n, c, h, wd), (kh, kw))  # [K·B, C·k·k, L]
-    cols = cols.view(k, n, -1, cols.shape[-1]).transpose(1, 2).reshape(k, c * kh * kw, -1)  # [K, C·k·k, B·L]
-    out = torch.baddbmm(b.unsqueeze(2), w.reshape(k, o, -1), cols)  # [K, O, B·L]
-    return out.view(k, o, n, h - kh + 1, wd - kw + 1).transpose(1, 2)
+def engine_form(name: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The engine's own form (``engine/stacked.py``'s :data:`CONV_FORMS`) for one of :data:`LAYERS`."""
+
+    def form(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return CONV_FORMS[name](CONVS[(w.shape[2], w.shape[1])], x, w, b)
+
+    return form
+
+
+grouped, unfold_bmm = engine_form("grouped"), engine_form("unfold")
 
 
 def loop(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
