@@ -3,6 +3,7 @@ a finished run skipped, an interrupted one resumed exactly, a failing run listed
 process pool."""
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -216,6 +217,53 @@ def test_a_sweep_of_too_many_runs_is_refused_at_once_with_the_count(tmp_path):
     with pytest.raises(ConfigError, match=r"200,000,000 runs \(100,000,000 seeds × 2 methods × 1 points\)"):
         expand(spec, out=tmp_path)  # from the count alone: no run is built
     assert len(expand(SweepSpec(name="ok", base={"dataset": "digits"}, seeds=3), out=tmp_path)) == 3 < MAX_RUNS
+
+
+def test_an_ended_unreaped_process_is_not_alive():
+    """A zombie still answers signal 0; taken for alive, its stale lock would be waited for forever."""
+    import subprocess
+    import sys
+    import time
+
+    from fedskew.results.rundir import pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert pid_alive(os.getpid())
+    deadline = time.time() + 60
+    while pid_alive(child.pid) and time.time() < deadline:  # it ends at once; nobody reaps it until wait()
+        time.sleep(0.05)
+    assert not pid_alive(child.pid)
+    assert child.poll() == 0  # it was a zombie until now, not a reaped (reusable) pid
+    assert not pid_alive(child.pid) and not pid_alive(0)
+
+
+def test_a_folder_another_run_has_just_locked_is_waited_for_not_failed(tmp_path, one_thread):
+    """The window CI hit in the test below: a run has locked its new folder and not yet written its status. The
+    other sweep took the folder for a foreign one and failed the run; now it waits for the lock's holder, then (the
+    holder gone without writing anything) takes the folder over and trains the run."""
+    import socket
+    import subprocess
+    import sys
+
+    runs = expand(SweepSpec(base=TINY, methods=["fedavg"], seeds=[0]), out=tmp_path / "sw")
+    folder = Path(runs[0].cfg.out)
+    folder.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    lock = {"pid": holder.pid, "host": socket.gethostname(), "since": "now"}
+    (folder / ".lock").write_text(json.dumps(lock))
+    assert run_state(runs[0]) == ("new", "another run is starting it")
+    (folder / "mine.txt").write_text("not fedskew's")  # beside no lock, a foreign file still blocks
+    (folder / ".lock").rename(folder / "lock.saved")
+    assert run_state(runs[0])[0] == "blocked"
+    (folder / "lock.saved").rename(folder / ".lock")
+    (folder / "mine.txt").unlink()
+    events = []
+    outcome = run_sweep(runs, on_event=events.append)
+    holder.wait()
+    assert [r.status for r in outcome.results] == ["finished"], outcome.results
+    assert any(ev[0] == "note" and f"pid {holder.pid}" in ev[2] and "waiting" in ev[2] for ev in events)
+    assert json.loads((folder / "status.json").read_text())["status"] == "finished"
+    assert not (folder / ".lock").exists()
 
 
 def test_the_same_sweep_twice_at_once_finishes_every_run_once_and_both_succeed(tmp_path):

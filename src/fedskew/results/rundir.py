@@ -77,7 +77,8 @@ def is_run_dir(path: Path) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine."""
+    """Whether process ``pid`` runs on this machine. A zombie (ended, not yet reaped by its parent: a killed sweep
+    worker, say) is not running: its lock is stale, and waiting for it would wait forever."""
     if pid <= 0:
         return False
     try:
@@ -85,8 +86,12 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        pass
+    try:  # Linux: the state letter follows the parenthesised command name in /proc/<pid>/stat
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc (macOS): os.kill's word; else it ended meanwhile
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -148,10 +153,13 @@ class RunDirectory:
                 what = f"status {st.get('status', 'unknown')}"
                 raise RunDirError(f"{path} has no checkpoint to resume from ({what})")
             return rd
-        if path.is_dir() and any(path.iterdir()):
-            if (path / LOCK).exists():  # another run may be writing it: say so first
-                rd._lock()
-                rd.unlock()
+        occupied = path.is_dir() and any(path.iterdir())
+        if occupied and (path / LOCK).exists():  # another run may be writing it: say so first
+            rd._lock()
+            rd.unlock()
+            # the lock was a dead run's, taken over; if that run wrote nothing else, the folder is a new run's
+            occupied = any(path.iterdir())
+        if occupied:
             if not is_run_dir(path):
                 raise RunDirError(
                     f"{path} exists, is not empty and is not a fedskew run directory; fedskew never replaces it "

@@ -219,11 +219,15 @@ def folder_state(cfg: RunConfig) -> tuple[str, str]:
     """(state, detail) of the folder of the run ``cfg``: ``new``, ``done`` (finished or diverged: skipped),
     ``resume`` (unfinished with a checkpoint), ``restart`` (unfinished, no checkpoint: started over), ``blocked``
     (the folder holds something else; the run fails with the reason)."""
-    from fedskew.results.rundir import CHECKPOINT, RunDirectory, is_run_dir
+    from fedskew.results.rundir import CHECKPOINT, LOCK, RunDirectory, is_run_dir
 
     d = Path(str(cfg.out))
     if not d.exists() or (d.is_dir() and not any(d.iterdir())):
         return "new", ""
+    if d.is_dir() and (d / LOCK).is_file() and not is_run_dir(d):
+        # a run has just locked the folder and not yet written its status (the same sweep started twice at once):
+        # not a foreign folder. Starting it meets the lock and waits for its holder (or takes over a dead one's).
+        return "new", "another run is starting it"
     if not d.is_dir() or not is_run_dir(d):
         return "blocked", f"{d} exists and is not a fedskew run directory; move it away"
     status = RunDirectory(d).status()
