@@ -18,7 +18,8 @@ there is skipped, so running the suite again continues where the last call stopp
   1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
   (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
   round times; ``pfl-captured`` the batched run with ``--capture-steps``, ``pfl-captured-unfold`` that with the
-  stacked convolutions unfolded (``--stacked-conv unfold``).
+  stacked convolutions unfolded (``--stacked-conv unfold``, in TF32 as the grouped ones are by torch's default:
+  ``--tf32 on``), ``pfl-captured-bench`` that with cuDNN's benchmark mode (``--cudnn-benchmark``).
 - ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
   device: the speed-up per level and the best (what a sweep on CUDA should use).
 - ``vs-flower``: ``benchmarks/vs_flower_sim.py``, the pfl-research-shaped FedAvg workload for ``--flower-rounds``
@@ -165,16 +166,20 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     pfl += ["--local-epochs", "1", "--lr", "0.05", *common]
     rounds = 3 if smoke else args.pfl_rounds
     seq_rounds = 2 if smoke else max(1, args.pfl_rounds // 30)
-    for name, extra, r in (
-        ("pfl-batched", ["--batched-clients"], rounds),
-        ("pfl-captured", ["--batched-clients", "--capture-steps"], rounds),
-        # the same with the convolutions unfolded into batched matmuls (--stacked-conv unfold, conv-forms' question)
-        ("pfl-captured-unfold", ["--batched-clients", "--capture-steps", "--stacked-conv", "unfold"], rounds),
-        ("pfl-sequential", [], seq_rounds),
+    captured = ["--batched-clients", "--capture-steps"]
+    for name, extra, r, reserve in (
+        ("pfl-batched", ["--batched-clients"], rounds, 150),
+        ("pfl-captured", captured, rounds, 90),  # 46 s on the H200 (2026-12-04)
+        # the same with the convolutions unfolded into batched matmuls (--stacked-conv unfold, conv-forms' question),
+        # in TF32 as torch's defaults run the grouped ones (a matmul would otherwise run in full float32 beside them)
+        ("pfl-captured-unfold", [*captured, "--stacked-conv", "unfold", "--tf32", "on"], rounds, 100),
+        # the grouped convolutions with the algorithm cuDNN's benchmark mode times fastest for each shape
+        ("pfl-captured-bench", [*captured, "--cudnn-benchmark"], rounds, 90),
+        ("pfl-sequential", [], seq_rounds, 150),
     ):
         run_dir = out / "runs" / name
         argv = fedskew("run", *pfl, *extra, "--rounds", str(r), "--eval-every", str(r), "--out", str(run_dir))
-        found.append(Piece(name, argv, 20 if smoke else 150, 300 if smoke else 400, run_dir))
+        found.append(Piece(name, argv, 20 if smoke else reserve, 300 if smoke else 400, run_dir))
     run100_dir = out / "runs" / "run100"
     r100 = 2 if smoke else args.run_rounds
     run100 = [*mnist, "--protocol", "pfllib", "--partition", "dir", "--alpha", "0.1", "--lr", "0.005", *common]
@@ -383,6 +388,12 @@ def report(out: Path, order: list[str]) -> str:
             f"- pfl-research workload with --capture-steps --stacked-conv unfold: {u['rounds']} rounds in "
             f"{u['wall_time']:.1f}s; round time grouped/unfolded {c['mean_time_round'] / u['mean_time_round']:.2f}x; "
             f"accuracy {u['global_acc']['final'] * 100:.2f} (grouped {c['global_acc']['final'] * 100:.2f})"
+        )
+    if c and (k := _done(out, "pfl-captured-bench")):
+        lines.append(
+            f"- pfl-research workload with --capture-steps --cudnn-benchmark: {k['rounds']} rounds in "
+            f"{k['wall_time']:.1f}s; round time default/benchmark {c['mean_time_round'] / k['mean_time_round']:.2f}x; "
+            f"accuracy {k['global_acc']['final'] * 100:.2f} (default {c['global_acc']['final'] * 100:.2f})"
         )
     if v := _done(out, "vs-flower"):
         ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)

@@ -19,7 +19,7 @@ BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apf
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
 WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
-WHOLE_RUNS += ["conv-forms", "pfl-captured-unfold"]
+WHOLE_RUNS += ["conv-forms", "pfl-captured-unfold", "pfl-captured-bench"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -101,6 +101,9 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
     assert unfolded["global_acc"]["final"] == pytest.approx(captured["global_acc"]["final"], abs=0.02)
+    bench = _results(out, ["pfl-captured-bench"])["pfl-captured-bench"]  # on a CPU the flag is said to be ignored
+    assert bench["rounds"] == 3 and "round time default/benchmark" in report
+    assert bench["global_acc"]["final"] == captured["global_acc"]["final"]  # a CPU computes without it: the same
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(engine/captured.py; equal up to float rounding)",
     )
     run.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="on a CUDA device, let cuDNN time its convolution algorithms per shape and keep the fastest "
+        "(engine/kernels.py; the float rounding may differ from run to run)",
+    )
+    run.add_argument(
         "--channels-last",
         action="store_true",
         help="channels-last memory order for convolutions (faster on CPU; equal up to float rounding)",

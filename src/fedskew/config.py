@@ -270,6 +270,19 @@ class RunConfig(StrictSettings):
         "matmul (engine/stacked.py); the same values up to float32 rounding; which is faster depends on the device "
         "(benchmarks/conv_forms.py: on a CPU the grouped one)",
     )
+    tf32: Literal["torch", "on", "off"] = Field(
+        "torch",
+        description="on a CUDA device, TensorFloat-32 arithmetic (engine/kernels.py): torch keeps torch's flags (by "
+        "default TF32 in cuDNN's convolutions, not in matmuls), on allows it in both (faster matmuls and unfolded "
+        "convolutions on Ampere or later GPUs; float32 results to about 1e-3 relative rounding), off in neither "
+        "(full float32); a CPU run computes without it",
+    )
+    cudnn_benchmark: bool = Field(
+        False,
+        description="on a CUDA device, cuDNN times its convolution algorithms at each new shape and keeps the fastest "
+        "(torch.backends.cudnn.benchmark): faster convolutions after each shape's first step; the algorithm it keeps, "
+        "and with it the float rounding, may differ from run to run; false leaves torch's setting",
+    )
     aggregation: Literal["auto", "stacked", "streaming", "disk"] = Field(
         "auto",
         description="the server's uploads: stacked ([clients, ...] buffers, what every server method can read), "

@@ -28,6 +28,8 @@ NOT_IDENTITY = frozenset(
         "batched_clients",
         "capture_steps",
         "stacked_conv",
+        "tf32",
+        "cudnn_benchmark",
         "aggregation",
         "channels_last",
         "state_store",

@@ -26,6 +26,7 @@ from fedskew.data.federated import build_federated
 from fedskew.data.pools import FederatedData
 from fedskew.data.readers.base import VOCAB_FILE, vocabulary_digest, vocabulary_text
 from fedskew.engine.checkpoint import capture, restore
+from fedskew.engine.kernels import device_kernels
 from fedskew.engine.loop import Diverged, RoundResult, Simulation, UserModel, resolve_model_name, user_model_name
 from fedskew.engine.numerics import continue_record, numerics
 from fedskew.engine.state_store import STATE_DIR, StoreDirError, StoreFiles
@@ -186,7 +187,25 @@ def run_experiment(
     an unfinished run of the same configuration and seed). ``on_start(sim, first_round)`` is called before the
     first round this call runs. ``data`` / ``model``: a federation and a model of the user's (:mod:`fedskew.api`)
     instead of ``cfg.dataset`` / ``cfg.model``. Raises :class:`RunInterrupted` after checkpointing on SIGINT/SIGTERM,
-    and :class:`DatabaseWriteError` when only the database insert failed (the run directory is complete)."""
+    and :class:`DatabaseWriteError` when only the database insert failed (the run directory is complete).
+
+    The run holds the GPU kernel flags it asks for (``tf32``, ``cudnn_benchmark``: engine/kernels.py) while it runs."""
+    with device_kernels(cfg.device, cfg.tf32, cfg.cudnn_benchmark) as ignored:
+        if ignored and on_note is not None:
+            on_note(ignored)
+        return _run(cfg, overwrite, resume, on_round, on_start, on_note, data, model)
+
+
+def _run(
+    cfg: RunConfig,
+    overwrite: bool,
+    resume: bool,
+    on_round: Callable[[RoundResult], None] | None,
+    on_start: Callable[[Simulation, int], None] | None,
+    on_note: Callable[[str], None] | None,
+    data: FederatedData | None,
+    model: UserModel | None,
+) -> RunOutcome:
     note = on_note or (lambda msg: None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -11,7 +11,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 # `fedskew run` switches (store_true flags) that set a config key of the same name to true
-RUN_SWITCHES = ("batched_clients", "capture_steps", "channels_last", "validation_select", "drop_last")
+RUN_SWITCHES = (
+    "batched_clients",
+    "capture_steps",
+    "cudnn_benchmark",
+    "channels_last",
+    "validation_select",
+    "drop_last",
+)
 
 # the run settings `fedskew run` takes as flags, in --help's order; each flag is the setting's name with dashes
 # (--local-epochs sets local_epochs), its type and help come from the setting's one declaration in RunConfig
@@ -67,6 +74,7 @@ FLAG_KEYS = (
     "dp_extras_scale",
     "aggregation",
     "stacked_conv",
+    "tf32",
     "checkpoint_every",
     "seed",
     "data_seed",

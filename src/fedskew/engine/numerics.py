@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
+from fedskew.engine.kernels import describe
+
 FROM_ROUND = "from_round"
 # the variables that pin a CPU library's choice of code (read when the library loads: set before Python starts)
 PINS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-RECORDED_LATER = ("cpu",)  # absent from records written before it was recorded: unknown there, not a change
+# absent from records written before they were recorded: unknown there, not a change
+RECORDED_LATER = ("cpu", "tf32", "cudnn_benchmark")
 
 
 def processor() -> str:
@@ -45,7 +48,7 @@ def processor() -> str:
 def numerics(device: str = "cpu") -> dict[str, str]:
     """The arithmetic of this process: torch's version, ATen's CPU kernels' instruction set, the processor, the
     variables pinning a CPU library's code (``pins``, only when one is set), and for a CUDA device the GPU's name (its
-    kernels are chosen by its architecture)."""
+    kernels are chosen by its architecture) and the TF32 and cuDNN benchmark flags in force."""
     record = {
         "torch": str(torch.__version__),
         "cpu_kernels": str(torch.backends.cpu.get_cpu_capability()),
@@ -56,6 +59,7 @@ def numerics(device: str = "cpu") -> dict[str, str]:
         record["pins"] = ", ".join(pins)
     if device.startswith("cuda") and torch.cuda.is_available():
         record["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        record.update(describe())  # the TF32 and cuDNN benchmark flags in force (engine/kernels.py)
     return record
 
 

@@ -38,6 +38,7 @@ from fedskew.client.local import TrainSettings, snapshot
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.pools import ClientData
 from fedskew.engine.evaluate import predict_scores
+from fedskew.engine.kernels import set_kernels
 from fedskew.engine.model_init import init_model
 from fedskew.engine.rounds import (
     LOCAL_PARAMS,
@@ -85,6 +86,7 @@ def _part(cfg: RunConfig, cid: int, settings: FlowerSettings, node_config: dict[
 def _shared(cfg: RunConfig, cid: int, settings: FlowerSettings, node_config: dict[str, Any]) -> _Shared:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    set_kernels(cfg.device, cfg.tf32, cfg.cudnn_benchmark)  # the node's process runs this configuration alone
     part = _part(cfg, cid, settings, node_config)
     method = resolve_method(cfg.method, cfg.method_args)
     model = init_model(cfg, part.federation(), method)

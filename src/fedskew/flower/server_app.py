@@ -53,6 +53,7 @@ from fedskew.engine.evaluate import (
     same_samples,
     summarize,
 )
+from fedskew.engine.kernels import set_kernels
 from fedskew.engine.loop import Diverged, RoundResult
 from fedskew.engine.model_init import init_model, kept_local, resolve_model_name
 from fedskew.engine.round_server import Known, RoundServer, server_context
@@ -304,6 +305,7 @@ def run_on_grid(
     settings = settings or FlowerSettings()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    set_kernels(cfg.device, cfg.tf32, cfg.cudnn_benchmark)  # the server's evaluation, if it has a GPU
     cfg = cfg.model_copy(update={k: rooted(v) for k, v in (("out", cfg.out), ("db", cfg.db)) if v})
     if cfg.db:
         check_db_path(cfg.db)
