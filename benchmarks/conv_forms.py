@@ -9,6 +9,8 @@ script times one training step's forward and backward of PFLlib's CNN's two conv
 * ``grouped``: the engine's default form (``stacked_conv: grouped``), cuDNN's (or oneDNN's) grouped convolution;
 * ``grouped+benchmark``: the same with ``torch.backends.cudnn.benchmark`` (cuDNN times its algorithms per shape; a
   GPU only);
+* ``grouped+channels_last``: the grouped convolution on channels-last input and filters (``stacked_conv: grouped``
+  with ``channels_last``);
 * ``unfold+bmm``: the engine's ``stacked_conv: unfold``, im2col (``F.unfold``) and one batched matmul over the
   clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
 * ``loop``: one ordinary convolution per client (the sequential loop's kernels, K launches).
@@ -51,6 +53,7 @@ def engine_form(name: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
 
 
 grouped, unfold_bmm = engine_form("grouped"), engine_form("unfold")
+grouped_cl = engine_form("grouped_channels_last")
 
 
 def loop(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
@@ -96,8 +99,9 @@ def measure(device: torch.device, k: int, n: int, repeats: int, tf32: bool) -> l
         params.append((0.1 * torch.randn(k, o, generator=g)).to(device).requires_grad_())
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    forms: list[tuple[str, Callable, bool]] = [("grouped", grouped, False), ("unfold+bmm", unfold_bmm, False)]
-    forms += [("loop", loop, False)]
+    forms: list[tuple[str, Callable, bool]] = [("grouped", grouped, False)]
+    forms += [("grouped+channels_last", grouped_cl, False)]
+    forms += [("unfold+bmm", unfold_bmm, False), ("loop", loop, False)]
     if device.type == "cuda":
         forms.insert(1, ("grouped+benchmark", grouped, True))
     reference = step(grouped, xs, params)
@@ -145,7 +149,7 @@ def main() -> None:
             print(f"K {k}, TF32 {mode}:")
             for name, seconds, diff in found:
                 print(
-                    f"  {name:18s} {seconds * 1e3:9.3f} ms  {base / seconds:6.2f}x grouped's speed  max diff {diff:.1e}"
+                    f"  {name:22s} {seconds * 1e3:9.3f} ms  {base / seconds:6.2f}x grouped's speed  max diff {diff:.1e}"
                 )
 
 

@@ -71,6 +71,33 @@ def test_the_run_setting_reaches_the_batched_trainer():
         sim = digits_simulation("fedavg", model="cnn", batched_clients=True, capture_steps=True, stacked_conv=form)
         trainer = batched_trainer(sim)
         assert trainer.conv == form
+    # channels_last, which a model's convolutions keep, reaches the stacked grouped ones (unfold has its own layout)
+    for form, expected in (("grouped", "grouped_channels_last"), ("unfold", "unfold")):
+        sim = digits_simulation("fedavg", model="cnn", batched_clients=True, stacked_conv=form, channels_last=True)
+        assert batched_trainer(sim).conv == expected
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])
+def test_channels_last_stacked_convolutions_match_the_sequential_loop(one_thread, monkeypatch, capture):
+    """A channels-last run's batched steps convolve channels-last (the layout the sequential loop's model keeps) and
+    train as that loop does."""
+    layouts = []
+    form = CONV_FORMS["grouped_channels_last"]
+
+    def spy(m, x, w, b):
+        out = form(m, x, w, b)
+        if x.shape[0] * x.shape[2] > 1:  # (one input channel is both layouts at once: torch keeps the default)
+            layouts.append(out.stride(2) == 1)  # [K, B, O, H, W] viewing [B, K·O, H, W]: channels innermost
+        return out
+
+    monkeypatch.setitem(CONV_FORMS, "grouped_channels_last", spy)
+    seq, bat, rounds = _side_by_side(
+        "fedavg", capture=capture, conv="grouped_channels_last", model="cnn", channels_last=True
+    )
+    assert layouts and all(layouts)  # the grouped convolutions ran on (and gave) channels-last tensors
+    convs = [p for p in seq.model.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)  # the loop's, as asked
+    _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])

@@ -295,7 +295,8 @@ class RunConfig(StrictSettings):
     channels_last: bool = Field(
         False,
         description="keep convolution weights and activations in channels-last memory order (faster convolutions "
-        "on CPU, benchmarks/round_time.py); equal to the default layout up to float32 rounding",
+        "on CPU, benchmarks/round_time.py), the stacked grouped convolutions of batched_clients too; equal to the "
+        "default layout up to float32 rounding",
     )
     state_store: Literal["auto", "memory", "disk"] = Field(
         "auto",

@@ -53,7 +53,14 @@ def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | No
         if refusal is not None:
             warnings.warn(f"capture_steps: {refusal}; batched steps in buckets", stacklevel=stacklevel + 1)
             capture = False
-    return BatchedClients(capture, getattr(cfg, "stacked_conv", "grouped"))
+    return BatchedClients(capture, conv_form(cfg))
+
+
+def conv_form(cfg: object) -> str:
+    """The stacked convolutions' form of a run (``engine/stacked.py``'s :data:`CONV_FORMS`): its ``stacked_conv``, the
+    grouped one in channels-last memory order when the run asks for ``channels_last`` (as its model's are)."""
+    form = str(getattr(cfg, "stacked_conv", "grouped"))
+    return "grouped_channels_last" if form == "grouped" and getattr(cfg, "channels_last", False) else form
 
 
 def worker_pool(host: ClientHost, n: int) -> ClientPool:

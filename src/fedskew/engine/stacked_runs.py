@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fedskew.client.local import batched_form
+from fedskew.engine.backends import conv_form
 from fedskew.engine.batched import train_batched
 from fedskew.engine.captured import PaddedCache, capture_refusal
 from fedskew.protocol import Params, Upload
@@ -143,7 +144,7 @@ def train_together(
         return _captures(hosts) and (cache if cache is not None else True)
 
     def conv(hosts: list[ClientHost]) -> str:  # the runs' stacked convolutions (one experiment's: one form)
-        return str(getattr(getattr(hosts[0], "cfg", None), "stacked_conv", "grouped"))
+        return conv_form(getattr(hosts[0], "cfg", None))
 
     out: dict[int, list[Upload]] = {}
     together: dict[int, list[int]] = {}  # round -> runs
