@@ -248,7 +248,8 @@ def test_a_folder_another_run_has_just_locked_is_waited_for_not_failed(tmp_path,
     runs = expand(SweepSpec(base=TINY, methods=["fedavg"], seeds=[0]), out=tmp_path / "sw")
     folder = Path(runs[0].cfg.out)
     folder.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    # the lock's holder lives until the sweep says it waits for it (then it ends, unreaped: a zombie until wait())
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     lock = {"pid": holder.pid, "host": socket.gethostname(), "since": "now"}
     (folder / ".lock").write_text(json.dumps(lock))
     assert run_state(runs[0]) == ("new", "another run is starting it")
@@ -258,8 +259,18 @@ def test_a_folder_another_run_has_just_locked_is_waited_for_not_failed(tmp_path,
     (folder / "lock.saved").rename(folder / ".lock")
     (folder / "mine.txt").unlink()
     events = []
-    outcome = run_sweep(runs, on_event=events.append)
-    holder.wait()
+
+    def on_event(ev) -> None:
+        events.append(ev)
+        if ev[0] == "note" and "waiting" in ev[2] and holder.stdin and not holder.stdin.closed:
+            holder.stdin.close()
+
+    try:
+        outcome = run_sweep(runs, on_event=on_event)
+    finally:
+        if holder.poll() is None:  # (the sweep failed before it waited)
+            holder.kill()
+        holder.wait(60)
     assert [r.status for r in outcome.results] == ["finished"], outcome.results
     assert any(ev[0] == "note" and f"pid {holder.pid}" in ev[2] and "waiting" in ev[2] for ev in events)
     assert json.loads((folder / "status.json").read_text())["status"] == "finished"
