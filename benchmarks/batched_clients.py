@@ -313,12 +313,15 @@ def main() -> None:
     )
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
     if args.path == "captured":  # the rows the padded steps run (engine/captured.py) against the clients' real steps
-        from fedskew.engine.captured import step_widths
+        from fedskew.client.local import TrainSettings
+        from fedskew.engine.captured import padded_samples, step_widths
 
         widths = step_widths(np.asarray(steps))
+        slots, real, shapes = padded_samples(sizes, TrainSettings(args.epochs, args.batch_size, args.lr))
         print(
             f"padded rows: {sum(widths)} client-steps run for {sum(steps)} real ones "
-            f"({sum(widths) / sum(steps):.2f}x), at {len(set(widths))} widths"
+            f"({sum(widths) / sum(steps):.2f}x), at {len(set(widths))} widths; {slots} sample slots for {real} "
+            f"real samples ({slots / real:.2f}x), at {shapes} step shapes"
         )
     # the plain SGD arithmetic of the clients' training (a method's own terms come on top): a training pass of a
     # sample is 3 forwards at 2 FLOP per multiply-add (benchmarks/flops.py)

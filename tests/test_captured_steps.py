@@ -107,6 +107,26 @@ def test_ladder_and_plan_cover_every_live_row():
                 row = int(np.nonzero(plan.order == r)[0][0])
                 assert count[t, row] == size and (index[t, row, :size] == i).all()
     assert count.sum() == sum(2 * n for n in ns)  # every sample of both epochs exactly once
+    assert [w for w, _ in plan.shapes] == plan.widths
+    for t, (_, b) in enumerate(plan.shapes):  # the step's batch width: the smallest of ladder(8) over its real batches
+        assert b == min(x for x in ladder(8) if x >= count[t].max())
+
+
+def test_steps_of_short_last_batches_alone_run_narrower():
+    """The pfl-research shape: 45 samples each, batch 10: four full steps and one of 5 per client. The fifth step runs
+    at batch width 5, not 10 (10% fewer padded samples), and the rows still train as the sequential loop does
+    (tests above)."""
+    from fedskew.client.local import TrainSettings
+    from fedskew.engine.captured import step_batches
+
+    ns = [45] * 6
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    sched = schedule(ns, [45 * i for i in range(6)], TrainSettings(epochs=1, batch_size=10, lr=0.1), gens)
+    plan = PaddedPlan(sched, 10, torch.device("cpu"))
+    assert plan.shapes == [(6, 10)] * 4 + [(6, 5)]
+    assert plan.count.numpy()[4].tolist() == [5] * 6
+    assert step_batches(np.array([[7, 3], [3, 0], [1, 1]]), 10) == [10, 3, 1]
+    assert step_batches(np.zeros((0, 2), dtype=np.int64), 10) == []
 
 
 def test_replay_runs_the_step_eagerly_off_a_cuda_device():

@@ -8,16 +8,18 @@ steps all have the shape of a few *widths*:
 * the group's clients are stacked **longest first** (by their step counts), so the clients still training at step
   ``t`` are a prefix of the stack; the step runs the smallest width of the ladder ``K, ⌈K/2⌉, ⌈K/4⌉, …, 1`` that
   covers them (at most twice the live rows, a handful of widths per phase);
-* every row's batch is padded to the batch size: a ``[width, B]`` index into the round's samples and a ``[width]``
-  count of its real samples (0: a client that has finished, or a row of the width beyond the live ones);
+* every row's batch is padded to the step's batch width, the smallest of the ladder ``B, ⌈B/2⌉, …, 1`` that covers
+  its rows' largest batch (the batch size, but for the steps that only take epochs' short last batches): a
+  ``[width, batch width]`` index into the round's samples and a ``[width]`` count of its real samples (0: a client
+  that has finished, or a row of the width beyond the live ones);
 * the cross-entropy of a row is the sum over its real samples over their count (the sequential loop's batch mean),
   and the optimizer's update of a row with no real sample is multiplied by 0: its parameters, momentum and loss stay
   exactly as they are.
 
-On a CUDA device the step of each width is captured once as a CUDA graph (after one eager step of that width on a side
-stream: the warm-up the capture needs is a real step) and replayed for every later step of that width, with the step's
-indices and counts copied into the graph's input buffers; the host then does two launches a step. Anywhere else (a
-CPU) the same masked steps run eagerly: that is how CI checks them against the sequential loop.
+On a CUDA device the step of each (width, batch width) is captured once as a CUDA graph (after one eager step of that
+shape on a side stream: the warm-up the capture needs is a real step) and replayed for every later step of that shape,
+with the step's indices and counts copied into the graph's input buffers; the host then does two launches a step.
+Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks them against the sequential loop.
 
 What this form does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics
 over a padded batch), loss terms against frozen models or generated inputs, class sums collected during training,
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,6 +78,14 @@ def ladder(k: int) -> list[int]:
     return out
 
 
+def step_batches(count: np.ndarray, batch: int) -> list[int]:
+    """Per step (``count``: ``[T, K]`` real samples of each row at each step), the batch width it runs at: the smallest
+    of :func:`ladder` of ``batch`` covering its largest real batch (every real sample runs; a step of epochs' short
+    last batches alone runs narrower)."""
+    widths = ladder(batch)
+    return [min(w for w in widths if w >= int(n)) for n in count.max(axis=1, initial=1)]
+
+
 def step_widths(steps: np.ndarray) -> list[int]:
     """Per step ``t`` of clients taking ``steps`` steps each, the width it runs at: the smallest of :func:`ladder`
     covering the clients with ``steps > t`` (their sum over the steps against ``steps.sum()`` is the padding's cost)."""
@@ -85,9 +95,9 @@ def step_widths(steps: np.ndarray) -> list[int]:
 
 
 class PaddedPlan:
-    """A phase's steps at the ladder's widths: ``order`` the group positions longest first (row r of the stack is
-    client ``order[r]``), per step its width, and on the device the ``[T, K, B]`` sample indices and ``[T, K]``
-    counts of real samples (0 beyond a row's steps)."""
+    """A phase's steps at the ladders' shapes: ``order`` the group positions longest first (row r of the stack is
+    client ``order[r]``), per step its width and batch width (``shapes``), and on the device the ``[T, K, B]`` sample
+    indices and ``[T, K]`` counts of real samples (0 beyond a row's steps)."""
 
     def __init__(self, sched: Schedule, batch: int, device: torch.device) -> None:
         k = int(sched.n.size)
@@ -102,36 +112,48 @@ class PaddedPlan:
                 index[t, rank[rows], :size] = idx
                 count[t, rank[rows]] = size
         self.widths = step_widths(sched.steps)
+        self.shapes = list(zip(self.widths, step_batches(count, batch), strict=True))  # per step (width, batch width)
         self.batch = batch
         self.index = upload_index(index, device)
         self.count = upload_index(count, device)
 
 
+def padded_samples(sizes: list[int], settings: TrainSettings) -> tuple[int, int, int]:
+    """What the padded steps of one phase of clients with ``sizes`` training samples compute: ``(sample slots, real
+    samples, distinct step shapes)``; slots over real samples is padding's cost (:class:`PaddedPlan`'s ladders)."""
+    from fedskew.engine.batched_schedule import schedule
+
+    offsets = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist() if sizes else []
+    sched = schedule(sizes, offsets, settings, [torch.Generator() for _ in sizes])  # sizes fix the counts, not order
+    plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), torch.device("cpu"))
+    return sum(w * b for w, b in plan.shapes), int(plan.count.sum()), len(set(plan.shapes))
+
+
 class StepReplay:
-    """Runs ``step(width)`` for each step: on a CUDA device each width's step captured as a CUDA graph on its second
+    """Runs ``step(shape)`` for each step: on a CUDA device each shape's step captured as a CUDA graph on its second
     use (its first runs eagerly on a side stream: the warm-up the capture needs) and replayed after; elsewhere eagerly.
     Everything runs with ``device`` current (its streams, its memory pool: a run on ``cuda:1`` captures there, not on
     the process's current device). A capture that fails warns with the reason, puts back the stream that was current
     (a capture that raises can leave its own stream current) and the phase goes on eagerly (the step reads and writes
     only the buffers it is given, so an eager step and a replay do the same)."""
 
-    def __init__(self, step: Callable[[int], None], device: torch.device) -> None:
+    def __init__(self, step: Callable[[Hashable], None], device: torch.device) -> None:
         self.step = step
         self.device = device
         self.capture = device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.warm: set[int] = set()
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.warm: set[Hashable] = set()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.stream = torch.cuda.Stream(device) if self.capture else None  # the warm-ups' and captures' stream
 
-    def __call__(self, width: int) -> None:
+    def __call__(self, width: Hashable) -> None:
         if not self.capture:
             self.step(width)
             return
         with torch.cuda.device(self.device):
             self._on_device(width)
 
-    def _on_device(self, width: int) -> None:
+    def _on_device(self, width: Hashable) -> None:
         graph = self.graphs.get(width)
         if graph is not None:
             graph.replay()
@@ -209,25 +231,25 @@ class PaddedSteps:
         self.blend_dir = zeros(k, shape.dim) if shape.blend is not None and shape.blend[1] else None
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
-        self.inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # width -> its x, y and count buffers
+        self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (width, batch) -> x, y, count
         self.forward = stacked_step_function(model, list(shape.names), shape.mu, conv=conv)
         self.replay = StepReplay(self._step, device)
 
-    def _inputs(self, w: int) -> tuple[Tensor, Tensor, Tensor]:
-        if w not in self.inputs:
-            dev, (_, fx, fy), b = self.p.device, self.shape.dtypes, self.shape.batch
-            self.inputs[w] = (
+    def _inputs(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+        if key not in self.inputs:
+            dev, (_, fx, fy), (w, b) = self.p.device, self.shape.dtypes, key
+            self.inputs[key] = (
                 torch.zeros((w * b, *self.shape.x), dtype=fx, device=dev),
                 torch.zeros(w * b, dtype=fy, device=dev),
                 torch.zeros(w, dtype=torch.int64, device=dev),
             )
-        return self.inputs[w]
+        return self.inputs[key]
 
-    def _step(self, w: int) -> None:
-        sh, b = self.shape, self.shape.batch
-        x, y, count = self.inputs[w]
+    def _step(self, key: Hashable) -> None:
+        sh, (w, b) = self.shape, key  # type: ignore[misc]
+        x, y, count = self.inputs[key]  # type: ignore[index]
         live = (count > 0).to(self.p.dtype).unsqueeze(1)  # [w, 1]: rows with a batch at this step
-        weights = (self.arange < count.unsqueeze(1)).to(self.p.dtype)
+        weights = (self.arange[:b] < count.unsqueeze(1)).to(self.p.dtype)
         denom = count.clamp(min=1).to(self.p.dtype)
         p_w = self.p[:w]
         state = {**self.flat.views(p_w), **{k: v[:w] for k, v in self.fix.items()}}
@@ -302,13 +324,13 @@ class PaddedSteps:
             if self.buf is not None:
                 self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
             self.loss.zero_()
-        for t, w in enumerate(plan.widths):
-            x, y, count = self._inputs(w)
-            idx = plan.index[t, :w].reshape(-1)
+        for t, (w, b) in enumerate(plan.shapes):
+            x, y, count = self._inputs((w, b))
+            idx = plan.index[t, :w, :b].reshape(-1)
             torch.index_select(x_all, 0, idx, out=x)
             torch.index_select(y_all, 0, idx, out=y)
             count.copy_(plan.count[t, :w])
-            self.replay(w)
+            self.replay((w, b))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return self.p.index_select(0, back), self.loss.index_select(0, back)
