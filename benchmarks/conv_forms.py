@@ -13,7 +13,8 @@ script times one training step's forward and backward of PFLlib's CNN's two conv
   with ``channels_last``);
 * ``unfold+bmm``: the engine's ``stacked_conv: unfold``, im2col (``F.unfold``) and one batched matmul over the
   clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
-* ``loop``: one ordinary convolution per client (the sequential loop's kernels, K launches).
+* ``loop``: the engine's ``stacked_conv: per_client``, one ordinary convolution per client (the sequential loop's
+  kernels, K launches; a captured step replays them without the host).
 
 Each form's outputs are checked against ``grouped``'s (float32 rounding), and each time is the median of
 ``--repeats`` synchronized steps after a warm-up, printed with its ratio to ``grouped``'s measured in the same run.
@@ -53,11 +54,7 @@ def engine_form(name: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
 
 
 grouped, unfold_bmm = engine_form("grouped"), engine_form("unfold")
-grouped_cl = engine_form("grouped_channels_last")
-
-
-def loop(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    return torch.stack([F.conv2d(x[i], w[i], b[i]) for i in range(x.shape[0])])
+grouped_cl, loop = engine_form("grouped_channels_last"), engine_form("per_client")
 
 
 def step(form: Callable[[Tensor, Tensor, Tensor], Tensor], xs: list[Tensor], params: list[Tensor]) -> list[Tensor]:

@@ -66,8 +66,18 @@ def test_unfolded_convolutions_match_the_sequential_loop(one_thread, monkeypatch
     _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])
+def test_per_client_convolutions_match_the_sequential_loop(one_thread, monkeypatch, capture):
+    calls = []
+    per_client = CONV_FORMS["per_client"]
+    monkeypatch.setitem(CONV_FORMS, "per_client", lambda *a: calls.append(1) or per_client(*a))
+    seq, bat, rounds = _side_by_side("fedprox", {"mu": 0.1}, capture=capture, conv="per_client", model="cnn")
+    assert calls
+    _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
+
+
 def test_the_run_setting_reaches_the_batched_trainer():
-    for form in ("grouped", "unfold"):
+    for form in ("grouped", "unfold", "per_client"):
         sim = digits_simulation("fedavg", model="cnn", batched_clients=True, capture_steps=True, stacked_conv=form)
         trainer = batched_trainer(sim)
         assert trainer.conv == form

@@ -263,12 +263,12 @@ class RunConfig(StrictSettings):
         "captured once per shape as a CUDA graph and replayed on a CUDA device (run eagerly elsewhere); equal to the "
         "sequential loop up to float32 rounding; BatchNorm models and loss terms fall back, with a warning",
     )
-    stacked_conv: Literal["grouped", "unfold"] = Field(
+    stacked_conv: Literal["grouped", "unfold", "per_client"] = Field(
         "grouped",
         description="with batched_clients, a model of standard layers: its convolutions over the stacked clients as "
-        "one grouped convolution, or as each client's patches unfolded (im2col) times its filters in one batched "
-        "matmul (engine/stacked.py); the same values up to float32 rounding; which is faster depends on the device "
-        "(benchmarks/conv_forms.py: on a CPU the grouped one)",
+        "one grouped convolution, as each client's patches unfolded (im2col) times its filters in one batched "
+        "matmul, or as one ordinary convolution per client (engine/stacked.py); the same values up to float32 "
+        "rounding; which is faster depends on the device (benchmarks/conv_forms.py)",
     )
     tf32: Literal["torch", "on", "off"] = Field(
         "torch",

@@ -10,8 +10,8 @@ own batching rules do, so that one step is one forward and one backward of plain
 * ``Linear``: ``x [K, B, in] @ W[K]ᵀ + b[K]`` (``baddbmm``);
 * ``Conv2d``: the K clients' channels side by side, ``[B, K·C, H, W]``, convolved with ``groups = K·groups``
   (each client's filters see only its own channels); or, with ``conv="unfold"``, each client's patches unfolded
-  (im2col) and multiplied by its filters in one batched matmul (:data:`CONV_FORMS`; which is faster depends on the
-  device: ``benchmarks/conv_forms.py``);
+  (im2col) and multiplied by its filters in one batched matmul; or, with ``conv="per_client"``, one ordinary
+  convolution per client (:data:`CONV_FORMS`; which is faster depends on the device: ``benchmarks/conv_forms.py``);
 * ``BatchNorm1d/2d`` (training): the same channel layout, so every client's statistics are over its own batch, and
   its running statistics and ``num_batches_tracked`` are updated in its own rows;
 * ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``.
@@ -97,11 +97,22 @@ def unfold_conv(m: nn.Conv2d, x: Tensor, w: Tensor, bias: Tensor | None) -> Tens
     return out.view(k, o, b, ho, wo).transpose(1, 2)
 
 
+def per_client_conv(m: nn.Conv2d, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """The same as :func:`grouped_conv` as K ordinary convolutions, one per client (the sequential loop's kernels; on
+    a GPU their K launches a step are what a captured step's graph replays without the host)."""
+    outs = [
+        F.conv2d(x[i], w[i], None if bias is None else bias[i], m.stride, m.padding, m.dilation, m.groups)
+        for i in range(x.shape[0])
+    ]
+    return torch.stack(outs)
+
+
 # the stacked convolution's forms (the run's ``stacked_conv``)
 CONV_FORMS: dict[str, Callable[[nn.Conv2d, Tensor, Tensor, Tensor | None], Tensor]] = {
     "grouped": grouped_conv,
     "unfold": unfold_conv,
     "grouped_channels_last": grouped_conv_channels_last,  # "grouped" with the run's channels_last
+    "per_client": per_client_conv,
 }
 
 
