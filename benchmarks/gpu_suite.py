@@ -17,9 +17,7 @@ there is skipped, so running the suite again continues where the last call stopp
 - ``pfl-batched`` / ``pfl-sequential``: the pfl-research-shaped workload (1,000 users, 50 per round, batch 10,
   1 local epoch, the 2-conv CNN on MNIST, IID) as a whole ``fedskew run``, batched for ``--pfl-rounds`` rounds
   (the goal: 1,500 rounds in under 2 minutes on an H100) and sequential for a thirtieth of them; the ratio of their
-  round times; ``pfl-captured`` the batched run with ``--capture-steps``, ``pfl-captured-unfold`` that with the
-  stacked convolutions unfolded (``--stacked-conv unfold``, in TF32 as the grouped ones are by torch's default:
-  ``--tf32 on``), ``pfl-captured-bench`` that with cuDNN's benchmark mode (``--cudnn-benchmark``).
+  round times; ``pfl-captured`` the batched run with ``--capture-steps`` (its other kernels: ``pfl-forms``).
 - ``runs-per-gpu``: ``benchmarks/runs_per_gpu.py``, the same 8 runs one at a time and 2, 4, 8 at a time sharing the
   device: the speed-up per level and the best (what a sweep on CUDA should use).
 - ``vs-flower``: ``benchmarks/vs_flower_sim.py``, the pfl-research-shaped FedAvg workload for ``--flower-rounds``
@@ -32,6 +30,9 @@ there is skipped, so running the suite again continues where the last call stopp
   stacking the seeds beats running them side by side on the GPU (what ``--stack-seeds auto`` chooses between).
 - ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
   dispatches outside its steps, by engine function, and on a GPU the round's time.
+- ``pfl-forms``: ``benchmarks/pfl_forms.py``, the pfl-research-shaped captured run for 300 rounds under each kernel
+  variant (the stacked convolutions grouped, unfolded or per client; TF32; cuDNN's benchmark mode; channels-last),
+  each variant's steady round time against the default's, then ``--pfl-rounds`` rounds with the fastest.
 - ``conv-forms``: ``benchmarks/conv_forms.py``, one step of the CNN's two convolutions for 50 and 100 stacked
   clients in each form (the engine's grouped convolution, with cuDNN's benchmark mode, unfold and a batched matmul,
   one convolution per client), TF32 off and on: each form's speed against the grouped one's.
@@ -169,12 +170,7 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     captured = ["--batched-clients", "--capture-steps"]
     for name, extra, r, reserve in (
         ("pfl-batched", ["--batched-clients"], rounds, 150),
-        ("pfl-captured", captured, rounds, 90),  # 46 s on the H200 (2026-12-04)
-        # the same with the convolutions unfolded into batched matmuls (--stacked-conv unfold, conv-forms' question),
-        # in TF32 as torch's defaults run the grouped ones (a matmul would otherwise run in full float32 beside them)
-        ("pfl-captured-unfold", [*captured, "--stacked-conv", "unfold", "--tf32", "on"], rounds, 100),
-        # the grouped convolutions with the algorithm cuDNN's benchmark mode times fastest for each shape
-        ("pfl-captured-bench", [*captured, "--cudnn-benchmark"], rounds, 90),
+        ("pfl-captured", captured, rounds, 90),  # 46 s on the H200 (2026-12-04); its other kernels: pfl-forms
         ("pfl-sequential", [], seq_rounds, 150),
     ):
         run_dir = out / "runs" / name
@@ -215,6 +211,13 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--rounds", "5", "--warmup", "3"]
     found.append(Piece("host-ops", argv, 20 if smoke else 40, 300 if smoke else 180))
+    # the pfl-shaped run under each kernel variant (convolution form, TF32, cuDNN's benchmark mode, channels-last),
+    # then 1,500 rounds with the fastest: the <= 30 s target's figure (benchmarks/pfl_forms.py)
+    figs = out / "pfl-forms-figures.json"
+    argv = [sys.executable, str(HERE / "pfl_forms.py"), "--device", device, "--out", str(out / "runs" / "pfl-forms")]
+    argv += ["--json", str(figs)]
+    argv += ["--smoke"] if smoke else ["--data-dir", str(Path(args.data_dir) / "mnist"), "--best-rounds", str(rounds)]
+    found.append(Piece("pfl-forms", argv, 60 if smoke else 200, 300 if smoke else 540, figures_file=figs))
     # the stacked convolution's form: what the pfl-shaped round's kernels could gain (benchmarks/conv_forms.py)
     argv = [sys.executable, str(HERE / "conv_forms.py"), "--device", device]
     argv += ["--clients", "3", "--batch", "2", "--repeats", "1"] if smoke else []
@@ -383,18 +386,14 @@ def report(out: Path, order: list[str]) -> str:
             f"- pfl-research workload with --capture-steps: {c['rounds']} rounds in {c['wall_time']:.1f}s; round "
             f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
         )
-    if c and (u := _done(out, "pfl-captured-unfold")):
-        lines.append(
-            f"- pfl-research workload with --capture-steps --stacked-conv unfold: {u['rounds']} rounds in "
-            f"{u['wall_time']:.1f}s; round time grouped/unfolded {c['mean_time_round'] / u['mean_time_round']:.2f}x; "
-            f"accuracy {u['global_acc']['final'] * 100:.2f} (grouped {c['global_acc']['final'] * 100:.2f})"
-        )
-    if c and (k := _done(out, "pfl-captured-bench")):
-        lines.append(
-            f"- pfl-research workload with --capture-steps --cudnn-benchmark: {k['rounds']} rounds in "
-            f"{k['wall_time']:.1f}s; round time default/benchmark {c['mean_time_round'] / k['mean_time_round']:.2f}x; "
-            f"accuracy {k['global_acc']['final'] * 100:.2f} (default {c['global_acc']['final'] * 100:.2f})"
-        )
+    if f := _done(out, "pfl-forms"):
+        speeds = ", ".join(f"{k} {x['speed_over_first']:.2f}x" for k, x in f["variants"].items())
+        lines.append(f"- pfl-research workload, each kernel variant's round against grouped's: {speeds}")
+        if b := f.get("best_run"):
+            lines.append(
+                f"- pfl-research workload with the fastest ({f['best']}: {b['settings']}): {b['rounds']} rounds in "
+                f"{b['wall_time_s']:.1f}s, accuracy {b['final_acc'] * 100:.2f}"
+            )
     if v := _done(out, "vs-flower"):
         ratios = ", ".join(f"{k} {x['vs_flower']:.2f}x" for k, x in v["sides"].items() if "vs_flower" in x)
         accs = ", ".join(f"{k} {x['final_acc'] * 100:.2f}" for k, x in v["sides"].items())

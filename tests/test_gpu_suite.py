@@ -19,7 +19,7 @@ BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apf
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
 WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
-WHOLE_RUNS += ["conv-forms", "pfl-captured-unfold", "pfl-captured-bench"]
+WHOLE_RUNS += ["conv-forms", "pfl-forms"]
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -97,14 +97,16 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert list(forms) == ["K 3, TF32 off"]
     assert set(forms["K 3, TF32 off"]) == {"grouped", "grouped+channels_last", "unfold+bmm", "loop"}
     assert forms["K 3, TF32 off"]["grouped"] == 1.0
-    unfolded = _results(out, ["pfl-captured-unfold"])["pfl-captured-unfold"]  # the same training, up to rounding
-    assert unfolded["rounds"] == 3 and "round time grouped/unfolded" in report
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
-    assert unfolded["global_acc"]["final"] == pytest.approx(captured["global_acc"]["final"], abs=0.02)
-    bench = _results(out, ["pfl-captured-bench"])["pfl-captured-bench"]  # on a CPU the flag is said to be ignored
-    assert bench["rounds"] == 3 and "round time default/benchmark" in report
-    assert bench["global_acc"]["final"] == captured["global_acc"]["final"]  # a CPU computes without it: the same
+    forms = _results(out, ["pfl-forms"])["pfl-forms"]  # every kernel variant ran, and the fastest ran again
+    variants = forms["variants"]
+    assert set(variants) == {"grouped", "grouped-tf32", "grouped-bench", "grouped-nhwc", "unfold-tf32", "per-client"}
+    assert variants["grouped"]["speed_over_first"] == 1.0 and forms["best"] in variants
+    assert all(v["rounds"] == 3 and v["median_round_ms"] > 0 for v in variants.values())
+    accs = [v["final_acc"] for v in variants.values()]  # the same training, up to float32 rounding
+    assert max(accs) - min(accs) <= 0.02
+    assert forms["best_run"]["rounds"] == 3 and "pfl-research workload with the fastest" in report
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)
