@@ -335,6 +335,9 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         got["tail"] = stdout[-1500:]
     if piece.figures_file is not None:
         got.update(json.loads(piece.figures_file.read_text()))
+    if piece.name == "pfl-forms" and rate and (best := got.get("best_run")):  # the target run's arithmetic rate
+        s = json.loads((Path(best["run_dir"]) / "summary.json").read_text())
+        best.update(run_fraction(run_arithmetic(best["run_dir"]), s["mean_time_round"], rate))
     return got
 
 

@@ -87,6 +87,7 @@ def run(args: argparse.Namespace, name: str, extra: list[str], rounds: int, out:
         "median_round_ms": statistics.median(steady) * 1e3,
         "wall_time_s": float(summary["wall_time"]),
         "final_acc": float(summary["global_acc"]["final"]),
+        "run_dir": str(out),
     }
 
 

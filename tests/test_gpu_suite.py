@@ -19,7 +19,7 @@ BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apf
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
 WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
-WHOLE_RUNS += ["conv-forms", "pfl-forms"]
+WHOLE_RUNS += ["conv-forms", "pfl-forms", "env"]  # env: the matmul rate the pieces' arithmetic is a share of
 
 
 def _suite(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -107,6 +107,7 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     accs = [v["final_acc"] for v in variants.values()]  # the same training, up to float32 rounding
     assert max(accs) - min(accs) <= 0.02
     assert forms["best_run"]["rounds"] == 3 and "pfl-research workload with the fastest" in report
+    assert forms["best_run"]["gflop_per_round"] > 0 and forms["best_run"]["fraction_of_matmul_rate"] > 0
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)
