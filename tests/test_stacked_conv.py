@@ -76,6 +76,11 @@ def test_per_client_convolutions_match_the_sequential_loop(one_thread, monkeypat
     _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
 
 
+def test_a_form_without_batched_steps_is_said_to_have_no_effect():
+    with pytest.warns(UserWarning, match="stacked_conv unfold shapes the convolutions of batched steps.*no effect"):
+        digits_simulation("fedavg", model="cnn", stacked_conv="unfold")
+
+
 def test_the_run_setting_reaches_the_batched_trainer():
     for form in ("grouped", "unfold", "per_client"):
         sim = digits_simulation("fedavg", model="cnn", batched_clients=True, capture_steps=True, stacked_conv=form)

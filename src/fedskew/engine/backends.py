@@ -56,6 +56,17 @@ def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | No
     return BatchedClients(capture, conv_form(cfg))
 
 
+def warn_unbatched(cfg: object, stacklevel: int = 2) -> None:
+    """Warn when a run that trains its clients one after the other sets what only batched steps read."""
+    form = str(getattr(cfg, "stacked_conv", "grouped"))
+    if form != "grouped":
+        warnings.warn(
+            f"stacked_conv {form} shapes the convolutions of batched steps (batched_clients, or sweep --stack-seeds); "
+            "this run trains its clients one after the other, so it has no effect",
+            stacklevel=stacklevel + 1,
+        )
+
+
 def conv_form(cfg: object) -> str:
     """The stacked convolutions' form of a run (``engine/stacked.py``'s :data:`CONV_FORMS`): its ``stacked_conv``, the
     grouped one in channels-last memory order when the run asks for ``channels_last`` (as its model's are)."""

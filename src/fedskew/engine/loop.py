@@ -26,7 +26,7 @@ import torch
 from fedskew.client.local import snapshot
 from fedskew.config import RunConfig
 from fedskew.data.pools import FederatedData
-from fedskew.engine.backends import batched_trainer, worker_pool
+from fedskew.engine.backends import batched_trainer, warn_unbatched, worker_pool
 from fedskew.engine.buffers import TrainInPlace
 from fedskew.engine.calibration import calibrated_model
 from fedskew.engine.evaluate import (
@@ -181,6 +181,8 @@ class Simulation:
         self._workers: ClientPool | None = None  # forked at the first round that uses them (cfg.workers > 1)
         # batched_clients: warned once, and trained one after the other, when the method or model cannot be batched
         self._batched: ClientTrainer | None = batched_trainer(self) if cfg.batched_clients else None
+        if not cfg.batched_clients:
+            warn_unbatched(cfg)
         self.batched = self._batched is not None
 
     def bind_states(self, maps: Mapping[str, MutableMapping[int, Any]]) -> None:
