@@ -335,7 +335,8 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
         got["tail"] = stdout[-1500:]
     if piece.figures_file is not None:
         got.update(json.loads(piece.figures_file.read_text()))
-    if piece.name == "pfl-forms" and rate and (best := got.get("best_run")):  # the target run's arithmetic rate
+    best = got.get("best_run") if piece.name == "pfl-forms" else None
+    if rate and best and "error" not in best:  # the target run's arithmetic rate
         s = json.loads((Path(best["run_dir"]) / "summary.json").read_text())
         best.update(run_fraction(run_arithmetic(best["run_dir"]), s["mean_time_round"], rate))
     return got
@@ -390,9 +391,11 @@ def report(out: Path, order: list[str]) -> str:
             f"time batched/captured {b['mean_time_round'] / c['mean_time_round']:.2f}x"
         )
     if f := _done(out, "pfl-forms"):
-        speeds = ", ".join(f"{k} {x['speed_over_first']:.2f}x" for k, x in f["variants"].items())
+        speeds = ", ".join(
+            f"{k} {x['speed_over_first']:.2f}x" if "error" not in x else f"{k} failed" for k, x in f["variants"].items()
+        )
         lines.append(f"- pfl-research workload, each kernel variant's round against grouped's: {speeds}")
-        if b := f.get("best_run"):
+        if (b := f.get("best_run")) and "error" not in b:
             lines.append(
                 f"- pfl-research workload with the fastest ({f['best']}: {b['settings']}): {b['rounds']} rounds in "
                 f"{b['wall_time_s']:.1f}s, accuracy {b['final_acc'] * 100:.2f}"

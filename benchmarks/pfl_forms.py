@@ -75,14 +75,14 @@ def run(args: argparse.Namespace, name: str, extra: list[str], rounds: int, out:
     if summary is None:
         done = subprocess.run(run_argv(args, extra, rounds, out), capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"{name}: fedskew run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            return {"settings": " ".join(extra), "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
         summary = finished(out, rounds)
         if summary is None:
-            raise SystemExit(f"{name}: the run ended without a summary of {rounds} rounds in {out}")
+            return {"settings": " ".join(extra), "error": f"no summary of {rounds} rounds in {out}"}
     times = round_times(out)
     steady = times[min(args.skip, len(times) - 1) :]
     return {
-        "settings": " ".join(extra) or "(defaults)",
+        "settings": " ".join(extra),
         "rounds": rounds,
         "median_round_ms": statistics.median(steady) * 1e3,
         "wall_time_s": float(summary["wall_time"]),
@@ -113,30 +113,44 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds-each must be at least 1, --skip and --best-rounds at least 0")
     out = Path(args.out)
     found: dict[str, dict] = {}
+    figures: dict = {"variants": found, "device": args.device}
+
+    def save() -> None:  # after every variant: a call cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+
     for name in names:
-        found[name] = run(args, name, VARIANTS[name], args.rounds_each, out / name)
-        base = found.get("grouped", found[names[0]])
-        found[name]["speed_over_first"] = base["median_round_ms"] / found[name]["median_round_ms"]
-        f = found[name]
+        f = found[name] = run(args, name, VARIANTS[name], args.rounds_each, out / name)
+        if "error" in f:  # reported, the others still run
+            print(f"{name:13s} FAILED [{f['settings']}]: {f['error']}", flush=True)
+            save()
+            continue
+        ref = "grouped" if "error" not in found.get("grouped", {"error": 1}) else name
+        f["speed_over_first"] = found[ref]["median_round_ms"] / f["median_round_ms"]
         print(
             f"{name:13s} {f['median_round_ms']:8.2f} ms a round (median after {args.skip}), "
-            f"{f['speed_over_first']:.2f}x {'grouped' if 'grouped' in found else names[0]}'s speed, "
-            f"accuracy {f['final_acc'] * 100:.2f} after {f['rounds']} rounds  [{f['settings']}]",
+            f"{f['speed_over_first']:.2f}x {ref}'s speed, "
+            f"accuracy {f['final_acc'] * 100:.2f} after {f['rounds']} rounds  [{f['settings'] or '(defaults)'}]",
             flush=True,
         )
-    best = min(found, key=lambda n: found[n]["median_round_ms"])
-    figures: dict = {"variants": found, "best": best, "device": args.device}
-    print(f"fastest: {best} ({found[best]['settings']})")
+        save()
+    ran = [n for n in found if "error" not in found[n]]
+    if not ran:
+        print("no variant ran", file=sys.stderr)
+        return 1
+    best = figures["best"] = min(ran, key=lambda n: found[n]["median_round_ms"])
+    print(f"fastest: {best} ({found[best]['settings'] or '(defaults)'})")
     if args.best_rounds:
-        whole = run(args, best, VARIANTS[best], args.best_rounds, out / f"best-{best}")
-        figures["best_run"] = whole
+        whole = figures["best_run"] = run(args, best, VARIANTS[best], args.best_rounds, out / f"best-{best}")
+        save()
+        if "error" in whole:
+            print(f"best run FAILED: {whole['error']}", file=sys.stderr)
+            return 1
         print(
             f"best run: {best}, {whole['rounds']} rounds in {whole['wall_time_s']:.1f}s, "
             f"{whole['median_round_ms']:.2f} ms a round, accuracy {whole['final_acc'] * 100:.2f}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
-    return 0
+    return 1 if len(ran) < len(names) else 0
 
 
 if __name__ == "__main__":

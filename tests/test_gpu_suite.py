@@ -151,3 +151,26 @@ def test_pfl_research_side_trains_the_workload_like_fedskew(tmp_path):
     # 10 rounds (measured: pfl 83.01, fedskew 82.17; after 4 rounds the two initializations still differ by 10 points)
     assert seq["final_acc"] > 0.7 and abs(pfl["final_acc"] - seq["final_acc"]) < 0.05
     assert "fedskew sequential vs pfl:" in done.stdout
+
+
+def test_pfl_forms_reports_a_failed_variant_and_still_measures_the_others(tmp_path, monkeypatch, capsys):
+    """A variant whose run fails (a flag this version refuses, here) is named with its error; the others run, the
+    fastest of them runs again, the figures are written, and the exit status says one failed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import pfl_forms
+    finally:
+        sys.path.remove(str(BENCH))
+    monkeypatch.setattr(pfl_forms, "VARIANTS", {"grouped": [], "broken": ["--stacked-conv", "im2col"]})
+    figs = tmp_path / "f.json"
+    argv = ["--device", "cpu", "--smoke", "--out", str(tmp_path / "runs"), "--json", str(figs)]
+    assert pfl_forms.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert "broken        FAILED [--stacked-conv im2col]: exit 2" in printed and "fastest: grouped" in printed
+    got = json.loads(figs.read_text())
+    assert "stacked_conv" in got["variants"]["broken"]["error"] and got["best"] == "grouped"
+    assert got["best_run"]["rounds"] == 3 and got["variants"]["grouped"]["speed_over_first"] == 1.0
+    # a second call reads the finished runs instead of running them again
+    before = (tmp_path / "runs" / "grouped" / "metrics.jsonl").stat().st_mtime_ns
+    assert pfl_forms.main([*argv, "--variants", "grouped"]) == 0
+    assert (tmp_path / "runs" / "grouped" / "metrics.jsonl").stat().st_mtime_ns == before
