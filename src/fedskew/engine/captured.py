@@ -146,38 +146,38 @@ class StepReplay:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.stream = torch.cuda.Stream(device) if self.capture else None  # the warm-ups' and captures' stream
 
-    def __call__(self, width: Hashable) -> None:
+    def __call__(self, key: Hashable) -> None:
         if not self.capture:
-            self.step(width)
+            self.step(key)
             return
         with torch.cuda.device(self.device):
-            self._on_device(width)
+            self._on_device(key)
 
-    def _on_device(self, width: Hashable) -> None:
-        graph = self.graphs.get(width)
+    def _on_device(self, key: Hashable) -> None:
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             return
         current = torch.cuda.current_stream(self.device)
-        if width not in self.warm:
+        if key not in self.warm:
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
-                self.step(width)
+                self.step(key)
             current.wait_stream(self.stream)
-            self.warm.add(width)
+            self.warm.add(key)
             return
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.step(width)
+                self.step(key)
         except RuntimeError as err:
             torch.cuda.set_stream(current)
             torch.cuda.synchronize(self.device)
             warnings.warn(f"batched step capture failed ({err}); running the steps eagerly", stacklevel=3)
             self.capture = False
-            self.step(width)
+            self.step(key)
             return
-        self.graphs[width] = graph
+        self.graphs[key] = graph
         graph.replay()  # the capture recorded the step without running it
 
 
@@ -207,7 +207,7 @@ class _Shape:
 
 class PaddedSteps:
     """One shape of phase (:class:`_Shape`): its buffers, kept across rounds, and its step at each width, captured
-    once per width on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows into the buffers, runs
+    once per step shape on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows into the buffers, runs
     its steps and returns the trained rows; the graphs read and write only these buffers, so the next round of the
     same shape replays them."""
 
