@@ -206,10 +206,10 @@ class _Shape:
 
 
 class PaddedSteps:
-    """One shape of phase (:class:`_Shape`): its buffers, kept across rounds, and its step at each width, captured
-    once per step shape on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows into the buffers, runs
-    its steps and returns the trained rows; the graphs read and write only these buffers, so the next round of the
-    same shape replays them."""
+    """One shape of phase (:class:`_Shape`): its buffers, kept across rounds, and its step at each (width, batch
+    width), captured once per such shape on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows
+    into the buffers, runs its steps and returns the trained rows; the graphs read and write only these buffers, so
+    the next round of the same shape replays them."""
 
     def __init__(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> None:
         self.shape = shape
