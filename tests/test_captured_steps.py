@@ -88,7 +88,8 @@ def test_refusals_name_what_cannot_be_padded():
 
 
 def test_ladder_and_plan_cover_every_live_row():
-    assert ladder(1) == [1] and ladder(5) == [5, 3, 2, 1] and ladder(8) == [8, 4, 2, 1]
+    assert ladder(1) == [1] and ladder(5) == [5, 4, 3, 2, 1] and ladder(8) == [8, 6, 5, 4, 3, 2, 1]
+    assert ladder(50) == [50, 36, 26, 19, 14, 10, 8, 6, 5, 4, 3, 2, 1]  # each about 1/√2 of the one before
     from fedskew.client.local import TrainSettings
 
     ns = [5, 23, 9, 40, 1]
@@ -100,7 +101,8 @@ def test_ladder_and_plan_cover_every_live_row():
     assert list(sched.steps[plan.order]) == sorted(sched.steps, reverse=True)  # longest first: live rows a prefix
     for t, w in enumerate(plan.widths):
         live = int((sched.steps > t).sum())
-        assert live <= w < 2 * live or w == live  # the smallest ladder width covering them
+        assert live <= w <= 1.5 * live  # the smallest ladder width covering them (within √2, rounded up)
+        assert w == min(x for x in ladder(5) if x >= live)
         assert (count[t, :live] > 0).all() and (count[t, live:] == 0).all()
         for size, rows, idx in sched.at(t):  # each client's real samples, in its order, then padding
             for r, i in zip(rows, idx, strict=True):
@@ -125,7 +127,7 @@ def test_steps_of_short_last_batches_alone_run_narrower():
     plan = PaddedPlan(sched, 10, torch.device("cpu"))
     assert plan.shapes == [(6, 10)] * 4 + [(6, 5)]
     assert plan.count.numpy()[4].tolist() == [5] * 6
-    assert step_batches(np.array([[7, 3], [3, 0], [1, 1]]), 10) == [10, 3, 1]
+    assert step_batches(np.array([[7, 3], [3, 0], [1, 1]]), 10) == [8, 3, 1]  # ladder(10): 10, 8, 6, 5, 4, 3, 2, 1
     assert step_batches(np.zeros((0, 2), dtype=np.int64), 10) == []
 
 

@@ -6,9 +6,9 @@ Python: on a GPU the small models of the papers leave the device idle while the 
 steps all have the shape of a few *widths*:
 
 * the group's clients are stacked **longest first** (by their step counts), so the clients still training at step
-  ``t`` are a prefix of the stack; the step runs the smallest width of the ladder ``K, ⌈K/2⌉, ⌈K/4⌉, …, 1`` that
-  covers them (at most twice the live rows, a handful of widths per phase);
-* every row's batch is padded to the step's batch width, the smallest of the ladder ``B, ⌈B/2⌉, …, 1`` that covers
+  ``t`` are a prefix of the stack; the step runs the smallest width of the ladder ``K, ⌈K/√2⌉, ⌈⌈K/√2⌉/√2⌉, …, 1``
+  that covers them (at most √2 times the live rows, about 2·log2(K) widths per phase);
+* every row's batch is padded to the step's batch width, the smallest of the ladder ``B, ⌈B/√2⌉, …, 1`` that covers
   its rows' largest batch (the batch size, but for the steps that only take epochs' short last batches): a
   ``[width, batch width]`` index into the round's samples and a ``[width]`` count of its real samples (0: a client
   that has finished, or a row of the width beyond the live ones);
@@ -28,6 +28,7 @@ and models without a stacked form (``vmap``).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -70,11 +71,18 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     return None
 
 
+# each width of a ladder over the next: √2 pads a step to at most √2 times its live rows (halves: 2×) for about twice
+# as many widths, each captured once; on issue 15's Dirichlet round it takes the sample slots from 1.35× the real
+# samples (halves) to 1.13× (docs/design.md)
+LADDER_RATIO = 2**0.5
+
+
 def ladder(k: int) -> list[int]:
-    """The widths a phase of ``k`` clients runs at: ``k, ⌈k/2⌉, ⌈k/4⌉, …, 1``, largest first."""
+    """The widths a phase of ``k`` clients runs at: ``k``, then each ``⌈previous/√2⌉`` (at least one less) down to 1,
+    largest first."""
     out = [k]
     while out[-1] > 1:
-        out.append(-(-out[-1] // 2))
+        out.append(min(out[-1] - 1, math.ceil(out[-1] / LADDER_RATIO)))
     return out
 
 
