@@ -272,10 +272,10 @@ class RunConfig(StrictSettings):
     )
     tf32: Literal["torch", "on", "off"] = Field(
         "torch",
-        description="on a CUDA device, TensorFloat-32 arithmetic (engine/kernels.py): torch keeps torch's flags (by "
-        "default TF32 in cuDNN's convolutions, not in matmuls), on allows it in both (faster matmuls and unfolded "
-        "convolutions on Ampere or later GPUs; float32 results to about 1e-3 relative rounding), off in neither "
-        "(full float32); a CPU run computes without it",
+        description="torch | on | off: on a CUDA device, TensorFloat-32 arithmetic (engine/kernels.py): torch keeps "
+        "torch's flags (by default TF32 in cuDNN's convolutions, not in matmuls), on allows it in both (faster "
+        "matmuls and unfolded convolutions on Ampere or later GPUs; float32 results to about 1e-3 relative "
+        "rounding), off in neither (full float32); a CPU run computes without it",
     )
     cudnn_benchmark: bool = Field(
         False,
