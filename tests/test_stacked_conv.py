@@ -48,31 +48,23 @@ def test_an_unknown_form_is_refused_by_name():
 
 
 @pytest.mark.parametrize(
-    ("method", "args", "over", "capture"),
+    ("form", "method", "args", "over", "capture"),
     [
-        ("fedavg", None, {}, False),
-        ("fedavg", None, {}, True),
-        ("fedprox", {"mu": 0.1}, {"momentum": 0.5}, False),
-        ("fedprox", {"mu": 0.1}, {"momentum": 0.5}, True),
-        ("moon", None, {}, False),  # round 2: the frozen models' forward passes through the same form
+        ("unfold", "fedavg", None, {}, False),
+        ("unfold", "fedavg", None, {}, True),
+        ("unfold", "fedprox", {"mu": 0.1}, {"momentum": 0.5}, False),
+        ("unfold", "fedprox", {"mu": 0.1}, {"momentum": 0.5}, True),
+        ("unfold", "moon", None, {}, False),  # round 2: the frozen models' forward passes through the same form
+        ("per_client", "fedprox", {"mu": 0.1}, {}, False),
+        ("per_client", "fedprox", {"mu": 0.1}, {}, True),
     ],
 )
-def test_unfolded_convolutions_match_the_sequential_loop(one_thread, monkeypatch, method, args, over, capture):
+def test_other_forms_match_the_sequential_loop(one_thread, monkeypatch, form, method, args, over, capture):
     calls = []
-    unfold = CONV_FORMS["unfold"]
-    monkeypatch.setitem(CONV_FORMS, "unfold", lambda *a: calls.append(1) or unfold(*a))  # the form that ran
-    seq, bat, rounds = _side_by_side(method, args, capture=capture, conv="unfold", model="cnn", **over)
-    assert calls  # the batched steps convolved through the unfolded form
-    _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
-
-
-@pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])
-def test_per_client_convolutions_match_the_sequential_loop(one_thread, monkeypatch, capture):
-    calls = []
-    per_client = CONV_FORMS["per_client"]
-    monkeypatch.setitem(CONV_FORMS, "per_client", lambda *a: calls.append(1) or per_client(*a))
-    seq, bat, rounds = _side_by_side("fedprox", {"mu": 0.1}, capture=capture, conv="per_client", model="cnn")
-    assert calls
+    run = CONV_FORMS[form]
+    monkeypatch.setitem(CONV_FORMS, form, lambda *a: calls.append(1) or run(*a))  # the form that ran
+    seq, bat, rounds = _side_by_side(method, args, capture=capture, conv=form, model="cnn", **over)
+    assert calls  # the batched steps convolved through this form
     _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
 
 
