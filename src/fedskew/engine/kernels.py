@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +24,18 @@ from fedskew.schema import ConfigError
 Flags = tuple[bool, bool, bool]  # TF32 in cuDNN's convolutions, TF32 in matmuls, cuDNN's benchmark mode
 TF32_MODES = ("torch", "on", "off")
 
+
+@dataclass
+class _Held:
+    """The runs of this process holding flags: how many, the flags they hold, and those found before the first."""
+
+    count: int = 0
+    flags: Flags = (False, False, False)
+    before: Flags = (False, False, False)
+
+
 _LOCK = threading.Lock()
-_held: dict[str, object] = {"count": 0, "flags": None, "before": None}  # the runs of this process holding flags
+_HELD = _Held()
 
 
 def current() -> Flags:
@@ -77,32 +88,30 @@ def device_kernels(device: str, tf32: str = "torch", cudnn_benchmark: bool = Fal
         yield note
         return
     with _LOCK:
-        if _held["count"]:
-            flags = wanted(tf32, cudnn_benchmark, _held["before"])  # type: ignore[arg-type]
-            if flags != _held["flags"]:
+        if _HELD.count:
+            flags = wanted(tf32, cudnn_benchmark, _HELD.before)
+            if flags != _HELD.flags:
                 raise ConfigError(
                     f"this run asks for GPU kernel flags {_describe(flags)}, but a run of this process already holds "
-                    f"{_describe(_held['flags'])} (tf32 / cudnn_benchmark are process-wide): give the runs the same "
+                    f"{_describe(_HELD.flags)} (tf32 / cudnn_benchmark are process-wide): give the runs the same "
                     "settings, or run them in separate processes"
                 )
         else:
-            before = current()
-            flags = wanted(tf32, cudnn_benchmark, before)
-            _held.update(before=before, flags=flags)
-            _apply(flags)
-        _held["count"] = int(_held["count"]) + 1  # type: ignore[call-overload]
+            _HELD.before = current()
+            _HELD.flags = wanted(tf32, cudnn_benchmark, _HELD.before)
+            _apply(_HELD.flags)
+        _HELD.count += 1
     try:
         yield note
     finally:
         with _LOCK:
-            _held["count"] = int(_held["count"]) - 1  # type: ignore[call-overload]
-            if not _held["count"]:
-                _apply(_held["before"])  # type: ignore[arg-type]
-                _held.update(before=None, flags=None)
+            _HELD.count -= 1
+            if not _HELD.count:
+                _apply(_HELD.before)
 
 
-def _describe(flags: object) -> str:
-    conv, matmul, bench = flags  # type: ignore[misc]
+def _describe(flags: Flags) -> str:
+    conv, matmul, bench = flags
     return f"(TF32 convolutions {'on' if conv else 'off'}, matmuls {'on' if matmul else 'off'}, benchmark {bench})"
 
 
