@@ -262,8 +262,19 @@ def main() -> None:
     if args.path == "vmap":
         from fedskew.engine.step_functions import vmap_step_function
 
-        def vmap_always(model, names, mu, term=None, head_term=None, client_term=None, head_draw=None, conv=None):
-            return vmap_step_function(model, names, mu, client_term, head_draw)  # (vmap batches a convolution itself)
+        def vmap_always(
+            model,
+            names,
+            mu,
+            term=None,
+            head_term=None,
+            client_term=None,
+            head_draw=None,
+            conv=None,
+            precision="float32",
+        ):
+            # (vmap batches a convolution itself)
+            return vmap_step_function(model, names, mu, client_term, head_draw, precision)
 
         batched_module.step_function = vmap_always
     if args.threads:

@@ -30,9 +30,10 @@ there is skipped, so running the suite again continues where the last call stopp
   stacking the seeds beats running them side by side on the GPU (what ``--stack-seeds auto`` chooses between).
 - ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
   dispatches outside its steps, by engine function, and on a GPU the round's time.
-- ``pfl-forms``: ``benchmarks/pfl_forms.py``, the pfl-research-shaped captured run for 300 rounds under each kernel
-  variant (the stacked convolutions grouped, unfolded or per client; TF32; cuDNN's benchmark mode; channels-last),
-  each variant's steady round time against the default's, then ``--pfl-rounds`` rounds with the fastest.
+- ``pfl-forms``: ``benchmarks/pfl_forms.py``, the pfl-research-shaped captured run for 200 rounds under each kernel
+  variant (the stacked convolutions grouped, unfolded or per client; TF32; cuDNN's benchmark mode; channels-last;
+  bfloat16 autocast), each variant's steady round time against the default's, then ``--pfl-rounds`` rounds with the
+  fastest whose accuracy is within half a point of the default's.
 - ``conv-forms``: ``benchmarks/conv_forms.py``, one step of the CNN's two convolutions for 50 and 100 stacked
   clients in each form (the engine's grouped convolution, with cuDNN's benchmark mode, unfold and a batched matmul,
   one convolution per client), TF32 off and on: each form's speed against the grouped one's.
@@ -211,12 +212,13 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     else:
         argv += ["--data-dir", str(Path(args.data_dir) / "mnist"), "--rounds", "5", "--warmup", "3"]
     found.append(Piece("host-ops", argv, 20 if smoke else 40, 300 if smoke else 180))
-    # the pfl-shaped run under each kernel variant (convolution form, TF32, cuDNN's benchmark mode, channels-last),
-    # then 1,500 rounds with the fastest: the <= 30 s target's figure (benchmarks/pfl_forms.py)
+    # the pfl-shaped run under each kernel variant (convolution form, TF32, cuDNN's benchmark mode, channels-last,
+    # bf16), then 1,500 rounds with the fastest: the <= 30 s target's figure (benchmarks/pfl_forms.py)
     figs = out / "pfl-forms-figures.json"
     argv = [sys.executable, str(HERE / "pfl_forms.py"), "--device", device, "--out", str(out / "runs" / "pfl-forms")]
     argv += ["--json", str(figs)]
     argv += ["--smoke"] if smoke else ["--data-dir", str(Path(args.data_dir) / "mnist"), "--best-rounds", str(rounds)]
+    argv += [] if smoke else ["--rounds-each", "200"]  # eight variants in the piece's 200 s
     found.append(Piece("pfl-forms", argv, 60 if smoke else 200, 300 if smoke else 540, figures_file=figs))
     # the stacked convolution's form: what the pfl-shaped round's kernels could gain (benchmarks/conv_forms.py)
     argv = [sys.executable, str(HERE / "conv_forms.py"), "--device", device]

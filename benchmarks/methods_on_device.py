@@ -38,7 +38,9 @@ def all_methods() -> list[str]:
     return [*sorted(CLIENTS), *(f"fedavg+{p}" for p in free)]
 
 
-def run_one(method: str, batched: bool, device: str, rounds: int, out: Path) -> tuple[str, str]:
+def run_one(
+    method: str, batched: bool, device: str, rounds: int, out: Path, precision: str = "float32"
+) -> tuple[str, str]:
     """``(status, detail)`` of one run: ``ok`` with its accuracy, ``refused`` or ``FAILED`` with the reason."""
     try:
         cfg = make_config(
@@ -59,6 +61,7 @@ def run_one(method: str, batched: bool, device: str, rounds: int, out: Path) -> 
                 "validation": 0.2,  # FedFomo scores its peers on it; the others' validation paths run too
                 "out": str(out),
                 "seed": 0,
+                "precision": precision,
             },
         )
         outcome = run_experiment(cfg, overwrite=True)
@@ -80,6 +83,7 @@ def main() -> int:
     p.add_argument("--methods", default="", help="comma-separated methods (default: every registered one)")
     p.add_argument("--rounds", type=int, default=2, help="rounds a run (2: a method's second-round state is used)")
     p.add_argument("--paths", default="sequential,batched", help="sequential, batched or both")
+    p.add_argument("--precision", default="float32", help="the runs' precision (float32 or bf16: client/precision.py)")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -93,14 +97,18 @@ def main() -> int:
         except ConfigError as e:
             p.error(" ".join(str(e).split()))
     what = f"{len(methods)} methods x {len(paths)} paths on {args.device}"
-    print(f"{what} (torch {torch.__version__}), {args.rounds} rounds each, the digits data over 6 clients")
+    print(
+        f"{what} (torch {torch.__version__}), {args.rounds} rounds each, the digits data over 6 clients, "
+        f"precision {args.precision}"
+    )
     failed = refused = 0
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedskew-methods-") as tmp:
         for i, method in enumerate(methods):
             for path in paths:
                 t0 = time.perf_counter()
-                status, detail = run_one(method, path == "batched", args.device, args.rounds, Path(tmp) / f"r{i}{path}")
+                where = Path(tmp) / f"r{i}{path}"
+                status, detail = run_one(method, path == "batched", args.device, args.rounds, where, args.precision)
                 failed += status == "FAILED"
                 refused += status == "refused"
                 print(f"{status:8s} {method:24s} {path:10s} {time.perf_counter() - t0:6.1f}s  {detail}", flush=True)

@@ -12,11 +12,15 @@ other run settings:
 * ``grouped-nhwc``: ``--channels-last`` (the grouped convolution on channels-last tensors);
 * ``unfold-tf32``: ``--stacked-conv unfold --tf32 on`` (im2col and batched matmuls, in TF32 as the grouped
   convolutions are by default);
-* ``per-client``: ``--stacked-conv per_client`` (one convolution per client, replayed by the captured graph).
+* ``per-client``: ``--stacked-conv per_client`` (one convolution per client, replayed by the captured graph);
+* ``grouped-bf16``, ``unfold-bf16``: ``--precision bf16`` (the forward passes under bfloat16 autocast, on the tensor
+  cores; parameters, optimizer and evaluation float32), grouped and unfolded.
 
 Each runs ``--rounds-each`` rounds; its figure is the median of its rounds' ``time_round`` after the first
-``--skip`` (the captures' warm-up), against ``grouped``'s in the same call. Then the fastest variant runs
-``--best-rounds`` rounds, evaluated after the last as the target asks: its wall time is the target's figure. Every
+``--skip`` (the captures' warm-up), against ``grouped``'s in the same call. Then the fastest variant whose accuracy
+after those rounds is within ``--acc-tolerance`` points of ``grouped``'s (a faster arithmetic that learns worse does not
+count) runs ``--best-rounds`` rounds, evaluated after the last as the target asks: its wall time is the target's
+figure. Every
 variant's run directory is kept under ``--out``; a variant whose run has finished is read, not run again, so a call
 cut short continues where it stopped. ``--json`` writes the figures.
 
@@ -40,6 +44,8 @@ VARIANTS: dict[str, list[str]] = {
     "grouped-nhwc": ["--channels-last"],
     "unfold-tf32": ["--stacked-conv", "unfold", "--tf32", "on"],
     "per-client": ["--stacked-conv", "per_client"],
+    "grouped-bf16": ["--precision", "bf16"],
+    "unfold-bf16": ["--stacked-conv", "unfold", "--precision", "bf16"],
 }
 
 
@@ -100,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds-each", type=int, default=300)
     p.add_argument("--skip", type=int, default=20, help="first rounds left out of a variant's median (warm-up)")
     p.add_argument("--best-rounds", type=int, default=1500, help="rounds of the fastest variant's whole run (0: none)")
+    p.add_argument(
+        "--acc-tolerance",
+        type=float,
+        default=0.5,
+        help="a variant whose accuracy is more than this many points below grouped's is not chosen as the fastest",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--smoke", action="store_true", help="100 users, 3 rounds each (a pipeline check)")
     args = p.parse_args(argv)
@@ -138,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if not ran:
         print("no variant ran", file=sys.stderr)
         return 1
-    best = figures["best"] = min(ran, key=lambda n: found[n]["median_round_ms"])
+    eligible = _eligible(found, ran, args.acc_tolerance)
+    best = figures["best"] = min(eligible, key=lambda n: found[n]["median_round_ms"])
     print(f"fastest: {best} ({found[best]['settings'] or '(defaults)'})")
     if args.best_rounds:
         whole = figures["best_run"] = run(args, best, VARIANTS[best], args.best_rounds, out / f"best-{best}")
@@ -151,6 +164,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{whole['median_round_ms']:.2f} ms a round, accuracy {whole['final_acc'] * 100:.2f}"
         )
     return 1 if len(ran) < len(names) else 0
+
+
+def _eligible(found: dict[str, dict], ran: list[str], tolerance: float) -> list[str]:
+    """The variants that may be chosen as the fastest: those within ``tolerance`` points of ``grouped``'s accuracy
+    (every one that ran when ``grouped`` did not); the others are marked and said."""
+    if "grouped" not in ran:
+        return ran
+    floor = found["grouped"]["final_acc"] - tolerance / 100
+    for n in ran:
+        if found[n]["final_acc"] < floor:
+            found[n]["not_chosen"] = f"accuracy more than {tolerance} points below grouped's"
+            print(f"{n:13s} not chosen: accuracy {found[n]['final_acc'] * 100:.2f} < grouped's - {tolerance}")
+    return [n for n in ran if "not_chosen" not in found[n]]
 
 
 if __name__ == "__main__":

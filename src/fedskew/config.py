@@ -277,6 +277,13 @@ class RunConfig(StrictSettings):
         "matmuls and unfolded convolutions on Ampere or later GPUs; float32 results to about 1e-3 relative "
         "rounding), off in neither (full float32); a CPU run computes without it",
     )
+    precision: Literal["float32", "bf16"] = Field(
+        "float32",
+        description="float32 | bf16: the arithmetic of local training's forward passes and losses "
+        "(client/precision.py): bf16 runs them under bfloat16 autocast (matmuls and convolutions in bfloat16, "
+        "several times faster on a GPU's tensor cores; losses, reductions, parameters, gradients, optimizer, client "
+        "state, aggregation and evaluation stay float32; no loss scaling needed); a run's results change with it",
+    )
     cudnn_benchmark: bool = Field(
         False,
         description="on a CUDA device, cuDNN times its convolution algorithms at each new shape and keeps the fastest "

@@ -64,6 +64,7 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "heldout_clients": 0,
     "validation_select": False,
     "data_seed": None,
+    "precision": "float32",
 }
 
 

@@ -114,7 +114,9 @@ def sam_gradient(ctx: LocalContext, rho: float) -> None:
         p.grad = None
     model = ctx.model
     with _frozen_statistics(batch.norms):  # the second pass must not move BatchNorm's running statistics again
-        F.cross_entropy(model.head(model.body(batch.x)), batch.y).backward()
+        with ctx.settings.autocast(batch.x.device):  # in the first pass's arithmetic (precision)
+            loss = F.cross_entropy(model.head(model.body(batch.x)), batch.y)
+        loss.backward()
     with torch.no_grad():
         torch._foreach_sub_(params, eps)
 

@@ -34,6 +34,7 @@ engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep
+from fedskew.client.precision import autocast, check_precision
 from fedskew.client.sgd import LocalSGD, mean_step_loss
 from fedskew.protocol import STEPS, TRAIN_LOSS, ClientReport, Params, Upload
 
@@ -82,6 +84,14 @@ class TrainSettings:
     weight_decay: float = 0.0
     drop_last: bool = False
     rounds: int | None = None
+    precision: str = "float32"  # the training passes' arithmetic (client/precision.py): float32 or bf16
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+
+    def autocast(self, device: torch.device | str) -> AbstractContextManager[object]:
+        """The context a training pass on ``device`` runs in under :attr:`precision` (client/precision.py)."""
+        return autocast(device, self.precision)
 
     def batches(self, n: int) -> tuple[int, int]:
         """A local epoch's batch size and batch count over ``n`` samples: batches of ``min(batch_size, n)``, the
@@ -419,6 +429,7 @@ def local_train(
     # hooks the algorithm does not override are not called in the hot loop
     after_backward = algo.after_backward if overrides(algo, "after_backward") else None
     after_step = algo.after_step if overrides(algo, "after_step") else None
+    amp = s.autocast(x.device)  # the forward and loss of each step (float32: a context that does nothing)
     for phase in algo.phases(ctx):
         ctx.phase = phase.name
         if phase.start is not None:
@@ -440,9 +451,10 @@ def local_train(
                         noise = torch.randn(xb.shape, generator=generator, device=generator.device)
                         xb = xb + input_noise * noise.to(xb.device)
                     opt.zero_grad()
-                    feats = model.body(xb)
-                    logits = model.head(feats)
-                    loss = algo.loss(ctx, logits, feats, yb, xb)
+                    with amp:
+                        feats = model.body(xb)
+                        logits = model.head(feats)
+                        loss = algo.loss(ctx, logits, feats, yb, xb)
                     loss.backward()
                     if after_backward is not None:
                         after_backward(ctx)

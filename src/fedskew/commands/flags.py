@@ -75,6 +75,7 @@ FLAG_KEYS = (
     "aggregation",
     "stacked_conv",
     "tf32",
+    "precision",
     "checkpoint_every",
     "seed",
     "data_seed",

@@ -38,7 +38,7 @@ class BatchedClients:
 def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | None:
     """The batched trainer for the host's method and model, or ``None`` (with a warning saying why) when
     :func:`~fedskew.engine.batched.batchable` refuses them: the clients are then trained one after the other."""
-    why = batchable(host.method, host.model)
+    why = batchable(host.method, host.model, host.settings.precision)
     data = getattr(host, "data", None)
     if why is None and data is not None and any(c.input_noise for c in data.clients):
         why = "the clients' feature noise is drawn at every access in the sequential loop (noise_draw: once batches)"

@@ -101,7 +101,7 @@ def train_batched(
     the stacked convolutions' form (:data:`~fedskew.engine.stacked.CONV_FORMS`).
     Raises ``ValueError`` when :func:`batchable` refuses the method (the caller falls back to the sequential loop).
     """
-    reason = batchable(sim.method, sim.model)
+    reason = batchable(sim.method, sim.model, sim.settings.precision)
     if reason is not None:
         raise ValueError(f"method {sim.method.name!r} cannot be trained with batched clients: {reason}")
     if sent is None and type(sim.method.server_half).downloads is not ServerHalf.downloads:
@@ -314,7 +314,7 @@ def _run_phase(
     model.train()
     draw_name = head_draws[0].name if head_draws else None
     head_term = generated.term if generated is not None else None
-    step = step_function(model, names, mu, term, head_term, own_term, draw_name, conv)
+    step = step_function(model, names, mu, term, head_term, own_term, draw_name, conv, s.precision)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import Envelope, InnerStep, split_batch
+from fedskew.client.batched_form import BatchedStep, Envelope, InnerStep, split_batch
 from fedskew.client.local import batched_form, unwrapped
 from fedskew.engine.stacked import stackable
 
@@ -62,7 +62,7 @@ class Flat:
         )
 
 
-def batchable(method: Method, model: nn.Module | None = None) -> str | None:
+def batchable(method: Method, model: nn.Module | None = None, precision: str = "float32") -> str | None:
     """Why ``method`` (on ``model``, when given) cannot be trained with batched clients; ``None`` when it can.
 
     Batched: every client part that declares its batched form (:func:`fedskew.client.local.batched_form`:
@@ -71,7 +71,8 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
     wrappers that add work per client only (the loss before or after training that AFL, q-FFL and FedFV read).
     Refused, with the reason: a client part without a form (a user's own that overrides a training hook), a loss term
     on a model without a stacked form, a model with random layers (dropout) or a cumulative-average BatchNorm
-    (``momentum=None``)."""
+    (``momentum=None``), and under ``precision`` bf16 a step that runs as ``vmap(grad(loss))`` through a LayerNorm or
+    BatchNorm (torch's backward of either under vmap fails on autocast's mixed dtypes: measured on torch 2.13)."""
     form = batched_form(method.client)
     if isinstance(form, str):
         return form
@@ -88,6 +89,28 @@ def batchable(method: Method, model: nn.Module | None = None) -> str | None:
             if why is not None:
                 name = type(unwrapped(method.client)).__name__
                 return f"{name}'s loss term is batched for standard-layer models only ({why})"
+        if precision != "float32":
+            return _vmap_precision_refusal(form, model, precision)
+    return None
+
+
+_VMAP_AUTOCAST_FAILS = (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _vmap_precision_refusal(form: BatchedStep, model: nn.Module, precision: str) -> str | None:
+    """Why the step of ``form`` on ``model`` cannot run under ``precision``'s autocast, or ``None``: only the
+    ``vmap`` step (a term computed one client at a time, a head's draws, a model with layers the stacked graph lacks)
+    through a layer whose backward fails there."""
+    body, head = model.body, model.head  # type: ignore[union-attr]
+    per_client = form.client_term is not None or form.head_draw is not None
+    if not per_client and stackable(body) is None and stackable(head) is None:
+        return None  # the stacked graph, which runs its norms itself
+    for name, module in model.named_modules():
+        if isinstance(module, _VMAP_AUTOCAST_FAILS):
+            return (
+                f"precision {precision}: its step runs as vmap(grad(loss)), and torch's backward of {name} "
+                f"({type(module).__name__}) under vmap fails on autocast's mixed dtypes"
+            )
     return None
 
 

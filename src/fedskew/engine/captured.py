@@ -211,6 +211,7 @@ class _Shape:
     logit_map: tuple[int | None, int | None] = (None, None)  # the classes of the logits' scale and shift, if any
     sam_rho: float = 0.0  # SAM's radius (0: plain steps)
     blend: tuple[float, bool] | None = None  # (the gradient's share, a direction given)
+    precision: str = "float32"  # the forward passes' arithmetic (client/precision.py)
 
 
 class PaddedSteps:
@@ -240,7 +241,7 @@ class PaddedSteps:
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (width, batch) -> x, y, count
-        self.forward = stacked_step_function(model, list(shape.names), shape.mu, conv=conv)
+        self.forward = stacked_step_function(model, list(shape.names), shape.mu, conv=conv, precision=shape.precision)
         self.replay = StepReplay(self._step, device)
 
     def _inputs(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -410,6 +411,7 @@ def run_padded(
         logit_map=tuple(None if m is None else int(m.shape[1]) for m in (logit_map or (None, None))),  # type: ignore[arg-type]
         sam_rho=float(rule.sam_rho),
         blend=None if blend is None else (float(blend[0]), blend[1] is not None),
+        precision=settings.precision,
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
     shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]

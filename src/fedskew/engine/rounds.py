@@ -116,6 +116,7 @@ def train_settings(cfg: RunConfig) -> TrainSettings:
         weight_decay=cfg.weight_decay,
         drop_last=cfg.drop_last,
         rounds=cfg.rounds,
+        precision=cfg.precision,
     )
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, map_logits
+from fedskew.client.precision import autocast, check_precision
 
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
 
@@ -186,6 +187,7 @@ def stacked_step_function(
     term: FrozenTermFn | None = None,
     head_term: HeadTermFn | None = None,
     conv: str = "grouped",
+    precision: str = "float32",
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
     ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers,
@@ -216,10 +218,14 @@ def stacked_step_function(
     pulled to it; the caller advances ``running`` from the returned features. ``mixture``: ``(v, alpha [K])``, a
     :class:`~fedskew.client.batched_form.Mixture`'s second model (per trained parameter, ``[K, ...]``) and weight: the
     cross-entropy of ``α·v + (1 − α)·w.detach()`` is added to each client's loss, the gradients returned under
-    ``MIX_V + name`` and :data:`MIX_ALPHA`."""
+    ``MIX_V + name`` and :data:`MIX_ALPHA`.
+
+    ``precision``: ``bf16`` runs the forward passes and losses under bfloat16 autocast
+    (:mod:`fedskew.client.precision`); the gradients, the loss and the features returned are float32."""
     body, head = model.body, model.head
     if conv not in CONV_FORMS:
         raise ValueError(f"stacked convolution {conv!r}: expected one of {sorted(CONV_FORMS)}")
+    check_precision(precision)
 
     def fwd(module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True) -> Tensor:
         return stacked_forward(module, state, x, training=training, conv=conv)
@@ -251,48 +257,50 @@ def stacked_step_function(
         mix_alpha = mixture[1].detach().requires_grad_() if mixture is not None else None
         new_buffers = {n: v.clone() for n, v in buffers.items()}
         state = {**params, **leaves, **new_buffers}
+        amp = autocast(x.device, precision)
         with torch.enable_grad():
-            feats = fwd(body, part(state, "body."), x)
-            head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
-            logits = fwd(head, part(state, "head."), head_in)
-            k, b = logits.shape[0], logits.shape[1]
-            mapped = logits if logit_map is None else map_logits(logits, *logit_map)
-            ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
-            if side is not None:  # a head trained beside the model on the detached logits and features (FedRoD's)
-                personal = torch.matmul(feats.detach(), sides[0].transpose(1, 2)) + sides[1].unsqueeze(1)
-                summed = logits.detach() + personal
-                ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
-            loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
-            if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
-                a = mix_alpha
-                mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
-                for n, v in mix_v.items():
-                    a_n = a.view(-1, *([1] * (v.dim() - 1)))
-                    mixed_state[n] = a_n * v + (1 - a_n) * leaves[n].detach()
-                f2 = fwd(body, part(mixed_state, "body."), x)
-                personal_logits = fwd(head, part(mixed_state, "head."), f2)
-                ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
-                loss = loss + ce2.view(k, b).mean(1)  # (no padding: a mixture is not at captured shapes)
-            if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
-                _, running, momentum, target, weight = represent
-                r = (1 - momentum) * running + momentum * feats.mean(1)
-                loss = loss + weight * (0.5 * (r - target) ** 2).mean(1)
-            if mu != 0:
-                loss = loss + 0.5 * mu * torch.stack(
-                    [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1
-                ).sum(1)
-            if term is not None and rows is not None:
-                models, mask = rows
-                outs = {}
-                with torch.no_grad():
-                    for name, frozen in models.items():
-                        f = fwd(body, part(frozen, "body."), x, training=False)
-                        outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
-                extra = term(feats, logits, y, outs)
-                loss = loss + (extra if mask is None else mask * extra)
-            if head_term is not None and drawn is not None:
-                head_state = part(state, "head.")
-                loss = loss + head_term(lambda z: fwd(head, head_state, z), drawn)
+            with amp:  # the forward passes and losses in the run's precision (client/precision.py)
+                feats = fwd(body, part(state, "body."), x)
+                head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
+                logits = fwd(head, part(state, "head."), head_in)
+                k, b = logits.shape[0], logits.shape[1]
+                mapped = logits if logit_map is None else map_logits(logits, *logit_map)
+                ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
+                if side is not None:  # a head trained beside the model on the detached logits and features (FedRoD's)
+                    personal = torch.matmul(feats.detach(), sides[0].transpose(1, 2)) + sides[1].unsqueeze(1)
+                    summed = logits.detach() + personal
+                    ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
+                loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
+                if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
+                    a = mix_alpha
+                    mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
+                    for n, v in mix_v.items():
+                        a_n = a.view(-1, *([1] * (v.dim() - 1)))
+                        mixed_state[n] = a_n * v + (1 - a_n) * leaves[n].detach()
+                    f2 = fwd(body, part(mixed_state, "body."), x)
+                    personal_logits = fwd(head, part(mixed_state, "head."), f2)
+                    ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
+                    loss = loss + ce2.view(k, b).mean(1)  # (no padding: a mixture is not at captured shapes)
+                if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
+                    _, running, momentum, target, weight = represent
+                    r = (1 - momentum) * running + momentum * feats.mean(1)
+                    loss = loss + weight * (0.5 * (r - target) ** 2).mean(1)
+                if mu != 0:
+                    loss = loss + 0.5 * mu * torch.stack(
+                        [((leaves[n] - anchor[n]) ** 2).flatten(1).sum(1) for n in names], dim=1
+                    ).sum(1)
+                if term is not None and rows is not None:
+                    models, mask = rows
+                    outs = {}
+                    with torch.no_grad():
+                        for name, frozen in models.items():
+                            f = fwd(body, part(frozen, "body."), x, training=False)
+                            outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
+                    extra = term(feats, logits, y, outs)
+                    loss = loss + (extra if mask is None else mask * extra)
+                if head_term is not None and drawn is not None:
+                    head_state = part(state, "head.")
+                    loss = loss + head_term(lambda z: fwd(head, head_state, z), drawn)
             mixed_leaves = [*mix_v.values(), mix_alpha] if mix_alpha is not None else []
             grads = torch.autograd.grad(loss.sum(), [*(leaves[n] for n in names), *sides, *mixed_leaves])
         out = dict(zip(names, grads, strict=False))
@@ -304,6 +312,9 @@ def stacked_step_function(
         if mix_alpha is not None:
             out.update({MIX_V + n: rest.pop(0) for n in mix_v})
             out[MIX_ALPHA] = rest.pop(0)
-        return out, (loss.detach(), new_buffers, feats.detach())
+        loss, feats = loss.detach(), feats.detach()
+        if precision != "float32":  # autocast's bfloat16 activations back to the parameters' float32
+            loss, feats = loss.float(), feats.float()
+        return out, (loss, new_buffers, feats)
 
     return step

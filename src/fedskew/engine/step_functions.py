@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from fedskew.client.batched_form import ClientTerm, FrozenTermFn, HeadTermFn, map_logits
+from fedskew.client.precision import autocast, check_precision
 from fedskew.engine.stacked import stackable, stacked_step_function
 
 
@@ -24,33 +25,41 @@ def step_function(
     client_term: ClientTerm | None = None,
     head_draw: str | None = None,
     conv: str = "grouped",
+    precision: str = "float32",
 ) -> Callable[..., Any]:
     """One step of all clients: their gradients of the cross-entropy of ``head(body(x))`` (+ FedProx's proximal
     term), their losses and their buffers after the forward pass (BatchNorm running statistics). Models made of the
     layers :mod:`fedskew.engine.stacked` knows run as one plain autograd graph over the stacked rows; any other model,
     and a term computed one client at a time (``client_term``) or a head's draws passed as its keyword ``head_draw``,
     as ``vmap(grad(loss))`` of one client's step. ``conv``: the stacked graph's convolutions' form
-    (:data:`~fedskew.engine.stacked.CONV_FORMS`; ``vmap`` batches a convolution its own way)."""
+    (:data:`~fedskew.engine.stacked.CONV_FORMS`; ``vmap`` batches a convolution its own way). ``precision``: the
+    forward passes' and losses' arithmetic (:mod:`fedskew.client.precision`)."""
     if client_term is not None or head_draw is not None:
         if term is not None or head_term is not None:
             raise ValueError("a term computed one client at a time does not combine with a term on stacked clients")
-        return vmap_step_function(model, names, mu, client_term, head_draw)
+        return vmap_step_function(model, names, mu, client_term, head_draw, precision)
     if stackable(model.body) is None and stackable(model.head) is None:
-        return stacked_step_function(model, names, mu, term, head_term, conv)
+        return stacked_step_function(model, names, mu, term, head_term, conv, precision)
     if term is not None or head_term is not None:
         raise ValueError(
             "a loss term against frozen models or through the head is batched for models of standard layers only"
         )
-    return vmap_step_function(model, names, mu)
+    return vmap_step_function(model, names, mu, precision=precision)
 
 
 def vmap_step_function(
-    model: nn.Module, names: list[str], mu: float, client_term: ClientTerm | None = None, head_draw: str | None = None
+    model: nn.Module,
+    names: list[str],
+    mu: float,
+    client_term: ClientTerm | None = None,
+    head_draw: str | None = None,
+    precision: str = "float32",
 ) -> Callable[..., Any]:
     """``vmap(grad(loss))`` of one client's step (any model): the contract of :func:`step_function`; ``client_term``
     added to each client's loss (its ``reads`` rows passed as ``reads=``); ``head_draw``: the keyword of the head's
-    forward the step's draws (``drawn=``) go to."""
+    forward the step's draws (``drawn=``) go to; ``precision``: as :func:`step_function`'s."""
     body_prefix, head_prefix = "body.", "head."
+    check_precision(precision)
 
     def client_loss(
         params: dict[str, Tensor],
@@ -66,12 +75,13 @@ def vmap_step_function(
         state = {**params, **{k: v.clone() for k, v in buffers.items()}}  # the forward updates its own copies
         body = {k[len(body_prefix) :]: v for k, v in state.items() if k.startswith(body_prefix)}
         head = {k[len(head_prefix) :]: v for k, v in state.items() if k.startswith(head_prefix)}
-        feats = functional_call(model.body, body, (x,))
-        kwargs = {} if head_draw is None else {head_draw: drawn}  # FedCP's Gumbel noise, drawn outside
-        logits = functional_call(model.head, head, (feats,), kwargs)
-        loss = F.cross_entropy(map_logits(logits, scale, shift), y)
-        if client_term is not None:  # the client's own term (GPFL's valve path, FedCP's MMD)
-            loss = loss + client_term.fn(model, state, feats, y, x, reads or {})
+        with autocast(x.device, precision):  # the forward and loss in the run's precision (client/precision.py)
+            feats = functional_call(model.body, body, (x,))
+            kwargs = {} if head_draw is None else {head_draw: drawn}  # FedCP's Gumbel noise, drawn outside
+            logits = functional_call(model.head, head, (feats,), kwargs)
+            loss = F.cross_entropy(map_logits(logits, scale, shift), y)
+            if client_term is not None:  # the client's own term (GPFL's valve path, FedCP's MMD)
+                loss = loss + client_term.fn(model, state, feats, y, x, reads or {})
         if mu != 0:  # FedProx.loss: ce + proximal(ctx, ctx.received, mu), over the trained parameters
             loss = loss + 0.5 * mu * torch.stack([((params[n] - anchor[n]) ** 2).sum() for n in names]).sum()
         new_buffers = {k: state[k] for k in buffers}
