@@ -14,7 +14,9 @@ script times one training step's forward and backward of PFLlib's CNN's two conv
 * ``unfold+bmm``: the engine's ``stacked_conv: unfold``, im2col (``F.unfold``) and one batched matmul over the
   clients, ``[K, O, C·k·k] @ [K, C·k·k, B·L]``;
 * ``loop``: the engine's ``stacked_conv: per_client``, one ordinary convolution per client (the sequential loop's
-  kernels, K launches; a captured step replays them without the host).
+  kernels, K launches; a captured step replays them without the host);
+* ``grouped+bf16``, ``unfold+bmm+bf16``: the grouped and unfolded forms under bfloat16 autocast (``precision: bf16``,
+  ``client/precision.py``; outputs within bfloat16's rounding of grouped's, about 1e-2).
 
 Each form's outputs are checked against ``grouped``'s (float32 rounding), and each time is the median of
 ``--repeats`` synchronized steps after a warm-up, printed with its ratio to ``grouped``'s measured in the same run.
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedskew.client.precision import autocast
 from fedskew.engine.stacked import CONV_FORMS
 
 # PFLlib's CNN on MNIST: (input channels, output channels, input side), 5×5 kernels, no padding
@@ -57,16 +60,19 @@ grouped, unfold_bmm = engine_form("grouped"), engine_form("unfold")
 grouped_cl, loop = engine_form("grouped_channels_last"), engine_form("per_client")
 
 
-def step(form: Callable[[Tensor, Tensor, Tensor], Tensor], xs: list[Tensor], params: list[Tensor]) -> list[Tensor]:
-    """Each layer's forward, ReLU and 2×2 max-pool as the CNN does, and the backward of their outputs' sum of
-    squares: the layers' outputs (for the check)."""
+def step(
+    form: Callable[[Tensor, Tensor, Tensor], Tensor], xs: list[Tensor], params: list[Tensor], bf16: bool = False
+) -> list[Tensor]:
+    """Each layer's forward, ReLU and 2×2 max-pool as the CNN does (under bfloat16 autocast with ``bf16``), and the
+    backward of their outputs' sum of squares: the layers' outputs (for the check, in float32)."""
     outs, loss = [], None
     for x, (w, b) in zip(xs, zip(params[0::2], params[1::2], strict=True), strict=True):
-        y = form(x, w, b)
-        k, n = y.shape[0], y.shape[1]
-        pooled = F.max_pool2d(F.relu(y.reshape(k * n, *y.shape[2:])), 2)
-        loss = pooled.square().sum() if loss is None else loss + pooled.square().sum()
-        outs.append(y.detach())
+        with autocast(x.device, "bf16" if bf16 else "float32"):
+            y = form(x, w, b)
+            k, n = y.shape[0], y.shape[1]
+            pooled = F.max_pool2d(F.relu(y.reshape(k * n, *y.shape[2:])), 2)
+            loss = pooled.float().square().sum() if loss is None else loss + pooled.float().square().sum()
+        outs.append(y.detach().float())
     assert loss is not None
     loss.backward()
     return outs
@@ -96,19 +102,22 @@ def measure(device: torch.device, k: int, n: int, repeats: int, tf32: bool) -> l
         params.append((0.1 * torch.randn(k, o, generator=g)).to(device).requires_grad_())
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    forms: list[tuple[str, Callable, bool]] = [("grouped", grouped, False)]
-    forms += [("grouped+channels_last", grouped_cl, False)]
-    forms += [("unfold+bmm", unfold_bmm, False), ("loop", loop, False)]
+    forms: list[tuple[str, Callable, bool, bool]] = [("grouped", grouped, False, False)]  # (name, form, bench, bf16)
+    forms += [("grouped+channels_last", grouped_cl, False, False)]
+    forms += [("unfold+bmm", unfold_bmm, False, False), ("loop", loop, False, False)]
+    forms += [("grouped+bf16", grouped, False, True), ("unfold+bmm+bf16", unfold_bmm, False, True)]
     if device.type == "cuda":
-        forms.insert(1, ("grouped+benchmark", grouped, True))
+        forms.insert(1, ("grouped+benchmark", grouped, True, False))
     reference = step(grouped, xs, params)
     found = []
-    for name, form, bench in forms:
+    for name, form, bench, bf16 in forms:
         torch.backends.cudnn.benchmark = bench
         try:
-            outs = step(form, xs, params)
+            outs = step(form, xs, params, bf16)
             diff = max(float((a - r).abs().max()) for a, r in zip(outs, reference, strict=True))
-            found.append((name, timed(device, lambda form=form: step(form, xs, params), repeats), diff))
+            found.append(
+                (name, timed(device, lambda form=form, bf16=bf16: step(form, xs, params, bf16), repeats), diff)
+            )
         finally:
             torch.backends.cudnn.benchmark = False
     return found

@@ -95,7 +95,14 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert methods["runs"] == 8 and methods["ok_runs"] == 8 and methods["failed"] == []
     forms = _results(out, ["conv-forms"])["conv-forms"]["speed_over_grouped"]  # on a CPU: no TF32, no cuDNN
     assert list(forms) == ["K 3, TF32 off"]
-    assert set(forms["K 3, TF32 off"]) == {"grouped", "grouped+channels_last", "unfold+bmm", "loop"}
+    assert set(forms["K 3, TF32 off"]) == {
+        "grouped",
+        "grouped+channels_last",
+        "unfold+bmm",
+        "loop",
+        "grouped+bf16",
+        "unfold+bmm+bf16",
+    }
     assert forms["K 3, TF32 off"]["grouped"] == 1.0
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
@@ -175,3 +182,22 @@ def test_pfl_forms_reports_a_failed_variant_and_still_measures_the_others(tmp_pa
     before = (tmp_path / "runs" / "grouped" / "metrics.jsonl").stat().st_mtime_ns
     assert pfl_forms.main([*argv, "--variants", "grouped"]) == 0
     assert (tmp_path / "runs" / "grouped" / "metrics.jsonl").stat().st_mtime_ns == before
+
+
+def test_pfl_forms_does_not_choose_a_faster_variant_that_learns_worse(capsys):
+    """The fastest variant is chosen among those within the tolerance of grouped's accuracy (bf16's faster arithmetic
+    counts only if it learns as well); without grouped, every variant that ran may be chosen."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import pfl_forms
+    finally:
+        sys.path.remove(str(BENCH))
+    found = {
+        "grouped": {"final_acc": 0.9000, "median_round_ms": 30.0},
+        "grouped-bf16": {"final_acc": 0.8940, "median_round_ms": 10.0},  # 0.6 points below: not chosen
+        "unfold-bf16": {"final_acc": 0.8960, "median_round_ms": 20.0},  # 0.4 below: chosen
+    }
+    assert pfl_forms._eligible(found, list(found), 0.5) == ["grouped", "unfold-bf16"]
+    assert "grouped's" in found["grouped-bf16"]["not_chosen"] and "not_chosen" not in found["unfold-bf16"]
+    assert "grouped-bf16  not chosen: accuracy 89.40" in capsys.readouterr().out
+    assert pfl_forms._eligible(found, ["grouped-bf16", "unfold-bf16"], 0.5) == ["grouped-bf16", "unfold-bf16"]
