@@ -7,6 +7,8 @@ there is skipped, so running the suite again continues where the last call stopp
 - ``methods-on-device``: ``benchmarks/methods_on_device.py``, every registered method for 2 rounds on the device,
   sequential and batched, on the digits data: which keep their tensors on the run's device (CI has no GPU to see a
   tensor made on the CPU meet a CUDA one). The first piece to run on a GPU.
+- ``methods-bf16``: the same with ``--precision bf16`` (bfloat16 autocast, ``client/precision.py``): CUDA's autocast
+  lists differ from the CPU's CI runs under (a LayerNorm under vmap, say).
 - ``batched-<method>`` for every family of batched step (:data:`BATCHED_METHODS`): batched clients
   against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
   clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
@@ -138,6 +140,8 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     argv = [sys.executable, str(HERE / "methods_on_device.py"), "--device", device]
     argv += ["--methods", "fedavg,feddbe,fedfomo,fedavg+ccvr"] if smoke else []
     found.append(Piece("methods-on-device", argv, 30 if smoke else 150, 300 if smoke else 400))
+    # the same under bfloat16 autocast (precision bf16): CUDA's autocast rules are not the CPU's that CI sees
+    found.append(Piece("methods-bf16", [*argv, "--precision", "bf16"], 30 if smoke else 150, 300 if smoke else 400))
     paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
     for m, path in paths:
         argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
@@ -303,7 +307,7 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
             head = block.split(":", 1)[0]
             speeds[head] = {f: float(x) for f, x in re.findall(r"^  (\S+) +[\d.]+ ms +([\d.]+)x", block, re.M)}
         got["speed_over_grouped"] = speeds
-    if piece.name == "methods-on-device":
+    if piece.name in ("methods-on-device", "methods-bf16"):
         m = re.search(r"^methods on \S+: (\d+) ok, (\d+) refused, (\d+) failed of (\d+) runs", stdout, re.M)
         if m:
             got.update(ok_runs=int(m[1]), refused_runs=int(m[2]), failed_runs=int(m[3]), runs=int(m[4]))

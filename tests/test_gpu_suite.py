@@ -19,6 +19,7 @@ BATCHED += [f"batched-{m}" for m in ("fedlc", "fedsam", "fedrod", "feddbe", "apf
 BATCHED += [f"batched-{m}" for m in ("gpfl", "fedcp")]
 BATCHED += [f"batched-{m}-captured" for m in ("fedavg", "fedprox", "scaffold")]
 WHOLE_RUNS = ["pfl-batched", "pfl-captured", "pfl-sequential", "reproduce-feddisco", "host-ops", "methods-on-device"]
+WHOLE_RUNS += ["methods-bf16"]
 WHOLE_RUNS += ["conv-forms", "pfl-forms", "env"]  # env: the matmul rate the pieces' arithmetic is a share of
 
 
@@ -93,6 +94,8 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert host["ops_outside_steps"] > 0 and host["ops_inside_steps"] > 0 and host["by_function"]
     methods = _results(out, ["methods-on-device"])["methods-on-device"]  # 4 methods, sequential and batched
     assert methods["runs"] == 8 and methods["ok_runs"] == 8 and methods["failed"] == []
+    bf16 = _results(out, ["methods-bf16"])["methods-bf16"]  # the same under bfloat16 autocast
+    assert bf16["runs"] == 8 and bf16["ok_runs"] == 8 and bf16["failed"] == []
     forms = _results(out, ["conv-forms"])["conv-forms"]["speed_over_grouped"]  # on a CPU: no TF32, no cuDNN
     assert list(forms) == ["K 3, TF32 off"]
     assert set(forms["K 3, TF32 off"]) == {
