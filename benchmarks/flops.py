@@ -4,7 +4,8 @@
   and Linear layer (the layers that hold the arithmetic of fedskew's zoo);
 - a training pass is taken as 3 forwards (forward, and the backward's two products), 2 FLOP per multiply-add;
 - :func:`matmul_gflops`: the fp32 rate of a dense matmul on a device, measured in the same process: the reference a
-  benchmark's rate is divided by (the best a dense kernel reaches on that device, not a datasheet figure);
+  benchmark's rate is divided by (the best a dense kernel reaches on that device, not a datasheet figure); with
+  ``dtype=torch.bfloat16`` the bfloat16 rate, the reference of a run under ``precision: bf16``;
 - :func:`run_arithmetic`: the arithmetic of one round of a finished ``fedskew run`` (from its ``config.yaml``: the
   expected training samples of a round, and the evaluation's samples).
 
@@ -43,10 +44,11 @@ def macs_per_sample(model: nn.Module, x: torch.Tensor) -> int:
     return total
 
 
-def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 5) -> float:
-    """The fp32 rate of a dense ``n x n`` matmul on ``device`` (the best of ``repeats`` after a warm-up)."""
+def matmul_gflops(device: str = "cpu", n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """The rate of a dense ``n x n`` matmul in ``dtype`` (float32 by default) on ``device`` (the best of ``repeats``
+    after a warm-up)."""
     cuda = device.startswith("cuda")
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     best = float("inf")
     for i in range(repeats + 1):
         if cuda:

@@ -46,7 +46,8 @@ there is skipped, so running the suite again continues where the last call stopp
   ``paper``): ``--seeds 0,1,2`` for the benchmark's three seeds, over as many calls as it takes.
 
 Every piece's figures are also in FLOP terms (``benchmarks/flops.py``): ``env`` measures the device's dense fp32
-matmul rate, and each piece reports its arithmetic and that rate's fraction. ``OUT/suite.md`` collects every finished
+matmul rate (and its bfloat16 one), and each piece reports its arithmetic and that rate's fraction (a ``pfl-forms``
+best run under ``--precision bf16`` also the bfloat16 rate's). ``OUT/suite.md`` collects every finished
 piece's figures after each call. ``--smoke`` runs every piece at toy size
 on the CPU with the embedded digits (CI runs it), ``--budget`` bounds the whole call: a piece whose estimate does not
 fit is left for the next call.
@@ -272,11 +273,13 @@ def env_info(device: str = "cpu") -> dict:
             gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count
         )
     info["matmul_gflops"] = matmul_gflops(device)  # the reference every piece's arithmetic rate is divided by
+    info["matmul_gflops_bf16"] = matmul_gflops(device, dtype=torch.bfloat16)  # a bf16 run's (precision bf16)
     return info
 
 
-def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
-    """The numbers a piece's docs quote, read from its output (``rate``: the device's matmul rate, GFLOP/s)."""
+def figures(piece: Piece, stdout: str, rate: float | None = None, rate_bf16: float | None = None) -> dict:
+    """The numbers a piece's docs quote, read from its output (``rate``: the device's float32 matmul rate, GFLOP/s;
+    ``rate_bf16``: its bfloat16 one, the reference of a run under ``precision: bf16``)."""
     got: dict = {}
     if piece.name.startswith("batched-"):
         for key, pattern in (
@@ -344,7 +347,11 @@ def figures(piece: Piece, stdout: str, rate: float | None = None) -> dict:
     best = got.get("best_run") if piece.name == "pfl-forms" else None
     if rate and best and "error" not in best:  # the target run's arithmetic rate
         s = json.loads((Path(best["run_dir"]) / "summary.json").read_text())
-        best.update(run_fraction(run_arithmetic(best["run_dir"]), s["mean_time_round"], rate))
+        arithmetic = run_arithmetic(best["run_dir"])
+        best.update(run_fraction(arithmetic, s["mean_time_round"], rate))
+        if "bf16" in best.get("settings", "") and rate_bf16:  # its matmuls ran in bfloat16: that rate's share too
+            share = run_fraction(arithmetic, s["mean_time_round"], rate_bf16)["fraction_of_matmul_rate"]
+            best["fraction_of_bf16_matmul_rate"] = share
     return got
 
 
@@ -363,9 +370,9 @@ def run_piece(piece: Piece, out: Path) -> dict:
         seen = figures(piece, proc.stdout) if piece.run_dir is None else {}
         failed = {"piece": piece.name, "ok": False, "error": f"exit {proc.returncode}", "tail": proc.stderr[-2000:]}
         return {**failed, **seen}
-    env = out / "env.json"
-    rate = json.loads(env.read_text()).get("matmul_gflops") if env.exists() else None
-    return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout, rate)}
+    env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
+    rate, rate_bf16 = env.get("matmul_gflops"), env.get("matmul_gflops_bf16")
+    return {"piece": piece.name, "ok": True, "seconds": seconds, **figures(piece, proc.stdout, rate, rate_bf16)}
 
 
 def _done(out: Path, name: str) -> dict | None:

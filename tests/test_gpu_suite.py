@@ -119,6 +119,10 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert max(accs) - min(accs) <= 0.02
     assert forms["best_run"]["rounds"] == 3 and "pfl-research workload with the fastest" in report
     assert forms["best_run"]["gflop_per_round"] > 0 and forms["best_run"]["fraction_of_matmul_rate"] > 0
+    env = json.loads((out / "env.json").read_text())
+    assert env["matmul_gflops"] > 0 and env["matmul_gflops_bf16"] > 0
+    bf16_best = "bf16" in variants[forms["best"]]["settings"]  # a bf16 best run's arithmetic against the bf16 rate too
+    assert ("fraction_of_bf16_matmul_rate" in forms["best_run"]) == bf16_best
 
 
 @pytest.mark.xdist_group("ray")  # Flower's Simulation Engine starts a local Ray cluster (conftest, pyproject)
