@@ -12,8 +12,9 @@ pull, clipping, DP; it is not offered).
 Which passes: each step's forward and loss in the one training loop (:func:`fedskew.client.local.local_train`, with
 the loss hooks it calls: MOON's and FedNTD's frozen models, FedGen's generated features), FedSAM's second pass, and the
 same passes of the batched step functions (:mod:`fedskew.engine.stacked`, :mod:`fedskew.engine.step_functions`,
-captured graphs too). A method's own passes outside the step (FedALA's weight learning, FedPAC's and the prototype
-methods' feature passes, FedAS's fisher pass) run in float32.
+captured graphs too; the prototype methods collect their features from these passes, in float64). A method's own
+passes outside the step (FedALA's weight learning, FedPAC's feature pass, FedAS's alignment and Fisher passes) run in
+float32.
 
 Autocast's weight cache is off: a captured CUDA graph must not keep a cast made outside it, and the stacked step
 reads each weight once.
