@@ -142,3 +142,14 @@ def test_precision_is_part_of_a_runs_identity_only_when_set():
     assert "precision" not in base.identity()
     assert make_config({"db": None}, {"precision": "float32"}).group_key() == base.group_key()
     assert make_config({"db": None}, {"precision": "bf16"}).group_key() != base.group_key()
+
+
+def test_a_bf16_runs_summary_says_so(tmp_path, capsys):
+    from fedskew.cli import main
+
+    args = ["run", "--rounds", "1", "--clients", "4", "--no-db", "--precision", "bf16", "--out", str(tmp_path / "r")]
+    assert main(args) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "seed 0, bf16 training passes)" in printed
+    assert main(["run", "--precision", "fp16", "--out", str(tmp_path / "s")]) == 2
+    assert "precision" in capsys.readouterr().err

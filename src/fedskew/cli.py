@@ -177,7 +177,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path, cfg) -> None:
     method = escape(f"{cfg.method} ({args})" if args else cfg.method)  # a list value is not rich markup
     table = Table(
         title=f"fedskew {method} on {cfg.dataset} ({cfg.partition}, {cfg.clients} clients, "
-        f"{cfg.rounds} rounds, seed {cfg.seed})"
+        f"{cfg.rounds} rounds, seed {cfg.seed}"
+        + (f", {cfg.precision} training passes)" if cfg.precision != "float32" else ")")
         + ("; every view scored on the clients' validation splits" if cfg.evaluate_on == "validation" else "")
     )
     table.add_column("metric")
