@@ -19,7 +19,8 @@ script times one training step's forward and backward of PFLlib's CNN's two conv
   ``client/precision.py``; outputs within bfloat16's rounding of grouped's, about 1e-2).
 
 Each form's outputs are checked against ``grouped``'s (float32 rounding), and each time is the median of
-``--repeats`` synchronized steps after a warm-up, printed with its ratio to ``grouped``'s measured in the same run.
+``--repeats`` synchronized steps after a warm-up, printed with its ratio to ``grouped``'s measured in the same run;
+then each layer alone in each form, as its ratio to grouped's for that layer (whether the best form differs by layer).
 
     python benchmarks/conv_forms.py --device cuda                 # the pfl shape (K 50) and issue 15's (K 100)
     python benchmarks/conv_forms.py --device cpu --clients 4 --batch 2 --repeats 2
@@ -92,8 +93,11 @@ def timed(device: torch.device, fn: Callable[[], object], repeats: int) -> float
     return statistics.median(times)
 
 
-def measure(device: torch.device, k: int, n: int, repeats: int, tf32: bool) -> list[tuple[str, float, float]]:
-    """``(form, seconds, largest difference from grouped's outputs)`` for K clients of ``n`` samples."""
+def measure(
+    device: torch.device, k: int, n: int, repeats: int, tf32: bool
+) -> list[tuple[str, float, float, list[float]]]:
+    """``(form, seconds, largest difference from grouped's outputs, seconds of each layer alone)`` for K clients of
+    ``n`` samples (each layer alone: whether the fastest form differs by layer, as a per-layer choice would use)."""
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(k, n, c, s, s, generator=g).to(device) for c, _, s in LAYERS]
     params = []
@@ -115,9 +119,12 @@ def measure(device: torch.device, k: int, n: int, repeats: int, tf32: bool) -> l
         try:
             outs = step(form, xs, params, bf16)
             diff = max(float((a - r).abs().max()) for a, r in zip(outs, reference, strict=True))
-            found.append(
-                (name, timed(device, lambda form=form, bf16=bf16: step(form, xs, params, bf16), repeats), diff)
-            )
+            both = timed(device, lambda form=form, bf16=bf16: step(form, xs, params, bf16), repeats)
+            alone = [
+                timed(device, lambda f=form, b=bf16, i=i: step(f, [xs[i]], params[2 * i : 2 * i + 2], b), repeats)
+                for i in range(len(LAYERS))
+            ]
+            found.append((name, both, diff, alone))
         finally:
             torch.backends.cudnn.benchmark = False
     return found
@@ -153,10 +160,13 @@ def main() -> None:
             found = measure(device, k, args.batch, args.repeats, mode == "on")
             base = found[0][1]
             print(f"K {k}, TF32 {mode}:")
-            for name, seconds, diff in found:
+            for name, seconds, diff, _ in found:
                 print(
                     f"  {name:22s} {seconds * 1e3:9.3f} ms  {base / seconds:6.2f}x grouped's speed  max diff {diff:.1e}"
                 )
+            for i, (c, o, side) in enumerate(LAYERS):  # each layer alone, against grouped's time for it
+                speeds = ", ".join(f"{name} {found[0][3][i] / alone[i]:.2f}x" for name, _, _, alone in found)
+                print(f"  layer {i + 1} ({c}->{o} on {side}x{side}): {speeds}")
 
 
 if __name__ == "__main__":

@@ -306,10 +306,16 @@ def figures(piece: Piece, stdout: str, rate: float | None = None, rate_bf16: flo
         got["stacked_max_difference"] = float(m[1]) if m else None
     if piece.name == "conv-forms":  # {"K 50, TF32 off": {form: its speed over grouped's}}
         speeds: dict[str, dict[str, float]] = {}
+        layers: dict[str, dict[str, dict[str, float]]] = {}
         for block in re.split(r"^(?=K \d+, TF32 \w+:)", stdout, flags=re.M)[1:]:
             head = block.split(":", 1)[0]
             speeds[head] = {f: float(x) for f, x in re.findall(r"^  (\S+) +[\d.]+ ms +([\d.]+)x", block, re.M)}
+            layers[head] = {
+                f"layer {i}": {f: float(x) for f, x in re.findall(r"(\S+) ([\d.]+)x", rest)}
+                for i, rest in re.findall(r"^  layer (\d+) \([^)]*\): (.*)$", block, re.M)
+            }
         got["speed_over_grouped"] = speeds
+        got["per_layer_speed_over_grouped"] = layers  # each layer alone: whether the best form differs by layer
     if piece.name in ("methods-on-device", "methods-bf16"):
         m = re.search(r"^methods on \S+: (\d+) ok, (\d+) refused, (\d+) failed of (\d+) runs", stdout, re.M)
         if m:

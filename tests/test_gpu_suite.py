@@ -107,6 +107,9 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
         "unfold+bmm+bf16",
     }
     assert forms["K 3, TF32 off"]["grouped"] == 1.0
+    layers = _results(out, ["conv-forms"])["conv-forms"]["per_layer_speed_over_grouped"]["K 3, TF32 off"]
+    assert sorted(layers) == ["layer 1", "layer 2"] and set(layers["layer 2"]) == set(forms["K 3, TF32 off"])
+    assert layers["layer 1"]["grouped"] == 1.0
     captured = _results(out, ["pfl-captured"])["pfl-captured"]
     assert captured["global_acc"]["final"] == pytest.approx(pfl["global_acc"]["final"], abs=0.02)  # the same training
     forms = _results(out, ["pfl-forms"])["pfl-forms"]  # every kernel variant ran, and the fastest ran again
