@@ -33,9 +33,9 @@ there is skipped, so running the suite again continues where the last call stopp
 - ``host-ops``: ``benchmarks/host_ops.py``, the operations a round of the pfl-research shape with captured steps
   dispatches outside its steps, by engine function, and on a GPU the round's time.
 - ``pfl-forms``: ``benchmarks/pfl_forms.py``, the pfl-research-shaped captured run for 200 rounds under each kernel
-  variant (the stacked convolutions grouped, unfolded or per client; TF32; cuDNN's benchmark mode; channels-last;
-  bfloat16 autocast), each variant's steady round time against the default's, then ``--pfl-rounds`` rounds with the
-  fastest whose accuracy is within half a point of the default's.
+  variant (the stacked convolutions grouped, unfolded, per client or per layer; TF32; cuDNN's benchmark mode;
+  channels-last; bfloat16 autocast), each variant's steady round time against the default's, then ``--pfl-rounds``
+  rounds with the fastest whose accuracy is within half a point of the default's.
 - ``conv-forms``: ``benchmarks/conv_forms.py``, one step of the CNN's two convolutions for 50 and 100 stacked
   clients in each form (the engine's grouped convolution, with cuDNN's benchmark mode, unfold and a batched matmul,
   one convolution per client), TF32 off and on: each form's speed against the grouped one's.
@@ -223,7 +223,7 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     argv = [sys.executable, str(HERE / "pfl_forms.py"), "--device", device, "--out", str(out / "runs" / "pfl-forms")]
     argv += ["--json", str(figs)]
     argv += ["--smoke"] if smoke else ["--data-dir", str(Path(args.data_dir) / "mnist"), "--best-rounds", str(rounds)]
-    argv += [] if smoke else ["--rounds-each", "200"]  # eight variants in the piece's 200 s
+    argv += [] if smoke else ["--rounds-each", "200"]  # nine variants in the piece's 200 s
     found.append(Piece("pfl-forms", argv, 60 if smoke else 200, 300 if smoke else 540, figures_file=figs))
     # the stacked convolution's form: what the pfl-shaped round's kernels could gain (benchmarks/conv_forms.py)
     argv = [sys.executable, str(HERE / "conv_forms.py"), "--device", device]

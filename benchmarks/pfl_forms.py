@@ -13,6 +13,8 @@ other run settings:
 * ``unfold-tf32``: ``--stacked-conv unfold --tf32 on`` (im2col and batched matmuls, in TF32 as the grouped
   convolutions are by default);
 * ``per-client``: ``--stacked-conv per_client`` (one convolution per client, replayed by the captured graph);
+* ``per-layer``: ``--stacked-conv per_client,grouped`` (the first convolution, one input channel, one client at a
+  time; the second grouped: the fastest form of each layer on this development CPU, ``conv_forms.py``);
 * ``grouped-bf16``, ``unfold-bf16``: ``--precision bf16`` (the forward passes under bfloat16 autocast, on the tensor
   cores; parameters, optimizer and evaluation float32), grouped and unfolded.
 
@@ -44,6 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "grouped-nhwc": ["--channels-last"],
     "unfold-tf32": ["--stacked-conv", "unfold", "--tf32", "on"],
     "per-client": ["--stacked-conv", "per_client"],
+    "per-layer": ["--stacked-conv", "per_client,grouped"],
     "grouped-bf16": ["--precision", "bf16"],
     "unfold-bf16": ["--stacked-conv", "unfold", "--precision", "bf16"],
 }

@@ -115,7 +115,7 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     forms = _results(out, ["pfl-forms"])["pfl-forms"]  # every kernel variant ran, and the fastest ran again
     variants = forms["variants"]
     kinds = {"grouped", "grouped-tf32", "grouped-bench", "grouped-nhwc", "unfold-tf32", "per-client"}
-    assert set(variants) == kinds | {"grouped-bf16", "unfold-bf16"}
+    assert set(variants) == kinds | {"per-layer", "grouped-bf16", "unfold-bf16"}
     assert variants["grouped"]["speed_over_first"] == 1.0 and forms["best"] in variants
     assert all(v["rounds"] == 3 and v["median_round_ms"] > 0 for v in variants.values())
     accs = [v["final_acc"] for v in variants.values()]  # the same training, up to float32 rounding

@@ -122,3 +122,36 @@ def test_stacked_seeds_convolve_in_their_runs_form(tmp_path, monkeypatch, captur
     assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
     assert calls  # the two runs' clients convolved through the unfolded form
     assert [o.summary["rounds"] for o in outcomes] == [2, 2]
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["bucketed", "captured"])
+def test_one_form_per_layer_convolves_each_layer_in_its_own_and_matches_the_sequential_loop(
+    one_thread, monkeypatch, capture
+):
+    """``stacked_conv: per_client,grouped``: the CNN's first convolution (1 input channel) one client at a time, its
+    second grouped (on this CPU the fastest form of each layer, benchmarks/conv_forms.py), and the training is the
+    sequential loop's."""
+    seen: dict[str, set[int]] = {"per_client": set(), "grouped": set()}
+    for name in seen:
+        form = CONV_FORMS[name]
+        monkeypatch.setitem(
+            CONV_FORMS, name, lambda m, *a, name=name, form=form: seen[name].add(m.in_channels) or form(m, *a)
+        )
+    seq, bat, rounds = _side_by_side("fedavg", capture=capture, conv="per_client,grouped", model="cnn")
+    assert seen == {"per_client": {1}, "grouped": {32}}
+    _trained_alike(seq, bat, rounds, moved_at_least=1e-4)
+
+
+def test_a_list_of_forms_must_name_one_per_layer_before_training_starts():
+    from fedskew.config import make_config
+    from fedskew.schema import ConfigError
+
+    sim = digits_simulation("fedavg", model="cnn", batched_clients=True, stacked_conv="per_client, grouped")
+    assert batched_trainer(sim).conv == "per_client,grouped"
+    with pytest.raises(ConfigError, match="names 3 forms, one per layer, but the model has 2 Conv2d layers"):
+        digits_simulation("fedavg", model="cnn", batched_clients=True, stacked_conv="per_client,grouped,unfold")
+    with pytest.raises(ConfigError, match="'im2col' is not a form"):
+        make_config({"db": None}, {"stacked_conv": "per_client,im2col"})
+    cl = digits_simulation("fedavg", model="cnn", batched_clients=True, stacked_conv="per_client,grouped")
+    cl.cfg = cl.cfg.model_copy(update={"channels_last": True})
+    assert batched_trainer(cl).conv == "per_client,grouped_channels_last"  # the grouped layer keeps the run's layout

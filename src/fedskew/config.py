@@ -263,12 +263,13 @@ class RunConfig(StrictSettings):
         "captured once per shape as a CUDA graph and replayed on a CUDA device (run eagerly elsewhere); equal to the "
         "sequential loop up to float32 rounding; BatchNorm models and loss terms fall back, with a warning",
     )
-    stacked_conv: Literal["grouped", "unfold", "per_client"] = Field(
+    stacked_conv: str = Field(
         "grouped",
         description="with batched_clients, a model of standard layers: its convolutions over the stacked clients as "
-        "one grouped convolution, as each client's patches unfolded (im2col) times its filters in one batched "
-        "matmul, or as one ordinary convolution per client (engine/stacked.py); the same values up to float32 "
-        "rounding; which is faster depends on the device (benchmarks/conv_forms.py)",
+        "one grouped convolution (grouped), as each client's patches unfolded (im2col) times its filters in one "
+        "batched matmul (unfold), or as one ordinary convolution per client (per_client) (engine/stacked.py); or a "
+        "comma-separated list, one form per Conv2d layer in the model's order (per_client,grouped); the same values "
+        "up to float32 rounding; which is faster depends on the device and the layer (benchmarks/conv_forms.py)",
     )
     tf32: Literal["torch", "on", "off"] = Field(
         "torch",
@@ -338,6 +339,21 @@ class RunConfig(StrictSettings):
         if v != "auto" and v < least:
             raise ValueError(f"must be auto or an integer >= {least}")
         return v
+
+    @field_validator("stacked_conv")
+    @classmethod
+    def _conv_forms(cls, v: str) -> str:
+        """One of the stacked convolutions' forms, or a comma-separated list of them (one per Conv2d layer)."""
+        from fedskew.engine.stacked import RUN_CONV_FORMS
+
+        forms = [f.strip() for f in v.split(",")]
+        bad = [f for f in forms if f not in RUN_CONV_FORMS]
+        if bad:
+            raise ValueError(
+                f"{bad[0]!r} is not a form: give one of {', '.join(RUN_CONV_FORMS)}, or a comma-separated list of them "
+                "with one per Conv2d layer"
+            )
+        return ",".join(forms)
 
     @field_validator("state_memory")
     @classmethod

@@ -7,12 +7,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+from torch import nn
+
 from fedskew.client.local import batched_form
 from fedskew.engine.batched import batchable, train_batched
 from fedskew.engine.captured import PaddedCache, capture_refusal
 from fedskew.engine.host import ClientHost, ClientPool, ClientTrainer, TrainJob
+from fedskew.engine.stacked import layer_forms
 from fedskew.engine.workers import ClientWorkers
 from fedskew.protocol import Upload
+from fedskew.schema import ConfigError
 
 
 class BatchedClients:
@@ -53,7 +57,7 @@ def batched_trainer(host: ClientHost, stacklevel: int = 2) -> ClientTrainer | No
         if refusal is not None:
             warnings.warn(f"capture_steps: {refusal}; batched steps in buckets", stacklevel=stacklevel + 1)
             capture = False
-    return BatchedClients(capture, conv_form(cfg))
+    return BatchedClients(capture, conv_form(cfg, host.model))
 
 
 def warn_unbatched(cfg: object, stacklevel: int = 2) -> None:
@@ -67,11 +71,21 @@ def warn_unbatched(cfg: object, stacklevel: int = 2) -> None:
         )
 
 
-def conv_form(cfg: object) -> str:
+def conv_form(cfg: object, model: nn.Module | None = None) -> str:
     """The stacked convolutions' form of a run (``engine/stacked.py``'s :data:`CONV_FORMS`): its ``stacked_conv``, the
-    grouped one in channels-last memory order when the run asks for ``channels_last`` (as its model's are)."""
-    form = str(getattr(cfg, "stacked_conv", "grouped"))
-    return "grouped_channels_last" if form == "grouped" and getattr(cfg, "channels_last", False) else form
+    grouped one in channels-last memory order when the run asks for ``channels_last`` (as its model's are). With the
+    run's ``model``, a list of forms (one per Conv2d layer) is checked against its layers before training starts
+    (:class:`~fedskew.schema.ConfigError` naming the counts)."""
+    forms = str(getattr(cfg, "stacked_conv", "grouped")).split(",")  # one form, or one per Conv2d layer
+    if getattr(cfg, "channels_last", False):
+        forms = ["grouped_channels_last" if form == "grouped" else form for form in forms]
+    form = ",".join(forms)
+    if model is not None:
+        try:
+            layer_forms(model, form)
+        except ValueError as e:
+            raise ConfigError(f"stacked_conv: {e}") from None
+    return form
 
 
 def worker_pool(host: ClientHost, n: int) -> ClientPool:

@@ -11,7 +11,8 @@ own batching rules do, so that one step is one forward and one backward of plain
 * ``Conv2d``: the K clients' channels side by side, ``[B, K·C, H, W]``, convolved with ``groups = K·groups``
   (each client's filters see only its own channels); or, with ``conv="unfold"``, each client's patches unfolded
   (im2col) and multiplied by its filters in one batched matmul; or, with ``conv="per_client"``, one ordinary
-  convolution per client (:data:`CONV_FORMS`; which is faster depends on the device: ``benchmarks/conv_forms.py``);
+  convolution per client (:data:`CONV_FORMS`; which is faster depends on the device and the layer:
+  ``benchmarks/conv_forms.py``; a run may name one form per layer, :func:`layer_forms`);
 * ``BatchNorm1d/2d`` (training): the same channel layout, so every client's statistics are over its own batch, and
   its running statistics and ``num_batches_tracked`` are updated in its own rows;
 * ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``.
@@ -23,7 +24,7 @@ the caller uses ``vmap``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -115,6 +116,32 @@ CONV_FORMS: dict[str, Callable[[nn.Conv2d, Tensor, Tensor, Tensor | None], Tenso
     "grouped_channels_last": grouped_conv_channels_last,  # "grouped" with the run's channels_last
     "per_client": per_client_conv,
 }
+# the forms a run may name (``grouped_channels_last`` is ``grouped`` under the run's ``channels_last``)
+RUN_CONV_FORMS = ("grouped", "unfold", "per_client")
+
+# the convolutions' forms of one step: one form for every Conv2d, or each Conv2d layer's own
+ConvForms = str | Mapping[nn.Module, str]
+
+
+def layer_forms(model: nn.Module, conv: str) -> ConvForms:
+    """``conv`` (a run's ``stacked_conv``) for ``model``: one form of :data:`CONV_FORMS` for all its convolutions, or
+    a comma-separated list of forms, one per Conv2d layer in the model's order (``per_client,grouped``: the first
+    layer's convolutions one client at a time, the second's grouped), since the fastest form can differ by layer
+    (``benchmarks/conv_forms.py`` times each layer alone). ``ValueError`` naming an unknown form, or a list whose
+    length is not the model's number of convolutions."""
+    names = [c.strip() for c in conv.split(",")]
+    for name in names:
+        if name not in CONV_FORMS:
+            raise ValueError(f"stacked convolution {name!r}: expected one of {sorted(CONV_FORMS)}")
+    if len(names) == 1:
+        return names[0]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if len(names) != len(convs):
+        raise ValueError(
+            f"stacked convolution {conv!r} names {len(names)} forms, one per layer, but the model has {len(convs)} "
+            "Conv2d layers: give one form, or one per layer in the model's order"
+        )
+    return dict(zip(convs, names, strict=True))
 
 
 def stacked_forward(
@@ -123,11 +150,12 @@ def stacked_forward(
     x: Tensor,
     prefix: str = "",
     training: bool = True,
-    conv: str = "grouped",
+    conv: ConvForms = "grouped",
 ) -> Tensor:
     """``module``'s forward for K clients at once: ``x [K, B, ...]`` → ``[K, B, ...]``, with ``state[prefix + name]``
     the clients' stacked tensors (``[K, *shape]``). BatchNorm running statistics in ``state`` are updated in place
-    in training mode (pass copies). ``conv``: the convolutions' form (:data:`CONV_FORMS`)."""
+    in training mode (pass copies). ``conv``: the convolutions' form (:data:`CONV_FORMS`), or each Conv2d's
+    (:func:`layer_forms`)."""
     kind = type(module)
     if kind is nn.Sequential:
         for child_name, child in module.named_children():
@@ -145,7 +173,8 @@ def stacked_forward(
         )
         return out.view(*x.shape[:-1], w.shape[1])
     if kind is nn.Conv2d:
-        return CONV_FORMS[conv](module, x, state[prefix + "weight"], state.get(prefix + "bias"))  # type: ignore[arg-type]
+        form = CONV_FORMS[conv if isinstance(conv, str) else conv[module]]
+        return form(module, x, state[prefix + "weight"], state.get(prefix + "bias"))  # type: ignore[arg-type]
     if kind in (nn.BatchNorm1d, nn.BatchNorm2d):
         bn: nn.modules.batchnorm._BatchNorm = module  # type: ignore[assignment]
         c = x.shape[2]
@@ -223,12 +252,11 @@ def stacked_step_function(
     ``precision``: ``bf16`` runs the forward passes and losses under bfloat16 autocast
     (:mod:`fedskew.client.precision`); the gradients, the loss and the features returned are float32."""
     body, head = model.body, model.head
-    if conv not in CONV_FORMS:
-        raise ValueError(f"stacked convolution {conv!r}: expected one of {sorted(CONV_FORMS)}")
+    forms = layer_forms(model, conv)
     check_precision(precision)
 
     def fwd(module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True) -> Tensor:
-        return stacked_forward(module, state, x, training=training, conv=conv)
+        return stacked_forward(module, state, x, training=training, conv=forms)
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}

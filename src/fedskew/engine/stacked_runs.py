@@ -144,7 +144,7 @@ def train_together(
         return _captures(hosts) and (cache if cache is not None else True)
 
     def conv(hosts: list[ClientHost]) -> str:  # the runs' stacked convolutions (one experiment's: one form)
-        return conv_form(getattr(hosts[0], "cfg", None))
+        return conv_form(getattr(hosts[0], "cfg", None), hosts[0].model)
 
     out: dict[int, list[Upload]] = {}
     together: dict[int, list[int]] = {}  # round -> runs
