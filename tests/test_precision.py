@@ -40,6 +40,15 @@ def test_float32_is_no_autocast_and_bf16_is_bfloat16_autocast():
         autocast("meta", "bf16")
 
 
+def test_bf16_on_a_gpu_without_bfloat16_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(ValueError, match="this GPU has no bfloat16 arithmetic"):
+        autocast("cuda", "bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (a machine with such a GPU)
+    with pytest.raises(ConfigError, match="this GPU has no bfloat16 arithmetic"):  # said before the run starts
+        make_config({"db": None}, {"precision": "bf16", "device": "cuda"})
+
+
 def _linear_dtypes(sim) -> list[torch.dtype]:
     """The output dtypes of the model's linear layers during the next training (forward hooks)."""
     seen: list[torch.dtype] = []

@@ -136,10 +136,14 @@ def check_privacy(cfg: RunConfig) -> None:
 
 
 def check_engine(cfg: RunConfig, method: Method) -> None:
-    """The engine's options against each other and against the method: captured steps, disk and streaming
-    aggregation."""
+    """The engine's options against each other and against the method: captured steps, the precision on the device,
+    disk and streaming aggregation."""
     if cfg.capture_steps and not cfg.batched_clients:
         raise ValueError("capture_steps shapes the batched step: it needs batched_clients")
+    if cfg.precision != "float32":  # a device without bfloat16 autocast, said before the run starts
+        from fedskew.client.precision import autocast
+
+        autocast(cfg.device, cfg.precision)
     if cfg.aggregation == "disk" and cfg.device.split(":")[0] != "cpu":
         raise ValueError(f"aggregation disk maps the uploads from files on the CPU; device is {cfg.device!r}")
     if cfg.aggregation == "streaming":

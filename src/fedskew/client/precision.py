@@ -45,6 +45,8 @@ def autocast(device: torch.device | str, precision: str) -> AbstractContextManag
     kind = torch.device(device).type
     if kind not in _AUTOCAST_DEVICES:
         raise ValueError(f"precision bf16: torch has no autocast for device type {kind!r}")
+    if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("precision bf16: this GPU has no bfloat16 arithmetic (Ampere or later has): use float32")
     return torch.autocast(kind, dtype=torch.bfloat16, cache_enabled=False)
 
 
