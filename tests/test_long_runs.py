@@ -221,6 +221,18 @@ def _killed_child(cfg_values: dict, kill_after: int) -> None:
     os._exit(0)
 
 
+def kill_after_round_3(tmp_path: Path, values: dict) -> dict:
+    """Run ``values`` uninterrupted into ``tmp_path/whole``, and into ``tmp_path/killed`` in a forked child that dies
+    like SIGKILL after round 3; the killed run's configuration values (run them again to resume it)."""
+    run_experiment(make_config(None, {**values, "out": str(tmp_path / "whole")}))
+    killed = {**values, "out": str(tmp_path / "killed")}
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(killed, 3))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 137
+    return killed
+
+
 @pytest.mark.parametrize("method, args", FAMILIES, ids=[m for m, _ in FAMILIES])
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, method, args):
     values = {
@@ -234,12 +246,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, method, ar
         "db": None,
         "seed": 4,
     }
-    run_experiment(make_config(None, {**values, "out": str(tmp_path / "whole")}))
-    killed = {**values, "out": str(tmp_path / "killed")}
-    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(killed, 3))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 137
+    killed = kill_after_round_3(tmp_path, values)
     status = json.loads((tmp_path / "killed" / "status.json").read_text())
     assert status["status"] == "running" and status["checkpoint_round"] == 2
     assert len(_metrics(tmp_path / "killed")) == 3

@@ -168,21 +168,15 @@ def test_a_killed_bf16_run_resumes_to_the_uninterrupted_runs_metrics_and_keeps_i
     """bf16's autocast is as deterministic as float32: a run killed after round 3 (checkpoint of round 2) and resumed
     writes the uninterrupted run's metrics; a resume asking for float32 is refused, since it computes other numbers."""
     import json
-    import multiprocessing
 
-    from test_long_runs import _killed_child, _metrics
+    from test_long_runs import _metrics, kill_after_round_3
 
     from fedskew.cli import main
     from fedskew.runner import run_experiment
 
     values = {"method": "fedprox", "clients": 6, "join_ratio": 0.5, "rounds": 5, "checkpoint_every": 2, "db": None}
     values.update(model="cnn", precision="bf16", seed=3, skew_probes=0)
-    run_experiment(make_config(None, {**values, "out": str(tmp_path / "whole")}))
-    killed = {**values, "out": str(tmp_path / "killed")}
-    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(killed, 3))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 137
+    killed = kill_after_round_3(tmp_path, values)
     assert main(["run", "--resume", str(tmp_path / "killed"), "--precision", "float32", "--quiet"]) == 2
     assert "cannot change precision" in capsys.readouterr().err
     run_experiment(make_config(None, killed))
