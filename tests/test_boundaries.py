@@ -212,6 +212,7 @@ def test_the_engine_loop_knows_workers_and_batching_only_through_its_interface()
 ENGINE_MAY_IMPORT = {
     "fedskew.client.local",  # the one local loop, LocalAlgorithm, LocalContext
     "fedskew.client.batched_form",  # the batched-step type a client part declares
+    "fedskew.client.precision",  # the training passes' arithmetic (the precision setting), for the batched steps
     "fedskew.server.api",  # the piece bases
     "fedskew.server.uploads",  # the upload checks and stack
     "fedskew.server.dispersion",  # the dispersion statistics the parameter-skew probe records
