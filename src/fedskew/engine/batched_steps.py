@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from fedskew.client.batched_form import BatchedStep, Envelope, InnerStep, split_batch
 from fedskew.client.local import batched_form, unwrapped
 from fedskew.engine.stacked import stackable
+from fedskew.engine.step_functions import runs_under_vmap
 
 if TYPE_CHECKING:
     from fedskew.methods import Method
@@ -101,9 +102,7 @@ def _vmap_precision_refusal(form: BatchedStep, model: nn.Module, precision: str)
     """Why the step of ``form`` on ``model`` cannot run under ``precision``'s autocast, or ``None``: only the
     ``vmap`` step (a term computed one client at a time, a head's draws, a model with layers the stacked graph lacks)
     through a layer whose backward fails there."""
-    body, head = model.body, model.head  # type: ignore[union-attr]
-    per_client = form.client_term is not None or form.head_draw is not None
-    if not per_client and stackable(body) is None and stackable(head) is None:
+    if not runs_under_vmap(model, form.client_term is not None or form.head_draw is not None):
         return None  # the stacked graph, which runs its norms itself
     for name, module in model.named_modules():
         if isinstance(module, _VMAP_AUTOCAST_FAILS):

@@ -34,17 +34,24 @@ def step_function(
     as ``vmap(grad(loss))`` of one client's step. ``conv``: the stacked graph's convolutions' form
     (:data:`~fedskew.engine.stacked.CONV_FORMS`; ``vmap`` batches a convolution its own way). ``precision``: the
     forward passes' and losses' arithmetic (:mod:`fedskew.client.precision`)."""
-    if client_term is not None or head_draw is not None:
-        if term is not None or head_term is not None:
-            raise ValueError("a term computed one client at a time does not combine with a term on stacked clients")
-        return vmap_step_function(model, names, mu, client_term, head_draw, precision)
-    if stackable(model.body) is None and stackable(model.head) is None:
+    per_client = client_term is not None or head_draw is not None
+    if per_client and (term is not None or head_term is not None):
+        raise ValueError("a term computed one client at a time does not combine with a term on stacked clients")
+    if not runs_under_vmap(model, per_client):
         return stacked_step_function(model, names, mu, term, head_term, conv, precision)
+    if per_client:
+        return vmap_step_function(model, names, mu, client_term, head_draw, precision)
     if term is not None or head_term is not None:
         raise ValueError(
             "a loss term against frozen models or through the head is batched for models of standard layers only"
         )
     return vmap_step_function(model, names, mu, precision=precision)
+
+
+def runs_under_vmap(model: nn.Module, per_client: bool) -> bool:
+    """Whether :func:`step_function` runs ``model``'s step as ``vmap(grad(loss))``: for a term computed one client at
+    a time or a head's draws (``per_client``), or a model with layers the stacked graph lacks."""
+    return per_client or stackable(model.body) is not None or stackable(model.head) is not None
 
 
 def vmap_step_function(
