@@ -87,6 +87,26 @@ def digits_simulation(method: str, args: dict | None = None, rounds: int = 2, **
     return Simulation(cfg, build_federated(cfg))
 
 
+def without_timing(records: list[dict]) -> list[dict]:
+    """Round records without their wall-clock entries: what two runs of the same config must agree on exactly."""
+    from fedskew.protocol import TIMING_KEYS
+
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def run_records(run_dir) -> list[dict]:
+    """A run directory's ``metrics.jsonl``, one record per round, without the wall-clock entries."""
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return without_timing([json.loads(line) for line in lines])
+
+
+def same_params(a: dict, b: dict, tol: float = 0.0) -> bool:
+    """The same parameter names, each tensor within ``tol`` of the other's (``tol`` 0: equal values)."""
+    return set(a) == set(b) and all(float((a[k].double() - b[k].double()).abs().max()) <= tol for k in a)
+
+
 def _fake_domain(name, n_train, n_test, seed):
     import numpy as np
 
@@ -120,6 +140,23 @@ def fake_domains(monkeypatch):
     fake = dataclasses.replace(suite, load=lambda data_dir, size, seed, download=False: dict(doms))
     monkeypatch.setitem(DOMAIN_SUITES, "digits_domains", fake)
     return doms
+
+
+def fake_domains_config(tmp_path, **over):
+    """A 6-client domain-skew run on :func:`fake_domains` (two clients per domain, 10% of each), 2 rounds, MLP."""
+    from fedskew.config import make_config
+
+    base = {
+        "dataset": "digits_domains",
+        "partition": "domain",
+        "clients": 6,
+        "domain_fraction": 0.1,
+        "rounds": 2,
+        "model": "mlp",
+        "db": None,
+        "out": str(tmp_path / "r"),
+    }
+    return make_config(None, {**base, **over})
 
 
 class Tiny(nn.Module):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Tiny, digits_simulation
+from conftest import Tiny, digits_simulation, same_params, without_timing
 
 from fedskew.catalog.fedala import (
     ALA_INIT,
@@ -32,7 +32,7 @@ from fedskew.engine.checkpoint import capture, restore
 from fedskew.engine.loop import dropped_out, sample_clients
 from fedskew.methods import describe_methods, resolve_method
 from fedskew.models.generator import Generator, draw
-from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.protocol import ServerContext, Upload
 from fedskew.schema import ConfigError
 from fedskew.server.uploads import stack_uploads
 
@@ -59,14 +59,6 @@ def _ctx(model, received, broadcast=None, state=None, generator=None):
         TrainSettings(epochs=1, batch_size=4, lr=0.1),
         generator=generator,
     )
-
-
-def _records(recs):
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs]
-
-
-def _same_params(a, b, tol=1e-6):
-    return set(a) == set(b) and all(float((a[k].double() - b[k].double()).abs().max()) <= tol for k in a)
 
 
 # ---- FedNTD ---------------------------------------------------------------------------------------------------------
@@ -145,7 +137,7 @@ def test_degenerate_settings_are_fedavg(method, args, fedavg_run):
     accs, params = fedavg_run
     sim = digits_simulation(method, args)
     assert [r["global_local_acc"] for r in sim.run()] == accs
-    assert _same_params(sim.global_params, params)  # to 1e-6 (in fact bitwise)
+    assert same_params(sim.global_params, params, tol=1e-6)  # in fact bitwise
 
 
 # ---- FedGen ---------------------------------------------------------------------------------------------------------
@@ -287,12 +279,12 @@ def test_fedbabu_fine_tunes_its_locally_trained_model_by_default():
     model2, _, _ = _tiny()
     body_only = FedBABU(fine_tune="head", fine_tune_every=10**6)  # round 1 is not a fine-tuning round
     ref = local_train(body_only, _ctx(model2, received), x, y, torch.Generator().manual_seed(0))
-    assert _same_params(upd.params, ref.params, tol=0.0)
+    assert same_params(upd.params, ref.params, tol=0.0)
     # full fine-tuning starts from the local model too: its first step is taken from the uploaded weights
     model3, _, _ = _tiny()
     ctx3 = _ctx(model3, received)
     full = local_train(FedBABU(fine_tuning_epochs=1), ctx3, x, y, torch.Generator().manual_seed(0))
-    assert _same_params(full.params, ref.params, tol=0.0)
+    assert same_params(full.params, ref.params, tol=0.0)
     assert not torch.equal(ctx3.client_state[PERSONAL.name]["body.0.weight"], full.params["body.0.weight"])
 
 
@@ -326,7 +318,7 @@ def test_fedbabu_local_fine_tuning_leaves_the_federated_training_unchanged():
     tuned = digits_simulation("fedbabu", {"fine_tuning_epochs": 1}, rounds=2)
     never = digits_simulation("fedbabu", {"fine_tune_every": 1000}, rounds=2)
     tuned.run(), never.run()
-    assert _same_params(tuned.global_params, never.global_params, tol=0.0)
+    assert same_params(tuned.global_params, never.global_params, tol=0.0)
     assert all(set(st) == {PERSONAL.name} for st in tuned.client_states.values())
     glob = digits_simulation("fedbabu", {"fine_tuning_epochs": 1, "fine_tune_from": "global"}, rounds=2)
     glob.run()
@@ -521,16 +513,16 @@ def test_partial_participation_and_missed_rounds(method, args):
 def test_checkpoint_resume_is_exact(method, args):
     over = {"clients": 5, "join_ratio": 0.6}
     whole = digits_simulation(method, args, rounds=4, **over)
-    rec_whole = _records(whole.run())
+    rec_whole = without_timing(whole.run())
     first = digits_simulation(method, args, rounds=4, **over)
-    rec_first = [_records([first.round(r).record])[0] for r in (1, 2)]
+    rec_first = [without_timing([first.round(r).record])[0] for r in (1, 2)]
     buf = io.BytesIO()
     torch.save(capture(first), buf)  # through bytes, as a checkpoint file
     del first
     resumed = digits_simulation(method, args, rounds=4, **over)
     buf.seek(0)
     restore(resumed, torch.load(buf, weights_only=False))
-    rec_rest = [_records([resumed.round(r).record])[0] for r in (3, 4)]
+    rec_rest = [without_timing([resumed.round(r).record])[0] for r in (3, 4)]
     assert rec_first + rec_rest == rec_whole
     assert all(torch.equal(resumed.global_params[k], whole.global_params[k]) for k in whole.global_params)
     if method == "fedgen":
@@ -540,7 +532,7 @@ def test_checkpoint_resume_is_exact(method, args):
 
 def test_fedgen_runs_are_reproducible_and_broadcast_the_generator():
     a, b = digits_simulation("fedgen", {"server_epochs": 10}), digits_simulation("fedgen", {"server_epochs": 10})
-    assert _records(a.run()) == _records(b.run())
+    assert without_timing(a.run()) == without_timing(b.run())
     assert all(torch.equal(a.global_params[k], b.global_params[k]) for k in a.global_params)
     bc = a.method.server_half.broadcast(a.server_half_state)
     assert LABELS in bc and f"{PREFIX}fc.weight" in bc

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import fake_domains_config
 
 import fedskew.data.federated as fed
 from fedskew.config import ConfigError, make_config
@@ -10,22 +11,8 @@ from fedskew.engine.evaluate import ClientScores, domain_summary
 from fedskew.engine.loop import Simulation
 
 
-def _cfg(tmp_path, **kw):
-    base = {
-        "dataset": "digits_domains",
-        "partition": "domain",
-        "clients": 6,
-        "domain_fraction": 0.1,
-        "rounds": 2,
-        "model": "mlp",
-        "db": None,
-        "out": str(tmp_path / "r"),
-    }
-    return make_config(None, {**base, **kw})
-
-
 def test_domain_federation_layout(tmp_path, fake_domains):
-    data = fed.build_federated(_cfg(tmp_path))
+    data = fed.build_federated(fake_domains_config(tmp_path))
     assert data.domains == ("a", "b", "c")
     assert data.client_domain.tolist() == [0, 0, 1, 1, 2, 2]
     sizes = [len(c.y_train) + len(c.y_test) for c in data.clients]
@@ -35,7 +22,7 @@ def test_domain_federation_layout(tmp_path, fake_domains):
 
 
 def test_domain_metrics_recorded(tmp_path, fake_domains):
-    cfg = _cfg(tmp_path)
+    cfg = fake_domains_config(tmp_path)
     recs = Simulation(cfg, fed.build_federated(cfg)).run()
     r = recs[-1]
     accs = [r[f"domain_acc/{d}"] for d in "abc"]
@@ -55,7 +42,7 @@ def test_domain_summary_matches_paper_std():
 
 def test_uneven_clients_and_mismatched_settings(tmp_path, fake_domains):
     with pytest.raises(PartitionError, match="split evenly"):
-        fed.build_federated(_cfg(tmp_path, clients=7))
+        fed.build_federated(fake_domains_config(tmp_path, clients=7))
     with pytest.raises(ConfigError, match="domain"):
         make_config(None, {"dataset": "digits_domains", "partition": "dir"})
     with pytest.raises(ConfigError, match="domain"):

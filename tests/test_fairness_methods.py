@@ -2,17 +2,15 @@
 
 Hand-checkable server steps (q = 0 is FedAvg, a zero AFL step is uniform averaging, FedFV without conflicts is
 FedAvg, FedFV's projections and q-FFL's step written out), the prototype aggregation and losses against written-out
-formulas, ``fedproto+heal`` with HEAL switched off equal to ``fedproto``, short runs that learn, and exact resume of
-the stateful ones."""
+formulas, and the loss before and after training. Whole runs: tests/test_fairness_runs.py."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import digits_simulation
+from conftest import digits_simulation, same_params, without_timing
 
-import fedskew.data.federated as fed
 from fedskew.catalog.fairness import (
     AflWeights,
     FedFVCombine,
@@ -36,11 +34,9 @@ from fedskew.catalog.prototypes import (
 from fedskew.client.local import LocalContext, TrainSettings, local_train, snapshot
 from fedskew.client.loss_before import LOSS_AFTER, LOSS_BEFORE, MOMENTUM, LossAfter, LossBefore, mean_loss
 from fedskew.config import ConfigError, make_config
-from fedskew.engine.checkpoint import capture, restore
-from fedskew.engine.loop import Simulation
 from fedskew.methods import resolve_method
 from fedskew.models import build_model
-from fedskew.protocol import TIMING_KEYS, ServerContext, Upload
+from fedskew.protocol import ServerContext, Upload
 from fedskew.server.api import Aggregation
 from fedskew.server.combine import WeightedMean
 from fedskew.server.uploads import stack_uploads
@@ -68,14 +64,6 @@ def _rin(glob, deltas, losses, cids=None, sizes=None, rnd=1, lr=0.1, buffers=Non
 
 def _ctx(n=3):
     return ServerContext(n, 2, {"w": torch.zeros(2, dtype=F64)}, frozenset({"w"}), np.full(n, 10), np.ones((n, 2)))
-
-
-def _records(recs):
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs]
-
-
-def _same_params(a, b, tol=0.0):
-    return set(a) == set(b) and all(float((a[k].double() - b[k].double()).abs().max()) <= tol for k in a)
 
 
 # ---- q-FFL ----------------------------------------------------------------------------------------------------------
@@ -217,7 +205,7 @@ def test_fedfv_without_conflicts_is_fedavg():
     for w in (torch.tensor([0.2, 0.5, 0.3], dtype=F64), torch.full((3,), 1 / 3, dtype=F64)):
         out, diag, _ = fv(rin, w, None, fv.init(_ctx()))
         ref, _, _ = WeightedMean()(rin, w, None, None)
-        assert _same_params(out, ref, tol=1e-12)
+        assert same_params(out, ref, tol=1e-12)
         assert diag["fedfv_coef"] == pytest.approx(w.tolist(), abs=1e-12) and diag["fedfv_external"] == 0
 
 
@@ -398,11 +386,11 @@ def test_fedproc_run_reads_its_rounds():
     assert default.settings.rounds == 2
     same = digits_simulation("fedproc", {"curriculum_rounds": 2}, rounds=2)
     longer = digits_simulation("fedproc", {"curriculum_rounds": 200}, rounds=2)  # the old default
-    r_default, r_same = _records(default.run()), _records(same.run())
+    r_default, r_same = without_timing(default.run()), without_timing(same.run())
     longer.run()
     assert r_default == r_same
-    assert _same_params(default.global_params, same.global_params)
-    assert not _same_params(default.global_params, longer.global_params, tol=1e-6)  # round 2: alpha 0 vs 0.995
+    assert same_params(default.global_params, same.global_params)
+    assert not same_params(default.global_params, longer.global_params, tol=1e-6)  # round 2: alpha 0 vs 0.995
 
 
 # ---- the loss before training ---------------------------------------------------------------------------------------
@@ -418,7 +406,7 @@ def test_loss_before_is_reported_and_changes_nothing_else():
     up = local_train(wrapped, _local_ctx(model2, lr=0.1), x, y, torch.Generator().manual_seed(1))
     assert up.metrics[LOSS_BEFORE] == pytest.approx(expected, rel=1e-6) and up.metrics["lr"] == 0.1
     assert up.metrics[MOMENTUM] == 0.0 and up.metrics["steps"] == 2 * 3  # q-FFL's auto Lipschitz estimate reads both
-    assert _same_params(up.params, plain.params) and _same_params(up.extras, plain.extras)
+    assert same_params(up.params, plain.params) and same_params(up.extras, plain.extras)
     assert type(wrapped.inner).__name__ == "FedProto" and wrapped.lam == 1.0  # the host's attributes show through
     assert isinstance(resolve_method("fedproto+afl+fedfv", {}).client, LossBefore)  # wrapped once for both
 
@@ -431,7 +419,7 @@ def test_loss_after_scores_the_trained_model_on_the_validation_split_and_changes
     ctx = _local_ctx(model2, lr=0.1)
     ctx.x_val, ctx.y_val = x_val, y_val
     up = local_train(LossAfter(FedProto()), ctx, x, y, torch.Generator().manual_seed(1))
-    assert _same_params(up.params, plain.params) and _same_params(up.extras, plain.extras)
+    assert same_params(up.params, plain.params) and same_params(up.extras, plain.extras)
     model2.load_state_dict(up.params)  # the uploaded (trained) model on the validation split
     assert up.metrics[LOSS_AFTER] == pytest.approx(mean_loss(model2, x_val, y_val), rel=1e-6)
     assert LOSS_BEFORE not in up.metrics
@@ -453,106 +441,3 @@ def test_afl_after_training_reads_the_loss_after_and_needs_validation_splits():
     records = sim.run()
     weights = records[-1]["diagnostics"]["weights"]
     assert len(weights) == 4 and sum(weights) == pytest.approx(1.0) and len(set(weights)) > 1
-
-
-# ---- whole runs -----------------------------------------------------------------------------------------------------
-def test_fedproto_with_heal_switched_off_equals_fedproto(one_thread):
-    # HEAL with FPHL disabled (tau < 0) and beta = 0 with data-size initial weights is sample-weighted FedAvg on the
-    # model; the prototypes are the client part's own server side either way
-    a = digits_simulation("fedproto", rounds=2)
-    b = digits_simulation("fedproto+heal", {"tau": -1.0, "beta": 0.0, "fael_init": "datasize"}, rounds=2)
-    ra, rb = a.run(), b.run()
-    assert _same_params(a.global_params, b.global_params, tol=1e-6)
-    assert torch.allclose(a.server_half_state.protos, b.server_half_state.protos, atol=1e-5)
-    assert rb[-1]["proto_acc"] == ra[-1]["proto_acc"] and ra[-1]["global_acc"] == rb[-1]["global_acc"]
-
-
-LEARNS = [
-    ("fedproto", {}),
-    ("fedproc", {}),  # the curriculum over the run's 4 rounds
-    ("fedavg+afl", {}),
-    ("fedprox+qffl", {}),  # q = 1 with L = 1/lr (-m lipschitz=lr) stays at 10% accuracy here; the auto L learns
-    ("fedavg+fedfv", {}),
-    ("moon+afl", {"projection": 0}),
-    ("scaffold+afl", {}),
-]
-
-
-@pytest.mark.parametrize("method, args", LEARNS, ids=[m for m, _ in LEARNS])
-def test_short_runs_learn(method, args, one_thread):
-    recs = digits_simulation(method, args, rounds=4).run()
-    accs = [r["global_acc"] for r in recs]
-    assert accs[-1] > 0.3 and accs[-1] > accs[0], accs
-    if method in ("fedproto", "fedproc"):
-        assert 0.3 < recs[-1]["proto_acc"] <= 1.0
-
-
-def test_prototype_views_per_domain(tmp_path, fake_domains, one_thread):
-    cfg = make_config(
-        None,
-        {
-            "dataset": "digits_domains",
-            "partition": "domain",
-            "clients": 6,
-            "domain_fraction": 0.1,
-            "rounds": 2,
-            "model": "mlp",
-            "db": None,
-            "method": "fedproc+heal",
-            "out": str(tmp_path / "r"),
-        },
-    )
-    r = Simulation(cfg, fed.build_federated(cfg)).run()[-1]
-    accs = [r[f"proto_domain_acc/{d}"] for d in "abc"]
-    assert r["proto_domain_acc_avg"] == pytest.approx(np.mean(accs))
-    assert r["proto_domain_acc_std"] == pytest.approx(np.std(accs, ddof=1))
-    assert r["proto_acc"] == pytest.approx(np.dot(accs, [50, 30, 40]) / 120)
-
-
-STATEFUL = [
-    ("fedavg+afl", {}),
-    ("scaffold+afl", {"restart": True}),
-    ("fedavg+fedfv", {"tau": 2}),
-    ("fedproc+qffl", {"curriculum_rounds": 4}),
-]
-
-
-@pytest.mark.parametrize("method, args", STATEFUL, ids=[m for m, _ in STATEFUL])
-def test_resume_continues_exactly(tmp_path, method, args, one_thread):
-    over = {"clients": 6, "join_ratio": 0.5}
-    whole = digits_simulation(method, args, rounds=4, **over)
-    expected = _records(whole.run())
-    first = digits_simulation(method, args, rounds=4, **over)
-    head = [first.round(r).record for r in (1, 2)]
-    torch.save(capture(first), tmp_path / "ck.pt")
-    resumed = digits_simulation(method, args, rounds=4, **over)
-    restore(resumed, torch.load(tmp_path / "ck.pt", weights_only=False))
-    tail = [resumed.round(r).record for r in (3, 4)]
-    assert _records(head + tail) == expected
-    if method.startswith("fedproc"):  # the prototype view shows through the loss-before wrapper
-        assert all("proto_acc" in r for r in expected)
-    assert _same_params(resumed.global_params, whole.global_params)
-
-
-def test_wrappers_forward_every_hook_by_construction_and_skip_unused_ones():
-    """A wrapper forwards each LocalAlgorithm hook (whatever hooks it gains later) to the part it wraps, and the
-    training loop sees through the forwarders: a hook the wrapped part does not use is never called."""
-    from fedskew.client.local import HOOKS, LocalAlgorithm, Wrapper, overrides
-
-    calls = []
-
-    class Recorder(LocalAlgorithm):
-        pass
-
-    for hook in HOOKS:
-        setattr(Recorder, hook, lambda self, *a, _h=hook, **k: calls.append(_h) or _h)
-
-    wrapped = Wrapper()
-    wrapped.inner = Recorder()
-    for hook in HOOKS:
-        assert getattr(wrapped, hook)(None) == hook and overrides(wrapped, hook)
-    assert calls == list(HOOKS)
-    plain = LossBefore(LocalAlgorithm())  # +afl, +qffl, +fedfv on FedAvg: no per-step hook calls at all
-    assert [h for h in ("loss", "after_backward", "after_step", "end") if overrides(plain, h)] == []
-    assert overrides(plain, "begin")  # its own work
-    assert overrides(LossAfter(LossBefore(FedProto())), "loss")  # through two wrappers to FedProto's loss

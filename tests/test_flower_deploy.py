@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_records
 
 from fedskew.cli import main
-from fedskew.protocol import TIMING_KEYS
 
 pytestmark = [
     pytest.mark.skipif(
@@ -49,11 +49,6 @@ def _app(tmp_path: Path, values: dict, *flags: str) -> Path:
     return tmp_path / "app"
 
 
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
-
-
 def _simulate(tmp_path: Path, values: dict) -> Path:
     out = tmp_path / "sim"
     args = ["run", "--config", str(tmp_path / "job.yaml"), "--out", str(out), "--no-db", "--quiet"]
@@ -66,7 +61,7 @@ def test_secure_node_local_deployment_writes_the_simulators_run(tmp_path):
     ServerApp whose configuration names no data directory and holds only a test file, TLS and SuperNode
     authentication on (no process runs --insecure): fedavg+disco for 2 rounds equals `fedskew run --dataset npz
     --partition given` on the same per-client files within 1e-6, and no process is left behind."""
-    from conftest import digits_nodes
+    from conftest import digits_nodes, run_records
 
     from fedskew.flower.loopback import Loopback
     from fedskew.flower.settings import NODE_DATA
@@ -114,7 +109,7 @@ def test_secure_node_local_deployment_writes_the_simulators_run(tmp_path):
 
     sim_values = {**values, "data_dir": str(given), "partition": "given"}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(sim_values))
-    flower, simulator = _records(run_dir), _records(_simulate(tmp_path, sim_values))
+    flower, simulator = run_records(run_dir), run_records(_simulate(tmp_path, sim_values))
     assert len(flower) == 2 and flower[1]["evaluated"] and not flower[0]["evaluated"]
     for a, b in zip(flower, simulator, strict=True):
         assert set(a) == set(b)
@@ -163,7 +158,7 @@ def test_a_supernode_killed_in_round_2_fails_its_round_and_the_run_completes(tmp
         assert not runner.is_alive() and "error" not in outcome, outcome.get("error")
     assert fed.leftovers() == []
 
-    recs = _records(run_dir)
+    recs = run_records(run_dir)
     assert [r["participants"] for r in recs] == [3, 2]
     # the server stops waiting for client 1 15 s after the first reply, or earlier if the SuperLink has already
     # declared the node gone (no heartbeat for 2 x 30 s, which a slow, loaded machine can reach first)
@@ -172,7 +167,7 @@ def test_a_supernode_killed_in_round_2_fails_its_round_and_the_run_completes(tmp
     assert failure["reason"] == "no reply within 15 s of the first one" or "Node Unavailable" in failure["reason"]
     assert [f["client"] for f in recs[1]["eval_failed"]] == [1]  # not asked again in the same round
     assert math.isfinite(recs[1]["global_acc"]) and recs[1]["global_local_acc"] > 0
-    assert recs[0] == _records(_simulate(tmp_path, BASE))[0]  # round 1, all three alive, is the simulator's
+    assert recs[0] == run_records(_simulate(tmp_path, BASE))[0]  # round 1, all three alive, is the simulator's
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(f["round"], f["phase"], f["client"]) for f in summary["flower"]["failures"]] == [
         (2, "train", 1),
@@ -284,7 +279,7 @@ def test_secagg_on_a_secure_loopback_gives_the_plain_runs_aggregate(tmp_path):
         out = fed.run_app(app, {"out": str(run_dir), "db": ""}, timeout=420)
         assert "round 1/1" in out
     assert fed.leftovers() == []
-    [secure], plain = _records(run_dir), _records(_simulate(tmp_path, values))
+    [secure], plain = run_records(run_dir), run_records(_simulate(tmp_path, values))
     assert secure["aggregation"] == "secagg+" and secure["participants"] == 3 and "failed" not in secure
     assert secure["train_loss"] == pytest.approx(plain[0]["train_loss"], abs=1e-6)  # trained before any sum
     # the aggregate, read through the global model's test loss: the plain one's within the quantization

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_records
 
 from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
-from fedskew.protocol import TIMING_KEYS
 
 needs_flwr = pytest.mark.skipif(
     importlib.util.find_spec("flwr") is None, reason='flwr is not installed (pip install -e ".[flower]")'
@@ -161,13 +160,6 @@ def test_fewer_than_two_clients_are_not_aggregated():
     assert out.sum is None and "at least 2 clients" in out.failed[0]
 
 
-def _records(run: Path) -> list[dict]:
-    return [
-        {k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
-        for line in (run / "metrics.jsonl").read_text().splitlines()
-    ]
-
-
 # FedDisco on sampled cohorts: the weights the server fixes before the round are Eq. 3 over the cohort, as the plain
 # run computes them over the participants
 @pytest.mark.parametrize(
@@ -178,9 +170,9 @@ def test_a_secure_run_gives_the_plain_runs_numbers_within_the_quantization(tmp_p
     from fedskew.flower.settings import FlowerSettings
 
     base = {"method": method, "clients": 5, "rounds": 3, "seed": 7, "threads": 1, **extra}
-    plain = _records(run_in_process(make_config(base, {"out": str(tmp_path / "plain"), "db": None})))
+    plain = run_records(run_in_process(make_config(base, {"out": str(tmp_path / "plain"), "db": None})))
     secure = FlowerSettings(secagg=True)
-    first = _records(run_in_process(make_config(base, {"out": str(tmp_path / "s1"), "db": None}), secure))
+    first = run_records(run_in_process(make_config(base, {"out": str(tmp_path / "s1"), "db": None}), secure))
     assert [r["aggregation"] for r in first] == ["secagg+"] * 3
     for p, s in zip(plain, first, strict=True):
         assert p["participants"] == s["participants"] == (3 if extra else 5)
@@ -188,7 +180,7 @@ def test_a_secure_run_gives_the_plain_runs_numbers_within_the_quantization(tmp_p
         assert s["train_loss"] == pytest.approx(p["train_loss"], abs=1e-4)
         assert s["global_acc"] == pytest.approx(p["global_acc"], abs=0.01)
     if method == "fedavg":  # Flower's stochastic rounding seeded per (seed, client, round): it repeats exactly
-        again = _records(run_in_process(make_config(base, {"out": str(tmp_path / "s2"), "db": None}), secure))
+        again = run_records(run_in_process(make_config(base, {"out": str(tmp_path / "s2"), "db": None}), secure))
         assert again == first
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_records
 
 from fedskew.cli import main
-from fedskew.protocol import TIMING_KEYS
 
 pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (conftest, pyproject)
 
@@ -31,11 +31,6 @@ def _app(tmp_path: Path, *flags: str) -> Path:
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(BASE))
     assert main(["flower", "new", "--config", str(tmp_path / "job.yaml"), str(tmp_path / "app"), *flags]) == 0
     return tmp_path / "app"
-
-
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def test_connection_block_and_its_checks():
@@ -78,7 +73,7 @@ def test_simulation_engine_run_equals_fedskew_run(tmp_path):
     assert fed.leftovers() == []  # the local SuperLink, its simulation process and Ray's workers are stopped
     args = ["run", "--config", str(tmp_path / "job.yaml"), "--out", str(sim_dir), "--no-db", "--quiet"]
     assert main(args) == 0
-    got, want = _records(flower_dir), _records(sim_dir)
+    got, want = run_records(flower_dir), run_records(sim_dir)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want, strict=True):
         assert set(g) == set(w)

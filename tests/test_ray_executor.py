@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_records
 
 from fedskew.cli import main
 from fedskew.config import ConfigError, make_config
@@ -191,11 +192,6 @@ def ray_env(cluster, monkeypatch):
     return cluster
 
 
-def _records(path: Path) -> list[dict]:
-    lines = path.read_text().splitlines()
-    return [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS} for ln in lines]
-
-
 def _db(path: Path, root: Path) -> dict[str, dict]:
     """The database rows of each run (by folder name) without the run id, its timing and the root folder."""
     conn = sqlite3.connect(path)
@@ -242,7 +238,7 @@ def test_a_sweep_on_a_two_node_cluster_equals_a_local_one(ray_env, tmp_path, cap
     for name in names:
         a, b = on_ray / name, local / name
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())  # no checkpoint, no lock
-        assert _records(a / "metrics.jsonl") == _records(b / "metrics.jsonl")
+        assert run_records(a) == run_records(b)
         for same in ("clients.json", "client_metrics.jsonl"):
             assert (a / same).read_bytes() == (b / same).read_bytes()
         assert (a / "config.yaml").read_text().replace(str(on_ray), str(local)) == (b / "config.yaml").read_text()
@@ -319,7 +315,7 @@ def test_a_killed_worker_node_resumes_its_run_from_the_travelled_checkpoint(ray_
 
     cfg = make_config({**TINY, "checkpoint_every": 1, "rounds": long_rounds, "out": str(tmp_path / "ref"), "db": None})
     run_experiment(cfg)
-    assert _records(long_dir / "metrics.jsonl") == _records(tmp_path / "ref" / "metrics.jsonl")
+    assert run_records(long_dir) == run_records(tmp_path / "ref")
     with sqlite3.connect(tmp_path / "sw" / "fedskew.db") as conn:
         assert conn.execute("SELECT COUNT(*) FROM runs").fetchone() == (2,)
     assert not list(Path(ray_env.env["TMPDIR"]).glob("fedskew-ray-*/*/summary.json"))  # the tasks cleaned up

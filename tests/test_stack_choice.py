@@ -5,8 +5,8 @@ behind, and runs too short to be worth a probe."""
 import json
 
 import pytest
+from conftest import run_records
 
-from fedskew.protocol import TIMING_KEYS
 from fedskew.sweep.stack_choice import MIN_ROUNDS, StackChoice, choose_stacking, prefer_stacked, probe_group
 from fedskew.sweep.task import Task, TaskGroup
 
@@ -68,11 +68,6 @@ def test_a_real_probe_times_both_and_leaves_nothing(tmp_path, monkeypatch, jobs)
     assert left == []  # no probe folder, no database, nothing at the runs' own folders
 
 
-def _records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
-
-
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "apart"])
 def test_the_sweep_follows_the_choice(tmp_path, monkeypatch, capsys, stacked):
     import fedskew.sweep.stack_choice as stack_choice
@@ -102,7 +97,7 @@ def test_the_sweep_follows_the_choice(tmp_path, monkeypatch, capsys, stacked):
             values["seed"] = int(next(line.split(":")[1] for line in c.read_text().splitlines()
                                       if line.startswith("seed:")))  # fmt: skip
             run_experiment(make_config(None, values))
-            assert _records(tmp_path / "plain" / c.parent.name) == _records(c.parent)
+            assert run_records(tmp_path / "plain" / c.parent.name) == run_records(c.parent)
 
 
 def test_a_probe_interrupted_stops_the_sweep_before_anything_runs(tmp_path, monkeypatch):

@@ -2,21 +2,14 @@
 trained together give each run's ``--batched-clients`` records, to float32 rounding; their clients did meet in
 one batched step; runs whose server sends a broadcast train apart at the rendezvous; other experiments are refused."""
 
-import json
-
 import pytest
+from conftest import run_records
 
 from fedskew.config import make_config
 from fedskew.engine.stacked_runs import Rendezvous, run_stacked
-from fedskew.protocol import TIMING_KEYS
 from fedskew.runner import run_experiment
 
 BASE = {"clients": 5, "rounds": 3, "join_ratio": 0.6, "skew_probes": 0, "db": None, "threads": 1}
-
-
-def _records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def _close(a, b, path=""):
@@ -41,7 +34,7 @@ def _close(a, b, path=""):
     [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedala", {"layer_idx": 2}), ("scaffold", {}), ("fedproto", {})],
     ids=["fedavg", "fedprox", "fedala", "scaffold-broadcast", "fedproto-broadcast-term"],
 )
-def test_stacked_seeds_give_each_runs_batched_records(tmp_path, monkeypatch, method, args):
+def test_stacked_seeds_give_each_runs_batchedrun_records(tmp_path, monkeypatch, method, args):
     import fedskew.engine.stacked_runs as stacked_runs
 
     meetings, steps = [], []
@@ -66,7 +59,7 @@ def test_stacked_seeds_give_each_runs_batched_records(tmp_path, monkeypatch, met
     for s in seeds:
         alone = {**values, "seed": s, "batched_clients": True, "out": str(tmp_path / f"alone{s}")}
         run_experiment(make_config(None, alone))
-        _close(_records(tmp_path / f"alone{s}"), _records(tmp_path / f"stacked{s}"))
+        _close(run_records(tmp_path / f"alone{s}"), run_records(tmp_path / f"stacked{s}"))
         assert "batched_clients: true" in (tmp_path / f"stacked{s}" / "config.yaml").read_text()  # recorded as batched
     # every round met with the three runs' clients at once, in one batched step, SCAFFOLD's too (its shift reads
     # each client's own run's c); FedProto's term reads the round's prototypes once: from round 2 on, a step per run
@@ -89,7 +82,7 @@ def test_a_run_that_ends_leaves_the_others_training(tmp_path):
     assert [o.summary["rounds"] for o in outcomes] == [1, 3]
     alone = make_config(None, {**BASE, "seed": 1, "batched_clients": True, "out": str(tmp_path / "alone")})
     run_experiment(alone)
-    _close(_records(tmp_path / "alone"), _records(tmp_path / "long"))
+    _close(run_records(tmp_path / "alone"), run_records(tmp_path / "long"))
 
 
 def test_an_error_in_the_stacked_step_reaches_every_waiting_run():
@@ -103,7 +96,7 @@ def test_an_error_in_the_stacked_step_reaches_every_waiting_run():
 
 
 def _metrics_by_name(root):
-    return {d.name: _records(d) for d in sorted(root.iterdir()) if (d / "metrics.jsonl").is_file()}
+    return {d.name: run_records(d) for d in sorted(root.iterdir()) if (d / "metrics.jsonl").is_file()}
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -132,7 +125,7 @@ def test_a_sweep_stacks_each_experiments_seeds(tmp_path, jobs):
     assert [r.status for r in again.results] == ["skipped"] * 6  # idempotent, as any sweep
 
 
-def test_interrupted_stacked_runs_checkpoint_and_resume_to_the_same_records(tmp_path, monkeypatch):
+def test_interrupted_stacked_runs_checkpoint_and_resume_to_the_samerun_records(tmp_path, monkeypatch):
     import signal
     import threading
 
@@ -162,7 +155,7 @@ def test_interrupted_stacked_runs_checkpoint_and_resume_to_the_same_records(tmp_
     for s in (0, 1):
         whole = {**values, "seed": s, "batched_clients": True, "out": str(tmp_path / f"whole{s}")}
         run_experiment(make_config(None, whole))
-        _close(_records(tmp_path / f"whole{s}"), _records(tmp_path / f"s{s}"))
+        _close(run_records(tmp_path / f"whole{s}"), run_records(tmp_path / f"s{s}"))
 
 
 def test_the_flag_on_sweep_and_reproduce_and_its_refusal_with_ray(tmp_path, capsys):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_records
 
 from fedskew.cli import main
 from fedskew.config import ConfigError
-from fedskew.protocol import TIMING_KEYS
 from fedskew.results.store import ResultsDB
 from fedskew.runner import RunInterrupted, run_experiment
 from fedskew.sweep.core import SweepSpec, dump_spec, expand, load_spec, run_state, run_sweep
@@ -25,11 +25,6 @@ def _spec(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(textwrap.dedent(text))
     return path
-
-
-def _records(run_dir: str | Path) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(ln).items() if k not in TIMING_KEYS} for ln in lines]
 
 
 # ---- expansion --------------------------------------------------------------------------------------------------
@@ -136,7 +131,7 @@ def test_finished_runs_are_skipped_and_an_interrupted_one_resumes_exactly(tmp_pa
     assert [ev[2] for ev in events if ev[0] == "round" and ev[1] == b.name] == [3]
     # the resumed run equals an uninterrupted one, round for round
     fresh = run_experiment(b.cfg.model_copy(update={"out": str(tmp_path / "fresh"), "db": None}))
-    assert _records(b.cfg.out) == _records(fresh.run_dir)
+    assert run_records(b.cfg.out) == run_records(fresh.run_dir)
 
     second = run_sweep(runs)  # everything is done: nothing runs again
     assert [r.status for r in second.results] == ["skipped", "skipped"]
