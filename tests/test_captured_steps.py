@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import digits_simulation
+from conftest import digits_simulation, run_records
 from test_batched_clients import _close, _same_states, _same_updates, _side_by_side
 
 from fedskew.client.batched_form import BatchedStep
@@ -142,7 +142,7 @@ def test_replay_runs_the_step_eagerly_off_a_cuda_device():
 def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch):
     """``capture_steps`` end to end: a run and one experiment's seeds stacked (both through the padded steps) give the
     bucketed batched run's records; it needs ``batched_clients``; a BatchNorm model falls back with a warning."""
-    from test_stacked_runs import BASE, _close, _records
+    from test_stacked_runs import BASE, _close
 
     import fedskew.engine.stacked_runs as stacked_runs
     from fedskew.config import make_config
@@ -161,12 +161,12 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
     values = {**BASE, "method": "fedprox", "method_args": {"mu": 0.1}, "batched_clients": True}
     run_experiment(make_config(None, {**values, "seed": 0, "out": str(tmp_path / "buckets")}))
     run_experiment(make_config(None, {**values, "seed": 0, "capture_steps": True, "out": str(tmp_path / "one")}))
-    _close(_records(tmp_path / "buckets"), _records(tmp_path / "one"))
+    _close(run_records(tmp_path / "buckets"), run_records(tmp_path / "one"))
     cfgs = [
         make_config(None, {**values, "seed": s, "capture_steps": True, "out": str(tmp_path / f"s{s}")}) for s in (0, 1)
     ]
     assert all(not isinstance(o, BaseException) for o in run_stacked(cfgs))
-    _close(_records(tmp_path / "buckets"), _records(tmp_path / "s0"))
+    _close(run_records(tmp_path / "buckets"), run_records(tmp_path / "s0"))
     # the stacked seeds' steps were padded too, every meeting with the rendezvous's one cache (its graphs replayed)
     assert len(seen) == BASE["rounds"] and all(isinstance(c, PaddedCache) for c in seen)
     assert len({id(c) for c in seen}) == 1 and len(seen[0].steps) >= 1
