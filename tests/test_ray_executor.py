@@ -290,7 +290,16 @@ def test_a_killed_worker_node_resumes_its_run_from_the_travelled_checkpoint(ray_
                 status = json.loads((long_dir / "status.json").read_text())
             return (status.get("checkpoint_round") or 0) >= 4
 
+        def short_run_ended() -> bool:  # its task cleaned up, so killing the node cannot catch it half-way out
+            dirs = list((tmp_path / "sw").glob("*rounds3-*"))
+            with contextlib.suppress(OSError, ValueError):
+                ended = bool(dirs) and json.loads((dirs[0] / "status.json").read_text())["status"] == "finished"
+                return ended and not list(Path(ray_env.env["TMPDIR"]).glob("fedskew-ray-*/*rounds3-*"))
+            return False
+
         _wait("the long run's 4th checkpoint on the driver's side", checkpointed, 120, driver, err)
+        _wait("the short run to end and its task to clean up", short_run_ended, 60, driver, err)
+        assert json.loads((long_dir / "status.json").read_text())["status"] == "running"  # when its node dies
         assert (long_dir / "checkpoint.pt").is_file() and (long_dir / ".lock").is_file()  # the driver holds it
         ray_env.kill(ray_env.worker)  # the worker node dies mid-run
         _wait("the driver to submit the run again", lambda: "submitted again" in err.read_text(), 60, driver, err)
