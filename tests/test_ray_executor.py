@@ -271,7 +271,7 @@ def test_a_killed_worker_node_resumes_its_run_from_the_travelled_checkpoint(ray_
         out: {tmp_path / "sw"}
         """)
     )
-    err = tmp_path / "driver.err"
+    err, task_root = tmp_path / "driver.err", Path(ray_env.env["TMPDIR"])  # task_root: where the tasks' folders go
     cmd = [sys.executable, "-c", "import sys; from fedskew.cli import main; sys.exit(main(sys.argv[1:]))", "sweep"]
     cmd += [str(spec), "--executor", "ray", "--address", ray_env.address, "--quiet"]
     with err.open("w") as f_err:
@@ -294,7 +294,7 @@ def test_a_killed_worker_node_resumes_its_run_from_the_travelled_checkpoint(ray_
             dirs = list((tmp_path / "sw").glob("*rounds3-*"))
             with contextlib.suppress(OSError, ValueError):
                 ended = bool(dirs) and json.loads((dirs[0] / "status.json").read_text())["status"] == "finished"
-                return ended and not list(Path(ray_env.env["TMPDIR"]).glob("fedskew-ray-*/*rounds3-*"))
+                return ended and not list(task_root.glob("fedskew-ray-*/*rounds3-*"))
             return False
 
         _wait("the long run's 4th checkpoint on the driver's side", checkpointed, 120, driver, err)
@@ -327,4 +327,4 @@ def test_a_killed_worker_node_resumes_its_run_from_the_travelled_checkpoint(ray_
     assert run_records(long_dir) == run_records(tmp_path / "ref")
     with sqlite3.connect(tmp_path / "sw" / "fedskew.db") as conn:
         assert conn.execute("SELECT COUNT(*) FROM runs").fetchone() == (2,)
-    assert not list(Path(ray_env.env["TMPDIR"]).glob("fedskew-ray-*/*/summary.json"))  # the tasks cleaned up
+    assert not list(task_root.glob("fedskew-ray-*/*/summary.json"))  # the tasks cleaned up
