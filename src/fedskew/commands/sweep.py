@@ -65,7 +65,12 @@ def add_parsers(sub: Any) -> None:
     rp.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     rp.add_argument("--seeds", default=None, help="comma-separated seeds (default: the scale's)")
     rp.add_argument(
-        "--rows", default=None, help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco)"
+        "--rows",
+        default=None,
+        help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco); a method's name selects "
+        "every row of that method, its controls and variants too (fedavg: fedavg_uniform as well); to run one such "
+        "row alone, run `fedskew sweep` on a copy of the OUT/sweep.yaml a reproduce run wrote, its methods cut to "
+        "that row (the run ids are the same, so the table counts those runs)",
     )
     rp.add_argument(
         "--settings",
