@@ -410,3 +410,24 @@ def test_cost_benchmark_counts_the_simple_cnns_work_and_runs() -> None:
         timeout=300,
     ).stdout
     assert "a run at the published settings" in out and "of the" in out and "matmul rate" in out
+
+
+def test_rows_selector_names_a_row_alone_or_every_row_of_a_method() -> None:
+    """`--rows fedprox` is both FedProx rows (mu 0.01 and mu 0.001); `=fedprox` is the mu 0.01 row alone, and an
+    `=ID` that names no row is an error naming the selector and the rows there are."""
+    from fedskew.config import ConfigError
+    from fedskew.reproduce import load_paper, make_plan
+
+    paper = load_paper("niid-bench")
+
+    def ids(selectors: list[str]) -> list[str]:
+        return [r.id for r in make_plan(paper, "smoke", rows=selectors, settings=["mnist_iid"]).rows]
+
+    assert ids(["fedprox"]) == ["fedprox", "fedprox_mu0001"]
+    assert ids(["=fedprox"]) == ["fedprox"]
+    assert ids(["=fedprox_mu0001", "fedavg"]) == ["fedavg", "fedprox_mu0001"]  # table order, not selector order
+    assert ids([" =FedProx "]) == ["fedprox"]  # as typed on a command line
+    with pytest.raises(ConfigError, match=r"no row '=fedprox_mu'; rows: fedavg, fedprox, fedprox_mu0001.*=ID"):
+        make_plan(paper, "smoke", rows=["=fedprox_mu"])
+    with pytest.raises(ConfigError, match="no row '='"):
+        make_plan(paper, "smoke", rows=["="])

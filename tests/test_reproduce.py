@@ -5,7 +5,6 @@ import dataclasses
 import json
 
 import pytest
-import yaml
 from conftest import SHARED_DATA, _fake_domain
 
 from fedskew.cli import main
@@ -261,12 +260,15 @@ def test_smoke_table_carries_paired_intervals(tmp_path, capsys):
     assert "| detectable Δ (α=0.05, power 0.8) |" in md and "paired t below 10 common seeds" in md
     assert re.search(r"change over the host: FedAvg\+Disco [+-]\d+\.\d\d \[[+-]\d+\.\d\d, [+-]\d+\.\d\d\]\*? ", md)
     assert len(list((out / "figures").glob("paired-*.png"))) == 2  # one per setting, with the interval bars
-    # one row of a method alone (--rows names every row of the method): the sweep.yaml written, its methods cut to
-    # that row, plans exactly the runs the table counted for it, every one already finished
-    spec = yaml.safe_load((out / "sweep.yaml").read_text())
-    spec["methods"] = [m for m in spec["methods"] if m.get("label") == "FedAvg"]
-    cut = tmp_path / "fedavg-only.yaml"
-    cut.write_text(yaml.safe_dump(spec))
-    assert main(["sweep", str(cut), "--dry-run"]) == 0
-    planned = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    # one row of a method alone (--rows fedavg names every row of the method): =fedavg plans that row only, exactly
+    # the runs the table counted for it, every one already finished (run ids do not depend on the selection)
+    argv_one = ["reproduce", "feddisco", "--scale", "smoke", "--rows", "=fedavg", "--seeds", "0,1", "--out", str(out)]
+    assert main([*argv_one, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "methods: FedAvg\n" in captured.err
+    planned = [line.split() for line in captured.out.splitlines() if line.startswith("  ")]
     assert len(planned) == 2 * len(table["columns"]) and all(p[0] == "skip" and p[-1] == "(finished)" for p in planned)
+    names = {p[1] for p in planned}
+    assert main([*argv_one[:5], "fedavg", *argv_one[6:], "--dry-run"]) == 0  # the method: its control's runs too
+    every = {line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert names < every and len(every) == 2 * len(names)

@@ -68,9 +68,9 @@ def add_parsers(sub: Any) -> None:
         "--rows",
         default=None,
         help="only these rows, comma-separated (ids or methods, e.g. fedavg,fedavg+disco); a method's name selects "
-        "every row of that method, its controls and variants too (fedavg: fedavg_uniform as well); to run one such "
-        "row alone, run `fedskew sweep` on a copy of the OUT/sweep.yaml a reproduce run wrote, its methods cut to "
-        "that row (the run ids are the same, so the table counts those runs)",
+        "every row of that method, its controls and variants too (fedavg: fedavg_uniform as well); =ID selects that "
+        "row alone (niid-bench: =fedprox is FedProx mu 0.01 without the mu 0.001 row); the run ids do not depend on "
+        "the selection, so a later full run reuses these runs",
     )
     rp.add_argument(
         "--settings",

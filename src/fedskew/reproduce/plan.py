@@ -140,6 +140,14 @@ def method_status(row: Row) -> str | None:
     return None
 
 
+def _selects(selector: str, row: Row) -> bool:
+    """``--rows`` selector: ``=ID`` is that row alone; a bare word is a row id or a method, and a method selects
+    every row of it (its controls and variants too, e.g. ``fedavg`` keeps ``fedavg_uniform``)."""
+    if selector.startswith("="):
+        return row.id == selector[1:]
+    return selector in (row.id, row.method)
+
+
 def _referenced(paper: Paper) -> list[str]:
     """The paper settings its tables' columns use, in table order."""
     return list(dict.fromkeys(c.setting for t in paper.tables for c in t.column_list()))
@@ -158,7 +166,8 @@ def make_plan(
     settings: list[str] | None = None,
 ) -> Plan:
     """The runs of ``paper``'s tables at ``scale`` that can run here; everything else listed with the reason.
-    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``); ``settings``:
+    ``rows``: only these rows (ids such as ``fedavg_disco``, or methods such as ``fedavg+disco``, a method naming
+    each of its rows; ``=ID`` names that row alone, e.g. ``=fedprox`` without ``fedprox_mu0001``); ``settings``:
     only these settings (the paper's setting ids, e.g. ``mnist_c1``; a stand-in runs for the setting it stands for)."""
     sc = paper.scales[scale]  # type: ignore[index]
     base: dict[str, Any] = {**paper.common, **sc.config}
@@ -173,12 +182,13 @@ def make_plan(
     ]
     if rows:
         wanted = [w.strip().lower() for w in rows if w.strip()]
-        unknown = [w for w in wanted if not any(w in (r.id, r.method) for r in rows_used)]
+        unknown = [w for w in wanted if not any(_selects(w, r) for r in rows_used)]
         if unknown:
             raise ConfigError(
                 f"{paper.paper} has no row {', '.join(map(repr, unknown))}; rows: {', '.join(r.id for r in rows_used)}"
+                " (a method selects each of its rows; =ID selects that row alone)"
             )
-        rows_used = [r for r in rows_used if r.id in wanted or r.method in wanted]
+        rows_used = [r for r in rows_used if any(_selects(w, r) for w in wanted)]
     chosen, missing_rows = [], []
     for r in rows_used:
         why = method_status(r)
