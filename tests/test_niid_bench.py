@@ -431,3 +431,80 @@ def test_rows_selector_names_a_row_alone_or_every_row_of_a_method() -> None:
         make_plan(paper, "smoke", rows=["=fedprox_mu"])
     with pytest.raises(ConfigError, match="no row '='"):
         make_plan(paper, "smoke", rows=["="])
+
+
+def port_flower_label_quantity(y: np.ndarray, n_clients: int, k: int, seed: int) -> list[np.ndarray]:
+    """Flower's niid_bench ``partition_data_label_quantity`` (baselines/niid_bench/niid_bench/dataset_preparation.py):
+    NIID-Bench's #C=k drawn with ``prng = np.random.default_rng(seed)`` (42 in every one of Flower's runs), its extra
+    classes by ``prng.choice(K, 1)[0]``, each class's indices shuffled in place by the same generator."""
+    prng = np.random.default_rng(seed)
+    K = len(set(y.tolist()))
+    times, contains = [0] * K, []
+    for i in range(n_clients):
+        current = [i % K]
+        times[i % K] += 1
+        while len(current) < k:
+            index = prng.choice(K, 1)[0]
+            if index not in current:
+                current.append(index)
+                times[index] += 1
+        contains.append(current)
+    idx_clients: list[list[int]] = [[] for _ in range(n_clients)]
+    for c in range(K):
+        idx_k = np.where(y == c)[0]
+        prng.shuffle(idx_k)
+        pieces = np.array_split(idx_k, times[c])
+        for ids, j in enumerate(j for j in range(n_clients) if c in contains[j]):
+            idx_clients[j] += pieces[ids].tolist()
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in idx_clients]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_raw_partition_rng_at_data_seed_42_is_flowers_partition(k: int) -> None:
+    """--partition-rng raw: the partition's generator is default_rng(federation seed) itself, so NIID-Bench's #C=k at
+    data seed 42 is Flower's niid_bench partition, client for client (all three of its runs train that one); the
+    default (derived) stays the partition's own stream of the seed, and a run's identity names raw only."""
+    from fedskew.config import ConfigError
+    from fedskew.data.niid_bench import niid_bench_parts
+    from fedskew.seeding import Purpose, numpy_rng, partition_generator
+
+    y = _labels(seed=11, n=2000)
+    raw = _cfg(partition="pat", classes_per_client=k, seed=3, data_seed=42, partition_rng="raw")
+    ours = niid_bench_parts(raw.data_settings(), y)
+    flower = port_flower_label_quantity(y, 10, k, 42)
+    assert [len(p) for p in ours] == [len(p) for p in flower]
+    for mine, theirs in zip(ours, flower, strict=True):
+        np.testing.assert_array_equal(np.sort(mine), theirs)
+    derived = _cfg(partition="pat", classes_per_client=k, data_seed=42)
+    assert derived.partition_rng == "derived"
+    again = make_partition("pat", y, 10, numpy_rng(42, Purpose.PARTITION), classes_per_client=k, scheme="niid-bench")
+    assert all(np.array_equal(a, b) for a, b in zip(niid_bench_parts(derived.data_settings(), y), again, strict=True))
+    assert any(not np.array_equal(np.sort(a), b) for a, b in zip(again, flower, strict=True))  # a different draw
+    assert "partition_rng" not in derived.identity() and raw.identity()["partition_rng"] == "raw"
+    assert partition_generator(42, "raw").integers(1 << 30) == np.random.default_rng(42).integers(1 << 30)
+    with pytest.raises(ValueError, match="partition_rng must be 'derived' or 'raw', got 'flower'"):
+        partition_generator(42, "flower")
+    with pytest.raises(ConfigError, match="partition_rng"):
+        _cfg(partition_rng="flower")
+
+
+def test_flowers_fmnist_partition_from_the_official_files(shared_data) -> None:
+    """Flower's FMNIST #C=2 clients (sizes 4,000 to 9,000, client 0 with classes 0 and 7) from the official files."""
+    root = shared_data("fashion-mnist")
+    cfg = make_config(
+        {
+            "protocol": "niid-bench",
+            "dataset": "fmnist",
+            "data_dir": str(root.parent),
+            "partition": "pat",
+            "classes_per_client": 2,
+            "data_seed": 42,
+            "partition_rng": "raw",
+            "model": "lenet",
+            "db": None,
+        }
+    )
+    data = build_federated(cfg)
+    sizes = [len(c.y_train) for c in data.clients]
+    assert sizes == [4000, 9000, 5000, 8000, 5000, 5000, 6000, 4000, 6000, 8000]
+    assert sorted(torch.unique(data.clients[0].y_train).tolist()) == [0, 7]

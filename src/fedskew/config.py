@@ -242,6 +242,13 @@ class RunConfig(StrictSettings):
         "them alone: fixed while seed varies, every run trains the same clients' data and differs in init, "
         "sampling and shuffling (default: seed)",
     )
+    partition_rng: Literal["derived", "raw"] = Field(
+        "derived",
+        description="the partition's random generator: derived (a stream of the federation seed for the partition "
+        "alone, fedskew's) or raw (numpy.random.default_rng(federation seed) itself, as a benchmark's own script "
+        "seeds its partitioner: Flower's niid_bench draws every run's partition from default_rng(42), so "
+        "--data-seed 42 --partition-rng raw under protocol niid-bench is that partition, client for client)",
+    )
     device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     threads: int = Field(
         1, ge=0, description="torch CPU threads (0: torch's default); 1 is fastest for small-batch FL simulation"

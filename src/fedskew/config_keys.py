@@ -64,6 +64,7 @@ ADDED_AT_DEFAULT: dict[str, Any] = {
     "heldout_clients": 0,
     "validation_select": False,
     "data_seed": None,
+    "partition_rng": "derived",
     "precision": "float32",
 }
 
@@ -80,6 +81,7 @@ SETTING_KEYS = (
     "classes_per_client",
     "uniform_clients",
     "pat_scheme",
+    "partition_rng",
     "min_size",
     "samples_per_client",
     "test_samples_per_client",

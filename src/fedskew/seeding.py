@@ -43,6 +43,18 @@ def numpy_rng(seed: int, purpose: Purpose, *keys: int) -> np.random.Generator:
     return np.random.default_rng(seed_sequence(seed, purpose, *keys))
 
 
+def partition_generator(seed: int, rule: str = "derived") -> np.random.Generator:
+    """The partition's generator: ``derived``, the partition's own stream of ``seed`` (as every purpose); ``raw``,
+    ``numpy.random.default_rng(seed)`` itself, as a benchmark's script seeds its partitioner, so that the same
+    partitioning rule draws that benchmark's partition (Flower's niid_bench: ``default_rng(42)``). The partition's
+    secondary streams (e.g. protocol fedcac's test draw) stay derived either way."""
+    if rule == "raw":
+        return np.random.default_rng(int(seed))
+    if rule != "derived":
+        raise ValueError(f"partition_rng must be 'derived' or 'raw', got {rule!r}")
+    return numpy_rng(seed, Purpose.PARTITION)
+
+
 def torch_seed(seed: int, purpose: Purpose, *keys: int) -> int:
     """A 63-bit integer seed for a torch generator."""
     return int(seed_sequence(seed, purpose, *keys).generate_state(2, np.uint64)[0] >> np.uint64(1))

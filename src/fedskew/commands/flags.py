@@ -79,6 +79,7 @@ FLAG_KEYS = (
     "checkpoint_every",
     "seed",
     "data_seed",
+    "partition_rng",
     "device",
     "threads",
     "workers",

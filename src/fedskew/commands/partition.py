@@ -42,6 +42,7 @@ def add_parsers(sub: Any) -> None:
         "--resize",
         "--seed",
         "--data-seed",
+        "--partition-rng",
     ):
         _, typ, help_ = RUN_FLAGS[flag]
         pa.add_argument(flag, type=typ, default=None, help=help_)
@@ -80,6 +81,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     cfg = make_config({**file_values, "db": None}, overrides)
     data = build_federated(cfg)
     seed = f"seed {cfg.seed}" if cfg.data_seed is None else f"data seed {cfg.data_seed}"
+    seed += " (raw generator)" if cfg.partition_rng == "raw" else ""
     print(f"{cfg.dataset}, partition {cfg.partition}, {seed} (global test set: {len(data.y_test)} samples)")
     print(label_table(data.train_hists, data.test_hists))
     if args.plot:

@@ -29,7 +29,7 @@ from fedskew.data.readers.base import check_task
 from fedskew.data.readers.domains import domain_suite
 from fedskew.data.settings import DataSettings, HasDataSettings, data_settings
 from fedskew.schema import ConfigError
-from fedskew.seeding import Purpose, numpy_rng
+from fedskew.seeding import Purpose, numpy_rng, partition_generator
 
 
 def build_domain_federated(cfg: DataSettings) -> FederatedData:
@@ -57,7 +57,9 @@ def build_domain_federated(cfg: DataSettings) -> FederatedData:
     per = cfg.clients // d
     sizes = [len(domains[n].y_train) for n in names]
     labels = [domains[n].y_train for n in names] if suite.every_class else None
-    parts = domain_skew(sizes, [per] * d, cfg.domain_fraction, numpy_rng(cfg.seed, Purpose.PARTITION), labels=labels)
+    parts = domain_skew(
+        sizes, [per] * d, cfg.domain_fraction, partition_generator(cfg.seed, cfg.partition_rng), labels=labels
+    )
     offsets = np.cumsum([0, *sizes])
     pooled = [offsets[dom] + idx for dom, idx in parts]
     train_parts, test_parts = train_test_split_clients(pooled, cfg.train_ratio, numpy_rng(cfg.seed, Purpose.SPLIT, 1))

@@ -33,7 +33,7 @@ from fedskew.data.partition import PartitionError, label_histograms, make_partit
 from fedskew.data.pools import ClientData, FederatedData, input_shape, is_tokens, train_and_test_pools
 from fedskew.data.readers import ImageDataset
 from fedskew.data.settings import DataSettings
-from fedskew.seeding import Purpose, numpy_rng
+from fedskew.seeding import Purpose, numpy_rng, partition_generator
 
 PARTITIONS = ("iid", "dir", "pat", "quantity")  # homo, noniid-labeldir, noniid-#labelk, iid-diff-quantity
 
@@ -47,7 +47,7 @@ def noise_levels(sigma: float, num_clients: int) -> np.ndarray:
 
 def niid_bench_parts(cfg: DataSettings, y: np.ndarray) -> list[np.ndarray]:
     """The clients' training indices into ``y`` by NIID-Bench's rules (module docstring)."""
-    rng = numpy_rng(cfg.seed, Purpose.PARTITION)
+    rng = partition_generator(cfg.seed, cfg.partition_rng)
     if cfg.partition == "iid":
         return make_partition("iid", y, cfg.clients, rng)
     if cfg.partition == "dir":

@@ -33,7 +33,7 @@ from fedskew.data.partition.registry import BUILTIN
 from fedskew.data.pools import FederatedData, Pool, assemble, split_holdout, train_and_test_pools
 from fedskew.data.readers import ImageDataset
 from fedskew.data.settings import DataSettings
-from fedskew.seeding import Purpose, numpy_rng
+from fedskew.seeding import Purpose, numpy_rng, partition_generator
 
 Builder = Callable[[DataSettings, ImageDataset], FederatedData]
 
@@ -110,7 +110,11 @@ def build_fedskew(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
         train_parts, test_parts = dirfixed_local_split(cfg, pool.y)
     else:
         parts = make_partition(
-            cfg.partition, pool.y, cfg.clients, numpy_rng(cfg.seed, Purpose.PARTITION), **partition_params(cfg)
+            cfg.partition,
+            pool.y,
+            cfg.clients,
+            partition_generator(cfg.seed, cfg.partition_rng),
+            **partition_params(cfg),
         )
         split_rng = numpy_rng(cfg.seed, Purpose.SPLIT, 1)
         train_parts, test_parts = train_test_split_clients(parts, cfg.train_ratio, split_rng)
@@ -153,7 +157,7 @@ def build_pfllib(cfg: DataSettings, ds: ImageDataset) -> FederatedData:
     else:
         x_pool, y_pool = ds.x_train, ds.y_train
     pool = Pool(x_pool, y_pool, np.arange(len(y_pool), dtype=np.int64))  # the merged pool is the source order
-    rng = numpy_rng(cfg.seed, Purpose.PARTITION)
+    rng = partition_generator(cfg.seed, cfg.partition_rng)
     least = pfllib_least_samples(len(y_pool), cfg.clients, cfg.batch_size, cfg.train_ratio)
     if cfg.partition in ("pat", "iid"):
         k = cfg.classes_per_client if cfg.partition == "pat" else ds.num_classes
@@ -206,7 +210,7 @@ def fixed_size_draws(
     but may be shared across clients (Fling); no test sample can be in any client's training split, since the pools
     are disjoint. q and the train draw share one partition stream; the test draw has its own."""
     classes = np.unique(y_tr)  # q's columns: the classes present in the training pool
-    rng = numpy_rng(cfg.seed, Purpose.PARTITION)
+    rng = partition_generator(cfg.seed, cfg.partition_rng)
     q = fedcac_proportions(cfg, len(classes), rng)
     train_parts = dirichlet_fixed(y_tr, cfg.clients, cfg.alpha, rng, samples_per_client=n_train, proportions=q)
     # the test draw uses the same q restricted to the test pool's classes; a class a client's q gives mass to

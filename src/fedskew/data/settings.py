@@ -50,6 +50,7 @@ class DataSettings:
     batch_size: int  # PFLlib's least_samples (protocol pfllib)
     # seeding and placement
     seed: int  # the federation's: RunConfig.federation_seed (data_seed when set, else the run's seed)
+    partition_rng: str  # derived (a stream of seed for the partition) | raw (numpy.random.default_rng(seed) itself)
     device: str
 
 
