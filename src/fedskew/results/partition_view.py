@@ -13,10 +13,10 @@ def label_table(train_hists: np.ndarray, test_hists: np.ndarray | None = None) -
     test = np.zeros_like(train) if test_hists is None else np.asarray(test_hists, dtype=np.int64)
     n, c = train.shape
     sizes = train.sum(1) + test.sum(1)
-    present = ((train + test) > 0).sum(1)
+    present = (train > 0).sum(1)  # the partition's label skew: a client's test share may hold every class
     head = (
         f"{n} clients, {c} classes; client size min {sizes.min()}, median {int(np.median(sizes))}, "
-        f"max {sizes.max()} (train + test); classes per client mean {present.mean():.2f}\n"
+        f"max {sizes.max()} (train + test); training classes per client mean {present.mean():.2f}\n"
         f"c0..c{c - 1}: training samples per class\n\n"
     )
     cols = ["client", "n_train", "n_test", *[f"c{j}" for j in range(c)]]
