@@ -140,6 +140,54 @@ def test_scaffold_first_round_is_sgd_and_control_update():
     assert not _close(upd2.params, sgd.params)
 
 
+def test_scaffold_control_weights_samples_is_flowers_niid_bench_average():
+    """``control_weights=samples``: c ← c + (|S|/N) Σ_S (n_i / Σ_S n_j) Δc_i (Flower's baselines/niid_bench strategy
+    and server); the default stays the paper's c ← c + (1/N) Σ_S Δc_i. Equal client sizes make the two the same."""
+    from dataclasses import replace
+
+    model, g, x, y = _setup()
+    ups = [replace(_train(Scaffold(), model, g, x[i:], y[i:], state={})[0], cid=i) for i in range(3)]
+    ups = [replace(u, num_samples=n) for u, n in zip(ups, (10, 30, 60), strict=True)]
+    trainable = frozenset(n for n, _ in model.named_parameters())
+    sctx = ServerContext(5, 3, g, trainable, np.ones(5), np.ones((5, 3)))
+    rin = stack_uploads(ups, rnd=1, global_params=g, trainable=trainable, label_hists=np.ones((3, 3)))
+    key = "scaffold_dc/head.weight"
+    deltas = [u.extras[key].double() for u in ups]
+    weighted, uniform = ScaffoldServer("samples"), ScaffoldServer()
+    c_w = weighted.advance(rin, weighted.init(sctx)).c["head.weight"]
+    c_u = uniform.advance(rin, uniform.init(sctx)).c["head.weight"]
+    by_hand_w = (3 / 5) * (0.1 * deltas[0] + 0.3 * deltas[1] + 0.6 * deltas[2])
+    by_hand_u = (deltas[0] + deltas[1] + deltas[2]) / 5
+    assert torch.allclose(c_w.double(), by_hand_w, atol=1e-7) and torch.allclose(c_u.double(), by_hand_u, atol=1e-7)
+    assert not torch.allclose(c_w, c_u, atol=1e-4)  # unequal sizes: the two averages differ
+    equal = stack_uploads(
+        [replace(u, num_samples=20) for u in ups], rnd=1, global_params=g, trainable=trainable, label_hists=None
+    )
+    assert torch.allclose(
+        weighted.advance(equal, weighted.init(sctx)).c["head.weight"],
+        uniform.advance(equal, uniform.init(sctx)).c["head.weight"],
+        atol=1e-7,
+    )
+
+
+def test_scaffold_control_weights_is_a_checked_method_setting():
+    from fedskew.methods import resolve_method
+    from fedskew.privacy.server import refusal
+    from fedskew.schema import ConfigError
+    from fedskew.server.streaming import stream_refusal
+
+    assert resolve_method("scaffold", {}).server_half.control_weights == "uniform"
+    samples = resolve_method("scaffold", {"control_weights": "samples"})
+    assert samples.server_half.control_weights == "samples"
+    # the sample-weighted average reads each delta beside its client's size: not a plain sum, so DP and streaming
+    # refuse it by name, while the uniform default stays private
+    assert "reads the individual uploads' extras" in refusal(samples)
+    assert "reads the individual uploads' extras" in stream_refusal(samples)
+    assert refusal(resolve_method("scaffold", {})) is None
+    with pytest.raises(ConfigError, match="control_weights"):
+        resolve_method("scaffold", {"control_weights": "size"})
+
+
 @pytest.mark.parametrize(
     "name, args, expected",
     [

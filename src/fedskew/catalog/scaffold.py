@@ -6,6 +6,7 @@ Option II control variates, global learning rate 1, as FedDisco's code runs it. 
     client i:  every local step:  SGD step, then w ← w − lr·(c − c_i)        (the shift, outside the momentum)
                after K steps:     c_i⁺ = c_i − c + (w_received − w)/(K·lr);  upload Δc_i = c_i⁺ − c_i  (SCAFFOLD_DELTA)
     server:    c ← c + (1/N) Σ_{participants} Δc_i                           (N: all clients, FedDisco's code)
+               control_weights=samples: c ← c + (|S|/N) Σ_{i∈S} (n_i / Σ_{j∈S} n_j) Δc_i  (Flower's niid_bench)
                the model: whatever server aggregation the method has (uniform mean by default, the paper's)
 
 Everything SCAFFOLD is lives here: the tensors it exchanges, its client part (:class:`Scaffold`, with its batched
@@ -25,7 +26,7 @@ momentum it is about ``ḡ/(1 − β)``, the same units in which the optimizer m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,8 @@ from torch import Tensor, nn
 from fedskew.client.batched_form import BatchedStep, Shift
 from fedskew.client.local import LocalAlgorithm, LocalContext, StateKey
 from fedskew.protocol import Params, RoundInput, ServerContext
-from fedskew.registry import ClientPart, NoParams, ServerPlugin
+from fedskew.registry import ClientPart, ServerPlugin
+from fedskew.schema import StrictSettings
 from fedskew.server.api import ServerHalf
 
 # the tensors the two halves exchange (a trailing "/": one tensor per trainable entry n, named PREFIX + n)
@@ -106,7 +108,11 @@ class ControlState(NamedTuple):
 @dataclass(frozen=True)
 class ScaffoldServer(ServerHalf):
     """SCAFFOLD's server half: broadcasts ``c``; after a round ``c ← c + (1/N) Σ_{participants} Δc_i`` (N = all
-    clients, as in FedDisco's code)."""
+    clients, as in the paper, NIID-Bench's and FedDisco's code), or with ``control_weights="samples"``
+    ``c ← c + (|S|/N) Σ_{i∈S} (n_i / Σ_{j∈S} n_j) Δc_i`` (Flower's ``baselines/niid_bench``: its strategy averages the
+    deltas by sample count, its server scales that by |S|/N). The two agree when the participants hold equal data."""
+
+    control_weights: Literal["uniform", "samples"] = "uniform"
 
     def init(self, ctx: ServerContext) -> ControlState:
         return ControlState({n: torch.zeros_like(ctx.template[n]) for n in ctx.trainable}, ctx.num_clients)
@@ -115,10 +121,22 @@ class ScaffoldServer(ServerHalf):
         return {f"{SCAFFOLD_C}{n}": t for n, t in state.c.items()}
 
     def advance(self, rin: RoundInput, state: ControlState) -> ControlState:
-        return self.advance_sums({k: t.sum(0) for k, t in rin.extras.items()}, state)
+        if self.control_weights == "uniform":
+            return self.advance_sums({k: t.sum(0) for k, t in rin.extras.items()}, state)
+        share = rin.num_samples / rin.num_samples.sum()  # [K] float64, the participants' sample shares
+        k = rin.num_participants
+        sums = {
+            key: k * torch.tensordot(share.to(device=t.device, dtype=t.dtype), t, dims=1)
+            for key, t in rin.extras.items()
+            if key.startswith(SCAFFOLD_DELTA)
+        }
+        return self.advance_sums(sums, state)
 
-    # under DP the server sees only the noised sum of the control deltas, which is all ``advance`` reads
-    private = True
+    # under DP the server sees only the noised sum of the control deltas, which is all the uniform ``advance`` reads
+    # (the sample-weighted one reads each client's delta beside its size, so streaming and DP refuse it by name)
+    @property
+    def private(self) -> bool:  # type: ignore[override]
+        return self.control_weights == "uniform"
 
     def summed_extras(self, ctx: ServerContext) -> Params:
         return {f"{SCAFFOLD_DELTA}{n}": torch.zeros_like(ctx.template[n]) for n in sorted(ctx.trainable)}
@@ -130,14 +148,20 @@ class ScaffoldServer(ServerHalf):
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------
+class ScaffoldParams(StrictSettings):
+    # how the server averages the control deltas: "uniform" (1/N each: the paper, NIID-Bench, FedDisco's code) or
+    # "samples" (by sample share, times |S|/N: Flower's baselines/niid_bench)
+    control_weights: Literal["uniform", "samples"] = "uniform"
+
+
 CLIENTS: dict[str, ClientPart] = {
     "scaffold": ClientPart(
         "scaffold",
         "control variates correct local steps (option II; control deltas averaged over all N; weights=uniform)",
         "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020",
-        NoParams,
+        ScaffoldParams,
         lambda p: Scaffold(),
-        server_half=lambda p: ScaffoldServer(),
+        server_half=lambda p: ScaffoldServer(p.control_weights),
         weights="uniform",
     ),
 }
