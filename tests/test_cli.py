@@ -101,3 +101,16 @@ def test_a_commands_warning_is_one_note_line_without_pythons_source_line(tmp_pat
     assert "note: batched_clients: Moon's loss term is batched for standard-layer models only" in err
     assert "UserWarning" not in err and "warnings.warn(" not in err
     assert warnings.showwarning is before  # left as it was for the process that called main()
+
+
+@pytest.mark.parametrize("value", ["null", "none", "None"])
+def test_db_null_on_the_command_line_disables_the_database(tmp_path, monkeypatch, value):
+    """``--db null`` (the help's way to disable it) wrote a SQLite file named ``null`` in the working directory."""
+    from fedskew.cli import main
+    from fedskew.config import make_config
+
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "--rounds", "1", "--clients", "3", "--out", str(tmp_path / "run"), "--db", value, "--quiet"]
+    assert main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert make_config(None, {"db": value}).db is None and make_config(None, {"db": "my.db"}).db == "my.db"

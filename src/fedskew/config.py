@@ -336,7 +336,15 @@ class RunConfig(StrictSettings):
         None, description="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else a file store runs/mlruns)"
     )
     out: str | None = Field(None, description="run directory (default runs/<name>)")
-    db: str | None = Field("runs/fedskew.db", description="SQLite results database; null to disable")
+    db: str | None = Field("runs/fedskew.db", description="SQLite results database; null (or none) to disable")
+
+    @field_validator("db", mode="before")
+    @classmethod
+    def _no_db(cls, v: Any) -> Any:
+        """``--db null`` (or ``none``) disables the database, as ``db: null`` does in YAML, instead of naming a file."""
+        if isinstance(v, str) and v.strip().lower() in ("null", "none", "~"):
+            return None
+        return v
 
     @field_validator("eval_batch_size", "checkpoint_every")
     @classmethod
