@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     params = [v.cpu().numpy() for v in cnn().state_dict().values()]
     server_cv = [torch.from_numpy(a.copy()) for a in params]  # Flower's c starts at the initial weights
     test_loader = DataLoader(TensorDataset(data.x_test.float(), data.y_test.long()), batch_size=64)
-    cv_dir = tempfile.mkdtemp(prefix="flower-client-cvs-")
+    cv_files = tempfile.TemporaryDirectory(prefix="flower-client-cvs-")  # where its clients save c_i; removed at exit
+    cv_dir = cv_files.name
     clients = []
     for c in data.clients:
         loader = DataLoader(TensorDataset(c.x_train.float(), c.y_train.long()), batch_size=64, shuffle=True)
