@@ -98,6 +98,11 @@ class Scaffold(LocalAlgorithm):
 
 
 # ---- server half -----------------------------------------------------------------------------------------------------
+# how the server averages the control deltas: "uniform" (1/N each: the paper, NIID-Bench, FedDisco's code) or
+# "samples" (by sample share, times |S|/N: Flower's baselines/niid_bench)
+ControlWeights = Literal["uniform", "samples"]
+
+
 class ControlState(NamedTuple):
     """A global control variate ``c`` (one tensor per trainable entry) over ``num_clients`` clients."""
 
@@ -112,7 +117,7 @@ class ScaffoldServer(ServerHalf):
     ``c ← c + (|S|/N) Σ_{i∈S} (n_i / Σ_{j∈S} n_j) Δc_i`` (Flower's ``baselines/niid_bench``: its strategy averages the
     deltas by sample count, its server scales that by |S|/N). The two agree when the participants hold equal data."""
 
-    control_weights: Literal["uniform", "samples"] = "uniform"
+    control_weights: ControlWeights = "uniform"
 
     def init(self, ctx: ServerContext) -> ControlState:
         return ControlState({n: torch.zeros_like(ctx.template[n]) for n in ctx.trainable}, ctx.num_clients)
@@ -149,9 +154,7 @@ class ScaffoldServer(ServerHalf):
 
 # ---- registration ----------------------------------------------------------------------------------------------------
 class ScaffoldParams(StrictSettings):
-    # how the server averages the control deltas: "uniform" (1/N each: the paper, NIID-Bench, FedDisco's code) or
-    # "samples" (by sample share, times |S|/N: Flower's baselines/niid_bench)
-    control_weights: Literal["uniform", "samples"] = "uniform"
+    control_weights: ControlWeights = "uniform"  # see ControlWeights
 
 
 CLIENTS: dict[str, ClientPart] = {
