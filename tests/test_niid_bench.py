@@ -508,3 +508,55 @@ def test_flowers_fmnist_partition_from_the_official_files(shared_data) -> None:
     sizes = [len(c.y_train) for c in data.clients]
     assert sizes == [4000, 9000, 5000, 8000, 5000, 5000, 6000, 4000, 6000, 8000]
     assert sorted(torch.unique(data.clients[0].y_train).tolist()) == [0, 7]
+
+
+def port_flower_dirichlet(y: np.ndarray, n_clients: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Flower's niid_bench ``partition_data_dirichlet`` (baselines/niid_bench/niid_bench/dataset_preparation.py), the
+    oracle: one ``default_rng(seed)`` for every draw; per class, its indices shuffled in place, then Dir(α) shares with
+    the clients already at N/n or above zeroed, cut at ``int(cumsum · n_c)``; the whole draw again until every client
+    holds at least 10."""
+    prng = np.random.default_rng(seed)
+    smallest = 0
+    while smallest < 10:
+        held: list[list[int]] = [[] for _ in range(n_clients)]
+        for c in range(len(set(y.tolist()))):
+            idx_c = np.where(y == c)[0]
+            prng.shuffle(idx_c)
+            share = prng.dirichlet(np.repeat(alpha, n_clients))
+            share = np.array([p * (len(h) < len(y) / n_clients) for p, h in zip(share, held, strict=True)])
+            cuts = (np.cumsum(share / share.sum()) * len(idx_c)).astype(int)[:-1]
+            held = [h + part.tolist() for h, part in zip(held, np.split(idx_c, cuts), strict=True)]
+            smallest = min(len(h) for h in held)
+    return [np.sort(np.asarray(h, dtype=np.int64)) for h in held]
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.1])
+def test_raw_partition_rng_at_data_seed_42_is_flowers_dirichlet_partition(alpha: float) -> None:
+    """NIID-Bench's Dir(α) under --partition-rng raw at data seed 42 is Flower's niid_bench partition, client for
+    client (tools/flower_niid_probe.py runs Flower's own code on it); α 0.1 redraws (a client under 10 samples)."""
+    from fedskew.data.niid_bench import niid_bench_parts
+
+    y = _labels(seed=4, n=600)
+    raw = _cfg(partition="dir", alpha=alpha, data_seed=42, partition_rng="raw")
+    ours = niid_bench_parts(raw.data_settings(), y)
+    flower = port_flower_dirichlet(y, 10, alpha, 42)
+    for mine, theirs in zip(ours, flower, strict=True):
+        np.testing.assert_array_equal(np.sort(mine), theirs)
+    derived = niid_bench_parts(_cfg(partition="dir", alpha=alpha, data_seed=42).data_settings(), y)
+    assert any(not np.array_equal(np.sort(a), b) for a, b in zip(derived, flower, strict=True))
+
+
+def test_flowers_mnist_dirichlet_partition_from_the_official_files(shared_data) -> None:
+    """Flower's MNIST Dir(0.5) clients from the official files: the oracle's partition, client for client."""
+    import gzip
+
+    root = shared_data("mnist")
+    with gzip.open(root / "train-labels-idx1-ubyte.gz") as f:
+        y = np.frombuffer(f.read()[8:], dtype=np.uint8).astype(np.int64)
+    flower = port_flower_dirichlet(y, 10, 0.5, 42)
+    cfg = {"protocol": "niid-bench", "dataset": "mnist", "data_dir": str(root.parent), "partition": "dir"}
+    cfg |= {"alpha": 0.5, "data_seed": 42, "partition_rng": "raw", "model": "lenet", "db": None}
+    data = build_federated(make_config(cfg))
+    assert [len(c.y_train) for c in data.clients] == [6631, 9475, 6099, 6004, 5074, 5106, 7397, 3742, 6052, 4420]
+    for client, theirs in zip(data.clients, flower, strict=True):
+        assert torch.equal(torch.sort(client.y_train).values, torch.sort(torch.from_numpy(y[theirs])).values)
