@@ -560,3 +560,19 @@ def test_flowers_mnist_dirichlet_partition_from_the_official_files(shared_data) 
     assert [len(c.y_train) for c in data.clients] == [6631, 9475, 6099, 6004, 5074, 5106, 7397, 3742, 6052, 4420]
     for client, theirs in zip(data.clients, flower, strict=True):
         assert torch.equal(torch.sort(client.y_train).values, torch.sort(torch.from_numpy(y[theirs])).values)
+
+
+def test_raw_partition_rng_at_data_seed_42_is_flowers_iid_partition() -> None:
+    """Flower's niid_bench ``partition_data`` (similarity 1): ``default_rng(42).choice(n, n, replace=False)`` cut by
+    ``array_split``; under --partition-rng raw the NIID-Bench IID partition is that draw, and derived stays its own."""
+    from fedskew.data.niid_bench import niid_bench_parts
+
+    y = _labels(seed=4, n=605)
+    ours = niid_bench_parts(_cfg(partition="iid", data_seed=42, partition_rng="raw").data_settings(), y)
+    draw = np.random.default_rng(42).choice(len(y), len(y), replace=False)
+    flower = [np.sort(p) for p in np.array_split(draw, 10)]
+    assert [len(p) for p in ours] == [61] * 5 + [60] * 5
+    for mine, theirs in zip(ours, flower, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    derived = niid_bench_parts(_cfg(partition="iid", data_seed=42).data_settings(), y)
+    assert any(not np.array_equal(a, b) for a, b in zip(derived, flower, strict=True))

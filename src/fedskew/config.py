@@ -247,7 +247,8 @@ class RunConfig(StrictSettings):
         description="the partition's random generator: derived (a stream of the federation seed for the partition "
         "alone, fedskew's) or raw (numpy.random.default_rng(federation seed) itself, as a benchmark's own script "
         "seeds its partitioner: Flower's niid_bench draws every run's partition from default_rng(42), so "
-        "--data-seed 42 --partition-rng raw under protocol niid-bench is that partition, client for client)",
+        "--data-seed 42 --partition-rng raw under protocol niid-bench is that partition, client for client, for "
+        "iid, dir and pat)",
     )
     device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
     threads: int = Field(

@@ -21,6 +21,11 @@ client's seeded stream) or bakes one draw per sample into the client's data (``-
 ``--batched-clients`` can batch the clients). The test copies are drawn once, seeded (a fresh draw per evaluation only
 adds sampling noise to the score: the one departure, named). Each client also gets a disjoint share of the (noisy)
 test split as its local test split, so that fedskew's per-client views exist; the benchmark reports none of them.
+
+``--partition-rng raw`` draws the partition from ``numpy.random.default_rng(federation seed)`` as Flower's replication
+(adap/flower ``baselines/niid_bench``) does, so ``--data-seed 42`` gives its partition client for client: ``dir`` and
+``pat`` make the same draws in the same order; for ``iid`` Flower draws ``choice(n, n, replace=False)`` where the
+permutation above is drawn, and under raw so does fedskew.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ def niid_bench_parts(cfg: DataSettings, y: np.ndarray) -> list[np.ndarray]:
     """The clients' training indices into ``y`` by NIID-Bench's rules (module docstring)."""
     rng = partition_generator(cfg.seed, cfg.partition_rng)
     if cfg.partition == "iid":
+        if cfg.partition_rng == "raw":  # Flower's niid_bench partition_data: choice(n, n, replace=False), cut in order
+            return [np.sort(p) for p in np.array_split(rng.choice(len(y), len(y), replace=False), cfg.clients)]
         return make_partition("iid", y, cfg.clients, rng)
     if cfg.partition == "dir":
         return make_partition("dir", y, cfg.clients, rng, alpha=cfg.alpha, min_size=cfg.min_size)
