@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             update, n, metrics = client.fit(sent, {})
             arrays = [u.detach().cpu().numpy() if torch.is_tensor(u) else np.asarray(u) for u in update]
             results.append((None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)))
-        line: dict = {"round": rnd}
+        line: dict = {}  # what the method adds to the round's record
         if args.method == "fednova":  # FedNovaServer.fit_round: the strategy steps from the server's parameters
             params = parameters_to_ndarrays(strategy.aggregate_fit_custom(rnd, params, results, [])[0])
         elif args.method == "scaffold":  # ScaffoldServer.fit_round: x ← x + Δx, c ← c + (|S|/N)·Δc
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         net = cnn()
         net.load_state_dict({k: torch.Tensor(v) for k, v in zip(net.state_dict().keys(), params, strict=True)})
         loss, acc = fl.test(net, test_loader, "cpu")
-        line = {"round": rnd, "acc": acc, "loss": loss} | line
+        line = {"round": rnd, "acc": acc, "loss": loss, **line}
         print(json.dumps(line), flush=True)
         if out:
             out.write(json.dumps(line) + "\n")
