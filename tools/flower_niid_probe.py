@@ -9,8 +9,9 @@ unchanged, from a checkout of adap/flower: the method's client (``client_fedavg.
 ``main.py`` picks for (F)MNIST), its ``models.test`` and its strategy (Flower's ``FedAvg.aggregate_fit`` for FedAvg and
 FedProx, ``strategy.ScaffoldStrategy.aggregate_fit``, ``strategy.FedNovaStrategy.aggregate_fit_custom``). It feeds
 them Flower's partition (fedskew's ``--protocol niid-bench --data-seed 42 --partition-rng raw``, client for client
-Flower's, as tests/test_niid_bench.py checks for #C=k and Dir(α)) and applies the server step Flower's server does:
-the aggregate replaces the model (FedAvg, FedProx, FedNova); for SCAFFOLD ``server_scaffold.ScaffoldServer.fit_round``'s
+Flower's, as tests/test_niid_bench_flower_partitions.py checks for #C=k, Dir(α) and IID) and applies the server
+step Flower's server does: the aggregate replaces the model (FedAvg, FedProx, FedNova); for SCAFFOLD
+``server_scaffold.ScaffoldServer.fit_round``'s
 ``x ← x + Δx``, ``c ← c + (|S|/N)·Δc`` with ``c`` starting at the initial weights. The settings are the configs' in
 ``conf/*_base.yaml``: 10 clients, all every round, 10 local epochs, batch 64, lr 0.01, momentum 0.9, weight decay
 1e-5, μ 0.01 for FedProx. It runs without Ray, one client after another, on the CPU::
