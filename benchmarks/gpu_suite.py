@@ -105,8 +105,9 @@ BATCHED_METHODS = (
 
 
 # the batched step at padded shapes, replayed as CUDA graphs (engine/captured.py, --capture-steps): plain SGD, a
-# proximal term, a shift after the step
-CAPTURED = ("fedavg", "fedprox", "scaffold")
+# proximal term, a shift after the step, a logit shift, SAM's two passes, and what clients train beside the model (a
+# side head, representation pieces, a mixture); their plain batched steps kept the H200 27-40% busy (2026-12-04)
+CAPTURED = ("fedavg", "fedprox", "scaffold", "fedlc", "fedsam", "fedrod", "feddbe", "apfl")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ from test_batched_clients import _close, _same_states, _same_updates, _side_by_s
 from fedskew.client.batched_form import BatchedStep
 from fedskew.engine.batched import train_batched
 from fedskew.engine.batched_schedule import schedule
-from fedskew.engine.captured import PaddedPlan, StepReplay, capture_refusal, ladder
+from fedskew.engine.captured import PaddedPlan, StepReplay, capture_refusal, ladder, step_widths
 from fedskew.models import build_model
+
+# 10 clients: steps run wider than their live rows (with 4, every width of the ladder is taken)
+TEN = {"clients": 10, "batch_size": 16}
 
 
 @pytest.mark.parametrize(
@@ -36,6 +39,12 @@ from fedskew.models import build_model
         ("fedrs+fedper", {"alpha": 0.3}, {"momentum": 0.5}),  # each row's own logit scale
         ("fedsam", {"rho": 0.1}, {"batch_size": 24}),  # two passes a step; a padded row's ε is 0
         ("mofedsam", {"alpha": 0.3}, {"momentum": 0.5}),  # and the blend with Δ, masked on padded rows
+        # trained beside the model (engine/batched_rows.py's Beside), in buffers of their own, masked as the model
+        ("fedrod", None, {"momentum": 0.5, "weight_decay": 1e-3, **TEN}),  # the personal head, balanced softmax
+        ("fedrod", {"generic_loss": "ce"}, {"batch_size": 24}),
+        ("feddbe", {"mean_momentum": 0.5, "kappa": 5.0}, {"momentum": 0.5, **TEN}),  # a finished row's r kept
+        ("apfl", None, {"momentum": 0.5, "weight_decay": 1e-3, **TEN}),  # an adaptive α, whose l2 the mask stops
+        ("apfl", {"adaptive": False, "alpha": 0.3}, {"batch_size": 24}),
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -55,11 +64,13 @@ def test_a_finished_row_stays_exactly_as_it_finished(one_thread):
     """The clients that finish first keep their rows bit for bit while the others train on (momentum, weight decay
     and FedProx's pull would move them if the mask let a zero gradient through): the shortest client trained alone
     with capture gives the very same tensors as trained in the group."""
-    over = {"momentum": 0.9, "weight_decay": 1e-2, "batch_size": 16}
+    over = {"momentum": 0.9, "weight_decay": 1e-2, **TEN}
     sims = [digits_simulation("fedprox", {"mu": 0.5}, **over) for _ in range(2)]
-    cids = [0, 1, 2, 3]
+    cids = list(range(10))
     sizes = [c.x_train.shape[0] for c in sims[0].data.clients]
     short = int(np.argmin(sizes))
+    steps = np.array([-(-n // 16) for n in sizes])  # one epoch of batches of 16
+    assert step_widths(steps)[int(steps.min())] > (steps > steps.min()).sum()  # its row in a step after it finished
     group = train_batched(sims[0], 1, cids, {c: sims[0].params_for(c) for c in cids}, {}, capture=True)
     alone = train_batched(sims[1], 1, [short], {short: sims[1].params_for(short)}, {}, capture=True)
     for k, v in alone[0].params.items():
@@ -81,10 +92,12 @@ def test_refusals_name_what_cannot_be_padded():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
         assert "own per-client term" in (capture_refusal(own, mlp) or "")
-    for method in ("moon", "fedrod"):  # frozen models; a side head trained beside the model
+    for method in ("moon", "fedproto", "perfedavg", "pfedme"):  # frozen models, class sums, inner steps
         sim = digits_simulation(method)
         with pytest.raises(ValueError, match="one shape: the client part's loss term"):
             train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
+    sam_beside = BatchedStep(sam_rho=0.1, side_head=lambda ctx: None)  # type: ignore[arg-type,return-value]
+    assert "SAM's second pass" in (capture_refusal(sam_beside, mlp) or "")
 
 
 def test_ladder_and_plan_cover_every_live_row():

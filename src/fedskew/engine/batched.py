@@ -283,7 +283,7 @@ def _run_phase(
     head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
     # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
     if capture is not None:
-        trained, losses = run_padded(
+        trained, losses, trained_beside = run_padded(
             model,
             rule,
             s,
@@ -294,7 +294,7 @@ def _run_phase(
             x_all,
             y_all,
             stack.params,
-            stack.extra,
+            {k: v for k, v in stack.extra.items() if k not in Beside.KEYS},
             stack.anchor,
             None if stack.shift is None else (stack.shift, alpha),
             None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
@@ -302,7 +302,10 @@ def _run_phase(
             None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
             None if share is None else (share, stack.blend_dir),
             conv,
+            beside if beside else None,
+            {k: v for k, v in stack.extra.items() if k in Beside.KEYS},
         )
+        beside.hand_back_rows(trained_beside)
         others = {key: v.unbind(0) for key, v in stack.extra.items()}
         states = [
             {key: (mine[key] if key in mine else others[key][k]) for key in order}

@@ -5,6 +5,7 @@ all clients share; :class:`Collect`, the per-class feature sums FedProto and Fed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,20 +280,30 @@ class Beside:
                 new[MIX_ALPHA] = alpha.sub(grads[MIX_ALPHA] + mix.alpha_l2 * alpha, alpha=self.lr).clamp(0.0, 1.0)
         return new
 
-    @torch.no_grad()
     def hand_back(self, stack: Stack) -> None:
         """Each client's trained rows into the tensors its hooks handed over (``stack.done``: every client retired)."""
-        for k, head in enumerate(self.sides):
-            head.weight.copy_(stack.done[k][1][SIDE_WEIGHT])
-            head.bias.copy_(stack.done[k][1][SIDE_BIAS])
-        for k, rep in enumerate(self.reps):
-            rep.running.copy_(stack.done[k][1][REPR_RUNNING])
-            if rep.bias is not None:
-                rep.bias.copy_(stack.done[k][1][REPR_BIAS])
-        for k, env in enumerate(self.envs):
-            for n, row in self.flat.views(stack.done[k][1][ENV_THETA]).items():
-                env.theta[n].copy_(row)
-        for k, mix in enumerate(self.mixes):
-            for n, row in self.flat.views(stack.done[k][1][MIX_V]).items():
-                mix.v[n].copy_(row)
-            mix.alpha.copy_(stack.done[k][1][MIX_ALPHA])
+        self.write_back(lambda k: stack.done[k][1])
+
+    def hand_back_rows(self, rows: dict[str, Tensor]) -> None:
+        """The same from ``[K, ...]`` rows under :data:`KEYS`, in client order (the padded steps' result)."""
+        self.write_back(lambda k: {key: v[k] for key, v in rows.items()})
+
+    @torch.no_grad()
+    def write_back(self, rows_of: Callable[[int], dict[str, Tensor]]) -> None:
+        """Client ``k``'s rows (``rows_of(k)``, by :data:`KEYS`) into the tensors its hooks handed over."""
+        for k in range(max(len(self.sides), len(self.reps), len(self.envs), len(self.mixes))):
+            row = rows_of(k)
+            if self.sides:
+                self.sides[k].weight.copy_(row[SIDE_WEIGHT])
+                self.sides[k].bias.copy_(row[SIDE_BIAS])
+            if self.reps:
+                self.reps[k].running.copy_(row[REPR_RUNNING])
+                if self.reps[k].bias is not None:
+                    self.reps[k].bias.copy_(row[REPR_BIAS])
+            if self.envs:
+                for n, t in self.flat.views(row[ENV_THETA]).items():
+                    self.envs[k].theta[n].copy_(t)
+            if self.mixes:
+                for n, t in self.flat.views(row[MIX_V]).items():
+                    self.mixes[k].v[n].copy_(t)
+                self.mixes[k].alpha.copy_(row[MIX_ALPHA])

@@ -21,8 +21,11 @@ shape on a side stream: the warm-up the capture needs is a real step) and replay
 with the step's indices and counts copied into the graph's input buffers; the host then does two launches a step.
 Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks them against the sequential loop.
 
-What this form does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics
-over a padded batch), loss terms against frozen models or generated inputs, class sums collected during training,
+What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
+APFL's second model and its weight: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers of its own, its
+losses over the real samples only and its update masked as the model's is. What this form does not cover,
+:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded batch), loss terms
+against frozen models or generated inputs, class sums collected during training, inner steps (Per-FedAvg, pFedMe)
 and models without a stacked form (``vmap``).
 """
 
@@ -42,10 +45,21 @@ from torch import Tensor, nn
 from fedskew.client.batched_form import BatchedStep
 from fedskew.engine.batched_schedule import Schedule, upload_index
 from fedskew.engine.batched_steps import Flat, sam_ascent
-from fedskew.engine.stacked import stackable, stacked_step_function
+from fedskew.engine.stacked import (
+    MIX_ALPHA,
+    MIX_V,
+    REPR_BIAS,
+    REPR_RUNNING,
+    SIDE_BIAS,
+    SIDE_WEIGHT,
+    padded_mean,
+    stackable,
+    stacked_step_function,
+)
 
 if TYPE_CHECKING:
     from fedskew.client.local import TrainSettings
+    from fedskew.engine.batched_rows import Beside
 
 
 def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
@@ -63,11 +77,14 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
             "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
             "run in buckets only"
         )
-    if rule.has_term:
+    unmasked = (rule.term, rule.collect, rule.generated, rule.inner, rule.envelope)
+    if any(t is not None for t in unmasked):
         return (
-            "the client part's loss term (frozen models, generated inputs, collected class sums or a side head) is "
-            "not masked"
+            "the client part's loss term (frozen models, generated inputs, collected class sums) or its inner steps "
+            "(Per-FedAvg, pFedMe) are not masked"
         )
+    if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
+        return "SAM's second pass would have to carry what the client trains beside the model"
     return None
 
 
@@ -212,6 +229,12 @@ class _Shape:
     sam_rho: float = 0.0  # SAM's radius (0: plain steps)
     blend: tuple[float, bool] | None = None  # (the gradient's share, a direction given)
     precision: str = "float32"  # the forward passes' arithmetic (client/precision.py)
+    # what the clients train beside the model (engine/batched_rows.py's Beside): its rows' keys, shapes and dtypes,
+    # their plain SGD's learning rate, FedDBE's (momentum, a target given, weight), APFL's (adaptive, alpha_l2)
+    beside: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    beside_lr: float = 0.0
+    represent: tuple[float, bool, float] | None = None
+    mixture: tuple[bool, float] | None = None
 
 
 class PaddedSteps:
@@ -238,6 +261,9 @@ class PaddedSteps:
         self.buf = zeros(k, shape.dim) if shape.momentum != 0 else None
         self.logit_map = tuple(None if c is None else zeros(k, c) for c in shape.logit_map)
         self.blend_dir = zeros(k, shape.dim) if shape.blend is not None and shape.blend[1] else None
+        self.beside = {key: zeros(k, *size, dtype=dtype) for key, size, dtype in shape.beside}
+        sizes = {key: size for key, size, _ in shape.beside}
+        self.target = zeros(*sizes[REPR_RUNNING]) if shape.represent is not None and shape.represent[1] else None
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (width, batch) -> x, y, count
@@ -266,7 +292,10 @@ class PaddedSteps:
         xs, ys = x.view(w, b, *sh.x), y.view(w, b)
         scale, shift = (None if m is None else m[:w] for m in self.logit_map)
         mapped = None if scale is None and shift is None else (scale, shift)
-        grads, (loss, _, _) = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped)
+        extra = self._beside_args(w)
+        grads, (loss, _, feats) = self.forward(
+            state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, **extra
+        )
         if sh.sam_rho > 0:  # the gradient at w + ε (a row without a batch has g = 0, so ε = 0), w restored
             with torch.no_grad():
                 eps = torch.cat([e.reshape(w, -1) for e in sam_ascent([grads[n] for n in sh.names], sh.sam_rho)], 1)
@@ -298,7 +327,41 @@ class PaddedSteps:
             p_w.addcmul_(g, live, value=-sh.lr)
             if self.shift is not None and sh.shift is not None:  # SCAFFOLD's after_step, outside the optimizer
                 p_w.addcmul_(self.shift[:w], live, value=sh.shift)
+            if self.beside:
+                self._advance_beside(w, live, grads, padded_mean(feats, (weights, denom)))
             self.loss[:w] += (loss * count).double()
+
+    def _beside_args(self, w: int) -> dict[str, object]:
+        """The step's ``side``, ``represent`` and ``mixture`` arguments (:func:`stacked_step_function`) from the
+        first ``w`` rows of the buffers."""
+        rows, out = {key: v[:w] for key, v in self.beside.items()}, {}
+        if SIDE_WEIGHT in rows:
+            out["side"] = (rows[SIDE_WEIGHT], rows[SIDE_BIAS])
+        if self.shape.represent is not None:
+            momentum, _, weight = self.shape.represent
+            out["represent"] = (rows.get(REPR_BIAS), rows[REPR_RUNNING], momentum, self.target, weight)
+        if MIX_V in rows:
+            out["mixture"] = (self.flat.views(rows[MIX_V]), rows[MIX_ALPHA])
+        return out
+
+    def _advance_beside(self, w: int, live: Tensor, grads: dict[str, Tensor], mean: Tensor) -> None:
+        """What the clients train beside the model after the step, as :meth:`Beside.advance` does, a row without a
+        batch kept exactly: plain SGD at the run's learning rate (such a row's gradient is exactly 0, every loss on it
+        selected out, and no momentum or decay moves it), FedDBE's running mean from the batch's mean over its real
+        samples (``mean`` ``[w, d]``) and APFL's ``α`` (whose l2 term would move it) on the live rows only."""
+        sh, rows = self.shape, {key: v[:w] for key, v in self.beside.items()}
+        for key in (SIDE_WEIGHT, SIDE_BIAS, REPR_BIAS):
+            if key in rows:
+                rows[key].sub_(grads[key], alpha=sh.beside_lr)
+        if sh.represent is not None:
+            running, m = rows[REPR_RUNNING], sh.represent[0]
+            running.copy_(torch.where(live > 0, (1 - m) * running + m * mean, running))
+        if sh.mixture is not None:
+            rows[MIX_V].sub_(torch.cat([grads[MIX_V + n].reshape(w, -1) for n in sh.names], dim=1), alpha=sh.beside_lr)
+            if sh.mixture[0]:  # α ← clip(α − lr·(∂α + l2·α), 0, 1)
+                alpha = rows[MIX_ALPHA]
+                new = alpha.sub(grads[MIX_ALPHA] + sh.mixture[1] * alpha, alpha=sh.beside_lr).clamp(0.0, 1.0)
+                alpha.copy_(torch.where(live[:, 0] > 0, new, alpha))
 
     def run(
         self,
@@ -312,9 +375,12 @@ class PaddedSteps:
         pull: tuple[Tensor, Tensor, Tensor | None] | None,
         logit_map: tuple[Tensor | None, Tensor | None] | None = None,
         blend_dir: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows and the summed
-        losses, in client order, in new tensors (the buffers are the next round's)."""
+        beside: dict[str, Tensor] | None = None,
+        target: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows, the summed losses
+        and the rows trained beside the model (``beside``, by key; FedDBE's ``target`` shared), in client order, in
+        new tensors (the buffers are the next round's)."""
         order = torch.as_tensor(plan.order, device=self.p.device)
         with torch.no_grad():
             self.p.copy_(params.index_select(0, order))
@@ -330,6 +396,10 @@ class PaddedSteps:
             for mine, given in zip(self.logit_map, logit_map or (None, None), strict=True):
                 if mine is not None and given is not None:
                     mine.copy_(given.index_select(0, order))
+            for key, given in (beside or {}).items():
+                self.beside[key].copy_(given.index_select(0, order))
+            if self.target is not None and target is not None:
+                self.target.copy_(target)
             if self.buf is not None:
                 self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
             self.loss.zero_()
@@ -342,7 +412,8 @@ class PaddedSteps:
             self.replay((w, b))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return self.p.index_select(0, back), self.loss.index_select(0, back)
+        rows = {key: v.index_select(0, back) for key, v in self.beside.items()}
+        return self.p.index_select(0, back), self.loss.index_select(0, back), rows
 
 
 class PaddedCache:
@@ -381,7 +452,9 @@ def run_padded(
     logit_map: tuple[Tensor | None, Tensor | None] | None = None,
     blend: tuple[float, Tensor | None] | None = None,
     conv: str = "grouped",
-) -> tuple[Tensor, Tensor]:
+    beside: Beside | None = None,
+    beside_rows: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
     summed ``batch loss × batch size`` (float64), in client order, as the bucketed loop returns them. ``anchor``:
@@ -389,7 +462,12 @@ def run_padded(
     ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``. ``cache``: where the
     phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only).
     ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``);
-    ``blend``: ``(share, direction rows or None)`` mixed into the gradient after SAM's (``rule.sam_rho``)."""
+    ``blend``: ``(share, direction rows or None)`` mixed into the gradient after SAM's (``rule.sam_rho``).
+    ``beside``: what the clients train beside the model (:class:`~fedskew.engine.batched_rows.Beside`), its rows
+    ``beside_rows`` (``[K, ...]`` by key, client order), returned trained as the third item."""
+    rows = beside_rows or {}
+    reps = beside.reps if beside is not None else []
+    mixes = beside.mixes if beside is not None else []
     device = params.device
     plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), device)
     shape = _Shape(
@@ -412,7 +490,12 @@ def run_padded(
         sam_rho=float(rule.sam_rho),
         blend=None if blend is None else (float(blend[0]), blend[1] is not None),
         precision=settings.precision,
+        beside=tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in rows.items()),
+        beside_lr=float(beside.lr) if beside is not None else 0.0,
+        represent=(float(reps[0].momentum), reps[0].target is not None, float(reps[0].weight)) if reps else None,
+        mixture=(bool(mixes[0].adaptive), float(mixes[0].alpha_l2)) if mixes else None,
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
     shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
-    return steps.run(plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows)
+    target = beside.target if beside is not None else None
+    return steps.run(plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows, rows, target)

@@ -209,6 +209,19 @@ MIX_V, MIX_ALPHA = "mix:v", "mix:alpha"  # a mixture's second model (gradients: 
 ENV_THETA = "env:theta"  # an envelope's personalized model (its rows)
 
 
+def padded_mean(t: Tensor, padding: tuple[Tensor, Tensor] | None) -> Tensor:
+    """Each client's mean over its batch (``t`` ``[K, B, ...]`` -> ``[K, ...]``): over the real samples of a padded
+    batch (``padding``: ``(weights [K, B], counts [K])``, :mod:`fedskew.engine.captured`), else over all ``B``. A
+    padding sample is selected out, not multiplied by 0: its loss may be infinite (FedRoD's balanced softmax shifts
+    the logits of a class the client lacks by ``log 0``, and a padding slot holds any sample of the round)."""
+    if padding is None:
+        return t.mean(1)
+    weights, counts = padding
+    tail = (1,) * (t.dim() - 2)
+    real = weights.view(*weights.shape, *tail) > 0
+    return torch.where(real, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(1) / counts.view(-1, *tail)
+
+
 def stacked_step_function(
     model: nn.Module,
     names: list[str],
@@ -298,7 +311,7 @@ def stacked_step_function(
                     personal = torch.matmul(feats.detach(), sides[0].transpose(1, 2)) + sides[1].unsqueeze(1)
                     summed = logits.detach() + personal
                     ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
-                loss = ce.mean(1) if padding is None else (ce * padding[0]).sum(1) / padding[1]
+                loss = padded_mean(ce, padding)
                 if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
                     a = mix_alpha
                     mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
@@ -308,10 +321,10 @@ def stacked_step_function(
                     f2 = fwd(body, part(mixed_state, "body."), x)
                     personal_logits = fwd(head, part(mixed_state, "head."), f2)
                     ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
-                    loss = loss + ce2.view(k, b).mean(1)  # (no padding: a mixture is not at captured shapes)
+                    loss = loss + padded_mean(ce2.view(k, b), padding)
                 if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
                     _, running, momentum, target, weight = represent
-                    r = (1 - momentum) * running + momentum * feats.mean(1)
+                    r = (1 - momentum) * running + momentum * padded_mean(feats, padding)
                     loss = loss + weight * (0.5 * (r - target) ** 2).mean(1)
                 if mu != 0:
                     loss = loss + 0.5 * mu * torch.stack(
