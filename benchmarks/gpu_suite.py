@@ -9,6 +9,9 @@ there is skipped, so running the suite again continues where the last call stopp
   tensor made on the CPU meet a CUDA one). The first piece to run on a GPU.
 - ``methods-bf16``: the same with ``--precision bf16`` (bfloat16 autocast, ``client/precision.py``): CUDA's autocast
   lists differ from the CPU's CI runs under (a LayerNorm under vmap, say).
+- ``methods-captured``: the same with ``--batched-clients --capture-steps`` (``--paths captured``): every method whose
+  steps run at one shape, captured as CUDA graphs and replayed (CI runs those steps eagerly; a capture that fails
+  falls back with a warning the piece reports); the others ``refused`` with the engine's reason.
 - ``batched-<method>`` for every family of batched step (:data:`BATCHED_METHODS`): batched clients
   against the sequential loop on issue 15's workload (PFLlib's CNN, MNIST, PFLlib's Dir(0.1) split over 100
   clients, batch 10, 1 local epoch), through ``benchmarks/batched_clients.py`` (full float32, TF32 off): both times,
@@ -139,11 +142,15 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     )
     found: list[Piece] = []
     # every method on the device first: a crash there is a bug CI cannot see (FedDBE's, 2026-12-04)
-    argv = [sys.executable, str(HERE / "methods_on_device.py"), "--device", device]
-    argv += ["--methods", "fedavg,feddbe,fedfomo,fedavg+ccvr"] if smoke else []
+    base = [sys.executable, str(HERE / "methods_on_device.py"), "--device", device]
+    argv = [*base, *(["--methods", "fedavg,feddbe,fedfomo,fedavg+ccvr"] if smoke else [])]
     found.append(Piece("methods-on-device", argv, 30 if smoke else 150, 300 if smoke else 400))
     # the same under bfloat16 autocast (precision bf16): CUDA's autocast rules are not the CPU's that CI sees
     found.append(Piece("methods-bf16", [*argv, "--precision", "bf16"], 30 if smoke else 150, 300 if smoke else 400))
+    # every method's captured steps (12 s for 48 methods on this CPU, 35 of them captured); in smoke one of each:
+    # plain steps, a side head, a refusal
+    captured_argv = [*base, *(["--methods", "fedavg,fedrod,moon"] if smoke else []), "--paths", "captured"]
+    found.append(Piece("methods-captured", captured_argv, 30 if smoke else 90, 300 if smoke else 400))
     paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
     for m, path in paths:
         argv = [sys.executable, str(HERE / "batched_clients.py"), "--method", m, "--device", device, "--path", path]
@@ -317,7 +324,7 @@ def figures(piece: Piece, stdout: str, rate: float | None = None, rate_bf16: flo
             }
         got["speed_over_grouped"] = speeds
         got["per_layer_speed_over_grouped"] = layers  # each layer alone: whether the best form differs by layer
-    if piece.name in ("methods-on-device", "methods-bf16"):
+    if piece.name in ("methods-on-device", "methods-bf16", "methods-captured"):
         m = re.search(r"^methods on \S+: (\d+) ok, (\d+) refused, (\d+) failed of (\d+) runs", stdout, re.M)
         if m:
             got.update(ok_runs=int(m[1]), refused_runs=int(m[2]), failed_runs=int(m[3]), runs=int(m[4]))

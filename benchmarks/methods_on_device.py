@@ -8,10 +8,13 @@ fedavg's server) and each server plug-in (on fedavg's client) for ``--rounds`` r
 evaluated every round, once with the sequential loop and once with ``--batched-clients``, and prints one line a run:
 ``ok``, ``refused`` (the configuration was refused by name: a method that needs another model or data, or a path it
 has no batched form for, which the engine says and falls back from) or ``FAILED`` with the error's last line. Exit
-status 1 when any run failed.
+status 1 when any run failed. ``--paths captured`` runs ``--batched-clients --capture-steps`` (on a CUDA device the
+steps captured as CUDA graphs and replayed, engine/captured.py): a method whose steps cannot run at one shape is
+``refused`` with the engine's reason (it ran in buckets, as the batched path).
 
     python benchmarks/methods_on_device.py --device cuda                      # all of them (a few minutes)
     python benchmarks/methods_on_device.py --device cpu --methods fedavg,feddbe,fedavg+ccvr --rounds 2
+    python benchmarks/methods_on_device.py --device cuda --paths captured     # every method's captured steps
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,10 +42,14 @@ def all_methods() -> list[str]:
     return [*sorted(CLIENTS), *(f"fedavg+{p}" for p in free)]
 
 
-def run_one(
-    method: str, batched: bool, device: str, rounds: int, out: Path, precision: str = "float32"
-) -> tuple[str, str]:
-    """``(status, detail)`` of one run: ``ok`` with its accuracy, ``refused`` or ``FAILED`` with the reason."""
+PATHS = ("sequential", "batched", "captured")
+# what the engine warns when a path falls back (engine/backends.py): the captured path's runs that did not capture
+FALLBACKS = ("batched_clients:", "capture_steps:")
+
+
+def run_one(method: str, path: str, device: str, rounds: int, out: Path, precision: str = "float32") -> tuple[str, str]:
+    """``(status, detail)`` of one run on ``path`` (:data:`PATHS`): ``ok`` with its accuracy, ``refused`` or
+    ``FAILED`` with the reason."""
     try:
         cfg = make_config(
             {"db": None},  # no results database (a None override would mean "unset": the default database)
@@ -55,7 +63,8 @@ def run_one(
                 "batch_size": 16,
                 "method": method,
                 "device": device,
-                "batched_clients": batched,
+                "batched_clients": path != "sequential",
+                "capture_steps": path == "captured",
                 "skew_probes": 0,
                 "eval_every": 1,
                 "validation": 0.2,  # FedFomo scores its peers on it; the others' validation paths run too
@@ -64,7 +73,14 @@ def run_one(
                 "precision": precision,
             },
         )
-        outcome = run_experiment(cfg, overwrite=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome = run_experiment(cfg, overwrite=True)
+        for w in caught:
+            message = str(w.message)
+            if path == "captured" and message.startswith(FALLBACKS):
+                return "refused", " ".join(message.split())[:200]
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # the others, as before
     except ConfigError as e:
         return "refused", " ".join(str(e).split())[:200]
     except Exception as e:  # noqa: BLE001 - the point of the check: reported by name, the next method runs
@@ -82,14 +98,14 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--methods", default="", help="comma-separated methods (default: every registered one)")
     p.add_argument("--rounds", type=int, default=2, help="rounds a run (2: a method's second-round state is used)")
-    p.add_argument("--paths", default="sequential,batched", help="sequential, batched or both")
+    p.add_argument("--paths", default="sequential,batched", help="comma-separated: sequential, batched, captured")
     p.add_argument("--precision", default="float32", help="the runs' precision (float32 or bf16: client/precision.py)")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
-    if not paths or set(paths) - {"sequential", "batched"}:
-        p.error(f"--paths takes sequential and/or batched, not {args.paths!r}")
+    if not paths or set(paths) - set(PATHS):
+        p.error(f"--paths takes {', '.join(PATHS)}, not {args.paths!r}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] or all_methods()
     for method in methods:  # a method named here must exist and compose
         try:
@@ -108,7 +124,7 @@ def main() -> int:
             for path in paths:
                 t0 = time.perf_counter()
                 where = Path(tmp) / f"r{i}{path}"
-                status, detail = run_one(method, path == "batched", args.device, args.rounds, where, args.precision)
+                status, detail = run_one(method, path, args.device, args.rounds, where, args.precision)
                 failed += status == "FAILED"
                 refused += status == "refused"
                 print(f"{status:8s} {method:24s} {path:10s} {time.perf_counter() - t0:6.1f}s  {detail}", flush=True)

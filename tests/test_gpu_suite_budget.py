@@ -195,7 +195,7 @@ def test_the_convolution_forms_speeds_are_read_per_workload(monkeypatch):
 
 def test_a_method_run_on_the_device_writes_only_its_own_folder(tmp_path):
     bench = load_script(SUITE.parent / "methods_on_device.py", "methods_on_device_writes")
-    status, detail = bench.run_one("fedavg", False, "cpu", 1, tmp_path / "out")
+    status, detail = bench.run_one("fedavg", "sequential", "cpu", 1, tmp_path / "out")
     assert status == "ok" and detail.startswith("accuracy"), detail
     assert (tmp_path / "out" / "summary.json").exists()
     assert not (Path.cwd() / "runs").exists()  # no results database in the working directory (conftest: tmp_path)
