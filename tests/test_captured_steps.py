@@ -19,6 +19,11 @@ from fedskew.engine.batched_schedule import schedule
 from fedskew.engine.captured import PaddedPlan, StepReplay, capture_refusal, ladder, step_widths
 from fedskew.models import build_model
 
+
+def mlp_model():
+    return build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+
+
 # 10 clients: steps run wider than their live rows (with 4, every width of the ladder is taken)
 TEN = {"clients": 10, "batch_size": 16}
 
@@ -45,6 +50,10 @@ TEN = {"clients": 10, "batch_size": 16}
         ("feddbe", {"mean_momentum": 0.5, "kappa": 5.0}, {"momentum": 0.5, **TEN}),  # a finished row's r kept
         ("apfl", None, {"momentum": 0.5, "weight_decay": 1e-3, **TEN}),  # an adaptive α, whose l2 the mask stops
         ("apfl", {"adaptive": False, "alpha": 0.3}, {"batch_size": 24}),
+        # a per-sample term against frozen models, over the real samples: MOON (its mask: no previous model in round
+        # 1, one in round 2) and FedNTD (the received model's logits)
+        ("moon", {"mu": 1.0}, {"momentum": 0.5, **TEN}),
+        ("fedntd", {"beta": 1.0}, {"momentum": 0.5, **TEN}),
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -87,12 +96,13 @@ def test_refusals_name_what_cannot_be_padded():
     assert "BatchNorm layers" in (capture_refusal(rule, stateless) or "")
     res = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
     assert "no stacked form" in (capture_refusal(rule, res) or "")
-    term = BatchedStep(term=lambda ctx: None)
+    term = BatchedStep(term=lambda ctx: None)  # a term per client: its batch mean cannot leave the padding out
+    assert capture_refusal(BatchedStep(term=lambda ctx: None, term_per_sample=True), mlp_model()) is None
     assert "loss term" in (capture_refusal(term, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) or "")
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
         assert "own per-client term" in (capture_refusal(own, mlp) or "")
-    for method in ("moon", "fedproto", "perfedavg", "pfedme"):  # frozen models, class sums, inner steps
+    for method in ("fedproto", "perfedavg", "pfedme"):  # class sums, inner steps
         sim = digits_simulation(method)
         with pytest.raises(ValueError, match="one shape: the client part's loss term"):
             train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
@@ -190,14 +200,16 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
         run_experiment(make_config(None, bn))
 
 
-def test_a_run_replays_its_buffers_round_after_round(one_thread):
+@pytest.mark.parametrize(("method", "args"), [("scaffold", None), ("moon", {"mu": 1.0})])
+def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):
     """A trainer's cache keeps one set of buffers (and, on a GPU, graphs) per shape of phase: the rounds that reuse
-    them give bit for bit what fresh buffers give (momentum restarted, losses and rows replaced), and a phase of
-    another shape gets its own."""
+    them give bit for bit what fresh buffers give (momentum restarted, losses and rows replaced, MOON's frozen models
+    and mask), and a phase of another shape gets its own. MOON's term is one function for its hyper-parameters
+    (``contrastive_term``), so its rounds share one shape too."""
     from fedskew.engine.captured import PaddedCache
 
     over = {"momentum": 0.9, "weight_decay": 1e-3, "local_epochs": 2}
-    kept_sim, fresh_sim = (digits_simulation("scaffold", rounds=3, **over) for _ in range(2))
+    kept_sim, fresh_sim = (digits_simulation(method, args, rounds=3, **over) for _ in range(2))
     cache = PaddedCache()
     for rnd in (1, 2, 3):
         ups = []
@@ -214,6 +226,8 @@ def test_a_run_replays_its_buffers_round_after_round(one_thread):
             assert u.metrics == v.metrics
             assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
     assert len(cache.steps) == 1  # every round had the same shape
+    if method != "scaffold":
+        return
     ditto = digits_simulation("ditto", {"lam": 0.5})
     train_batched(ditto, 1, [0, 1, 2, 3], {c: ditto.params_for(c) for c in range(4)}, {}, None, cache)
     assert len(cache.steps) == 3  # Ditto's two phases (a proximal one and a plain one): two more shapes

@@ -8,6 +8,7 @@ PFLlib (TsingZ0/PFLlib) is the reference for every default, because the FedSA/Fe
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -80,22 +81,24 @@ class FedNTD(LocalAlgorithm):
         beta, tau = float(self.beta), float(self.tau)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss``'s not-true distillation per client: ``beta · ntd_loss`` with the received model's logits, its
-            batch mean taken per client."""
-            if beta == 0:
-                return None
+            return None if beta == 0 else distillation_term(beta, tau)
 
-            def distill(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
-                k, b, c = logits.shape
-                flat_y = y.reshape(k * b)
-                log_p = F.log_softmax(not_true_logits(logits.reshape(k * b, c), flat_y) / tau, dim=1)
-                q = F.softmax(not_true_logits(outs["received"][1].reshape(k * b, c), flat_y) / tau, dim=1)
-                kl = F.kl_div(log_p, q, reduction="none").view(k, b, -1).sum(dim=(1, 2)) / b
-                return beta * tau**2 * kl
+        return BatchedStep(term=term, frozen=("received",), term_per_sample=True)
 
-            return distill
 
-        return BatchedStep(term=term, frozen=("received",))
+@functools.cache  # one function per (beta, tau): captured steps replay the same graphs every round
+def distillation_term(beta: float, tau: float) -> FrozenTermFn:
+    """``loss``'s not-true distillation per sample, ``beta · ntd_loss``'s summand with the received model's logits
+    (the engine takes each client's batch mean, ``batchmean``'s)."""
+
+    def distill(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        k, b, c = logits.shape
+        flat_y = y.reshape(k * b)
+        log_p = F.log_softmax(not_true_logits(logits.reshape(k * b, c), flat_y) / tau, dim=1)
+        q = F.softmax(not_true_logits(outs["received"][1].reshape(k * b, c), flat_y) / tau, dim=1)
+        return beta * tau**2 * F.kl_div(log_p, q, reduction="none").view(k, b, -1).sum(2)
+
+    return distill
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

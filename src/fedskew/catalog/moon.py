@@ -8,6 +8,7 @@ similarities over ``tau``. The server averages as FedAvg (any plug-in composes: 
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,22 +99,12 @@ class Moon(LocalAlgorithm):
         mu, tau = float(self.mu), float(self.tau)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss``'s model-contrastive term per client: ``mu · mean_b(−pos + logsumexp(pos, neg))``, cosine
-            similarities over ``tau`` of the trained body's output with the received and the previous model's."""
-            if mu == 0:
-                return None
-
-            def contrastive(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
-                pos = F.cosine_similarity(feats, outs["received"][0], dim=2) / tau
-                neg = F.cosine_similarity(feats, outs["previous"][0], dim=2) / tau
-                return mu * (-pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2)).mean(1)
-
-            return contrastive
+            return None if mu == 0 else contrastive_term(mu, tau)
 
         def previous(ctx: LocalContext) -> Params | None:  # begin decided: the term only with a previous model
             return ctx.kept(MOON_PREV) if ctx.prep(MoonRound).contrast else None
 
-        return BatchedStep(term=term, frozen=("received", "previous"), previous=previous)
+        return BatchedStep(term=term, frozen=("received", "previous"), previous=previous, term_per_sample=True)
 
     def check_model(self, template: Params, trainable: frozenset[str]) -> None:
         width = projection_width(template)
@@ -122,6 +113,20 @@ class Moon(LocalAlgorithm):
                 f"MOON expects a projection head of width {self.projection} (0: none) but the model has "
                 f"{width or 'none'}; build it with build_model(..., **method.model_options)"
             )
+
+
+@functools.cache  # one function per (mu, tau): captured steps replay the same graphs every round
+def contrastive_term(mu: float, tau: float) -> FrozenTermFn:
+    """``loss``'s model-contrastive term per sample, ``mu · (−pos + logsumexp(pos, neg))`` (the engine takes each
+    client's batch mean): cosine similarities over ``tau`` of the trained body's output with the received and the
+    previous model's."""
+
+    def contrastive(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        pos = F.cosine_similarity(feats, outs["received"][0], dim=2) / tau
+        neg = F.cosine_similarity(feats, outs["previous"][0], dim=2) / tau
+        return mu * (-pos + torch.logsumexp(torch.stack([pos, neg], dim=2), dim=2))
+
+    return contrastive
 
 
 @dataclass

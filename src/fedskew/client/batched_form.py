@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from fedskew.client.local import LocalContext
 
 # a loss term against frozen models on the same batch: (the trained body's output [K, B, d], the logits [K, B, C],
-# the labels [K, B], {frozen model name: its (body output, logits)}) -> the term per client [K]
+# the labels [K, B], {frozen model name: its (body output, logits)}) -> the term per client [K], or per sample [K, B]
+# (the engine then takes each client's mean over its batch's real samples: BatchedStep.term_per_sample)
 FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
 # a loss term through the trained head on inputs drawn for the step (FedGen's generated features): (the clients'
 # trained head on stacked inputs [K, G, d] -> [K, G, C], the step's drawn inputs) -> the term per client [K]
@@ -212,7 +213,11 @@ class BatchedStep:
     applied then (0: none). ``term``: from the first client's context, a loss term against frozen models on the same
     batch (``None``: off; models of standard layers only, engine/stacked.py), reading the frozen models ``frozen``
     (``"received"``; ``"previous"``: per client ``previous(ctx)``, ``None`` where the term is absent for that client,
-    as MOON's on a first participation). ``collect``: per client, where its last-epoch class sums go
+    as MOON's on a first participation). ``term_per_sample``: the term returns each sample's value ``[K, B]``, which
+    the engine averages over each batch's real samples, so that it runs at captured shapes too
+    (:mod:`fedskew.engine.captured`); a form whose ``term`` returns the same function for the same hyper-parameters
+    (a module-level ``functools.cache``) replays the same CUDA graphs every round, while a new function (one reading
+    tensors of its round) gets graphs of its own. ``collect``: per client, where its last-epoch class sums go
     (:class:`ClassSums`). ``generated``: a :class:`GeneratedTerm` (FedGen). ``start_after_begin``: the client trains
     from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model. ``begin_all``:
     every client's ``begin`` at once, on the contexts of the round's clients (sharing the model): it does what each
@@ -241,6 +246,7 @@ class BatchedStep:
     term: Callable[[LocalContext], FrozenTermFn | None] | None = None
     frozen: tuple[str, ...] = ()
     previous: Callable[[LocalContext], Params | None] | None = None
+    term_per_sample: bool = False
     collect: Callable[[LocalContext], ClassSums] | None = None
     generated: Callable[[LocalContext], GeneratedTerm | None] | None = None
     start_after_begin: bool = False

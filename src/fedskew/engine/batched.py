@@ -304,6 +304,7 @@ def _run_phase(
             conv,
             beside if beside else None,
             {k: v for k, v in stack.extra.items() if k in Beside.KEYS},
+            None if term is None else (term, stack.frozen_models, stack.term_mask),
         )
         beside.hand_back_rows(trained_beside)
         others = {key: v.unbind(0) for key, v in stack.extra.items()}

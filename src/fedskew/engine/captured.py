@@ -23,10 +23,11 @@ Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks t
 
 What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
 APFL's second model and its weight: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers of its own, its
-losses over the real samples only and its update masked as the model's is. What this form does not cover,
-:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded batch), loss terms
-against frozen models or generated inputs, class sums collected during training, inner steps (Per-FedAvg, pFedMe)
-and models without a stacked form (``vmap``).
+losses over the real samples only and its update masked as the model's is; so do a per-sample loss term's frozen
+models and mask (MOON, FedNTD: ``BatchedStep.term_per_sample``), the term's function part of the shape. What this
+form does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a
+padded batch), loss terms computed per client, generated inputs, class sums collected during training, inner steps
+(Per-FedAvg, pFedMe) and models without a stacked form (``vmap``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep
+from fedskew.client.batched_form import BatchedStep, FrozenTermFn
 from fedskew.engine.batched_schedule import Schedule, upload_index
 from fedskew.engine.batched_steps import Flat, sam_ascent
 from fedskew.engine.stacked import (
@@ -77,11 +78,11 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
             "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
             "run in buckets only"
         )
-    unmasked = (rule.term, rule.collect, rule.generated, rule.inner, rule.envelope)
+    unmasked = (None if rule.term_per_sample else rule.term, rule.collect, rule.generated, rule.inner, rule.envelope)
     if any(t is not None for t in unmasked):
         return (
-            "the client part's loss term (frozen models, generated inputs, collected class sums) or its inner steps "
-            "(Per-FedAvg, pFedMe) are not masked"
+            "the client part's loss term (one per client rather than per sample, generated inputs, collected class "
+            "sums) or its inner steps (Per-FedAvg, pFedMe) are not masked"
         )
     if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
         return "SAM's second pass would have to carry what the client trains beside the model"
@@ -235,6 +236,11 @@ class _Shape:
     beside_lr: float = 0.0
     represent: tuple[float, bool, float] | None = None
     mixture: tuple[bool, float] | None = None
+    # a loss term against frozen models, per sample (MOON, FedNTD; the function itself: a new one, new graphs), the
+    # frozen models' entries (name -> keys, shapes, dtypes) and whether a per-client mask applies it
+    term: FrozenTermFn | None = None
+    frozen: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], ...] = ()
+    term_mask: bool = False
 
 
 class PaddedSteps:
@@ -267,7 +273,11 @@ class PaddedSteps:
         self.loss = zeros(k, dtype=torch.float64)
         self.arange = torch.arange(shape.batch, device=device)
         self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (width, batch) -> x, y, count
-        self.forward = stacked_step_function(model, list(shape.names), shape.mu, conv=conv, precision=shape.precision)
+        self.frozen = {m: {key: zeros(k, *size, dtype=dtype) for key, size, dtype in keys} for m, keys in shape.frozen}
+        self.term_mask = zeros(k) if shape.term_mask else None
+        self.forward = stacked_step_function(
+            model, list(shape.names), shape.mu, term=shape.term, conv=conv, precision=shape.precision
+        )
         self.replay = StepReplay(self._step, device)
 
     def _inputs(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -293,6 +303,9 @@ class PaddedSteps:
         scale, shift = (None if m is None else m[:w] for m in self.logit_map)
         mapped = None if scale is None and shift is None else (scale, shift)
         extra = self._beside_args(w)
+        if sh.term is not None:  # the frozen models' rows and the term's mask
+            frozen = {m: {key: v[:w] for key, v in st.items()} for m, st in self.frozen.items()}
+            extra["rows"] = (frozen, None if self.term_mask is None else self.term_mask[:w])
         grads, (loss, _, feats) = self.forward(
             state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, **extra
         )
@@ -300,7 +313,7 @@ class PaddedSteps:
             with torch.no_grad():
                 eps = torch.cat([e.reshape(w, -1) for e in sam_ascent([grads[n] for n in sh.names], sh.sam_rho)], 1)
                 p_w.add_(eps)
-            grads, _ = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped)
+            grads, _ = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, **extra)
             with torch.no_grad():
                 p_w.sub_(eps)
         with torch.no_grad():
@@ -377,6 +390,8 @@ class PaddedSteps:
         blend_dir: Tensor | None = None,
         beside: dict[str, Tensor] | None = None,
         target: Tensor | None = None,
+        frozen: dict[str, dict[str, Tensor]] | None = None,
+        term_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows, the summed losses
         and the rows trained beside the model (``beside``, by key; FedDBE's ``target`` shared), in client order, in
@@ -400,6 +415,11 @@ class PaddedSteps:
                 self.beside[key].copy_(given.index_select(0, order))
             if self.target is not None and target is not None:
                 self.target.copy_(target)
+            for m, state in (frozen or {}).items():
+                for key, given in state.items():
+                    self.frozen[m][key].copy_(given.index_select(0, order))
+            if self.term_mask is not None and term_mask is not None:
+                self.term_mask.copy_(term_mask.index_select(0, order))
             if self.buf is not None:
                 self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
             self.loss.zero_()
@@ -454,6 +474,7 @@ def run_padded(
     conv: str = "grouped",
     beside: Beside | None = None,
     beside_rows: dict[str, Tensor] | None = None,
+    term: tuple[FrozenTermFn, dict[str, dict[str, Tensor]], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
@@ -464,7 +485,9 @@ def run_padded(
     ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``);
     ``blend``: ``(share, direction rows or None)`` mixed into the gradient after SAM's (``rule.sam_rho``).
     ``beside``: what the clients train beside the model (:class:`~fedskew.engine.batched_rows.Beside`), its rows
-    ``beside_rows`` (``[K, ...]`` by key, client order), returned trained as the third item."""
+    ``beside_rows`` (``[K, ...]`` by key, client order), returned trained as the third item. ``term``: a per-sample
+    loss term against frozen models (``rule.term_per_sample``), the frozen models' rows (name -> ``[K, ...]`` by
+    key, client order) and the ``[K]`` mask of the clients it applies to (``None``: all)."""
     rows = beside_rows or {}
     reps = beside.reps if beside is not None else []
     mixes = beside.mixes if beside is not None else []
@@ -494,8 +517,18 @@ def run_padded(
         beside_lr=float(beside.lr) if beside is not None else 0.0,
         represent=(float(reps[0].momentum), reps[0].target is not None, float(reps[0].weight)) if reps else None,
         mixture=(bool(mixes[0].adaptive), float(mixes[0].alpha_l2)) if mixes else None,
+        term=None if term is None else term[0],
+        frozen=()
+        if term is None
+        else tuple(
+            (m, tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in state.items())) for m, state in term[1].items()
+        ),
+        term_mask=term is not None and term[2] is not None,
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
     shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
     target = beside.target if beside is not None else None
-    return steps.run(plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows, rows, target)
+    frozen, mask = (None, None) if term is None else (term[1], term[2])
+    return steps.run(
+        plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows, rows, target, frozen, mask
+    )

@@ -338,6 +338,8 @@ def stacked_step_function(
                             f = fwd(body, part(frozen, "body."), x, training=False)
                             outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
                     extra = term(feats, logits, y, outs)
+                    if extra.dim() == 2:  # per sample: each client's mean over its real samples
+                        extra = padded_mean(extra, padding)
                     loss = loss + (extra if mask is None else mask * extra)
                 if head_term is not None and drawn is not None:
                     head_state = part(state, "head.")
