@@ -325,7 +325,7 @@ def main() -> None:
     print(f"steps: {sum(steps)} sequential, {max(steps)} batched (the longest client)")
     if args.path == "captured":  # the rows the padded steps run (engine/captured.py) against the clients' real steps
         from fedskew.client.local import TrainSettings
-        from fedskew.engine.captured import padded_samples, step_widths
+        from fedskew.engine.padded_plan import padded_samples, step_widths
 
         widths = step_widths(np.asarray(steps))
         slots, real, shapes = padded_samples(sizes, TrainSettings(args.epochs, args.batch_size, args.lr))

@@ -16,7 +16,9 @@ from test_batched_clients import _close, _same_states, _same_updates, _side_by_s
 from fedskew.client.batched_form import BatchedStep
 from fedskew.engine.batched import train_batched
 from fedskew.engine.batched_schedule import schedule
-from fedskew.engine.captured import PaddedPlan, StepReplay, capture_refusal, ladder, step_widths
+from fedskew.engine.captured import capture_refusal
+from fedskew.engine.graph_replay import StepReplay
+from fedskew.engine.padded_plan import PaddedPlan, ladder, step_widths
 from fedskew.models import build_model
 
 
@@ -142,7 +144,7 @@ def test_steps_of_short_last_batches_alone_run_narrower():
     at batch width 5, not 10 (10% fewer padded samples), and the rows still train as the sequential loop does
     (tests above)."""
     from fedskew.client.local import TrainSettings
-    from fedskew.engine.captured import step_batches
+    from fedskew.engine.padded_plan import step_batches
 
     ns = [45] * 6
     gens = [torch.Generator().manual_seed(i) for i in range(6)]

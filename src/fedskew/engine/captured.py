@@ -32,20 +32,19 @@ padded batch), loss terms computed per client, generated inputs, class sums coll
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from fedskew.client.batched_form import BatchedStep, FrozenTermFn
-from fedskew.engine.batched_schedule import Schedule, upload_index
+from fedskew.engine.batched_schedule import Schedule
 from fedskew.engine.batched_steps import Flat, sam_ascent
+from fedskew.engine.graph_replay import StepReplay
+from fedskew.engine.padded_plan import PaddedPlan
 from fedskew.engine.stacked import (
     MIX_ALPHA,
     MIX_V,
@@ -87,124 +86,6 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
         return "SAM's second pass would have to carry what the client trains beside the model"
     return None
-
-
-# each width of a ladder over the next: √2 pads a step to at most √2 times its live rows (halves: 2×) for about twice
-# as many widths, each captured once; on issue 15's Dirichlet round it takes the sample slots from 1.35× the real
-# samples (halves) to 1.13× (docs/design.md)
-LADDER_RATIO = 2**0.5
-
-
-def ladder(k: int) -> list[int]:
-    """The widths a phase of ``k`` clients runs at: ``k``, then each ``⌈previous/√2⌉`` (at least one less) down to 1,
-    largest first."""
-    out = [k]
-    while out[-1] > 1:
-        out.append(min(out[-1] - 1, math.ceil(out[-1] / LADDER_RATIO)))
-    return out
-
-
-def step_batches(count: np.ndarray, batch: int) -> list[int]:
-    """Per step (``count``: ``[T, K]`` real samples of each row at each step), the batch width it runs at: the smallest
-    of :func:`ladder` of ``batch`` covering its largest real batch (every real sample runs; a step of epochs' short
-    last batches alone runs narrower)."""
-    widths = ladder(batch)
-    return [min(w for w in widths if w >= int(n)) for n in count.max(axis=1, initial=1)]
-
-
-def step_widths(steps: np.ndarray) -> list[int]:
-    """Per step ``t`` of clients taking ``steps`` steps each, the width it runs at: the smallest of :func:`ladder`
-    covering the clients with ``steps > t`` (their sum over the steps against ``steps.sum()`` is the padding's cost)."""
-    widths = ladder(int(steps.size))
-    live = [int((steps > t).sum()) for t in range(int(steps.max(initial=0)))]
-    return [min(w for w in widths if w >= n) for n in live]
-
-
-class PaddedPlan:
-    """A phase's steps at the ladders' shapes: ``order`` the group positions longest first (row r of the stack is
-    client ``order[r]``), per step its width and batch width (``shapes``), and on the device the ``[T, K, B]`` sample
-    indices and ``[T, K]`` counts of real samples (0 beyond a row's steps)."""
-
-    def __init__(self, sched: Schedule, batch: int, device: torch.device) -> None:
-        k = int(sched.n.size)
-        self.order = np.argsort(-sched.steps, kind="stable")
-        rank = np.empty(k, dtype=np.int64)
-        rank[self.order] = np.arange(k)
-        total = int(sched.steps.max(initial=0))
-        index = np.zeros((total, k, batch), dtype=np.int64)
-        count = np.zeros((total, k), dtype=np.int64)
-        for t in range(total):
-            for size, rows, idx in sched.at(t):
-                index[t, rank[rows], :size] = idx
-                count[t, rank[rows]] = size
-        self.widths = step_widths(sched.steps)
-        self.shapes = list(zip(self.widths, step_batches(count, batch), strict=True))  # per step (width, batch width)
-        self.batch = batch
-        self.index = upload_index(index, device)
-        self.count = upload_index(count, device)
-
-
-def padded_samples(sizes: list[int], settings: TrainSettings) -> tuple[int, int, int]:
-    """What the padded steps of one phase of clients with ``sizes`` training samples compute: ``(sample slots, real
-    samples, distinct step shapes)``; slots over real samples is padding's cost (:class:`PaddedPlan`'s ladders)."""
-    from fedskew.engine.batched_schedule import schedule
-
-    offsets = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist() if sizes else []
-    sched = schedule(sizes, offsets, settings, [torch.Generator() for _ in sizes])  # sizes fix the counts, not order
-    plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), torch.device("cpu"))
-    return sum(w * b for w, b in plan.shapes), int(plan.count.sum()), len(set(plan.shapes))
-
-
-class StepReplay:
-    """Runs ``step(shape)`` for each step: on a CUDA device each shape's step captured as a CUDA graph on its second
-    use (its first runs eagerly on a side stream: the warm-up the capture needs) and replayed after; elsewhere eagerly.
-    Everything runs with ``device`` current (its streams, its memory pool: a run on ``cuda:1`` captures there, not on
-    the process's current device). A capture that fails warns with the reason, puts back the stream that was current
-    (a capture that raises can leave its own stream current) and the phase goes on eagerly (the step reads and writes
-    only the buffers it is given, so an eager step and a replay do the same)."""
-
-    def __init__(self, step: Callable[[Hashable], None], device: torch.device) -> None:
-        self.step = step
-        self.device = device
-        self.capture = device.type == "cuda"
-        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.warm: set[Hashable] = set()
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.stream = torch.cuda.Stream(device) if self.capture else None  # the warm-ups' and captures' stream
-
-    def __call__(self, key: Hashable) -> None:
-        if not self.capture:
-            self.step(key)
-            return
-        with torch.cuda.device(self.device):
-            self._on_device(key)
-
-    def _on_device(self, key: Hashable) -> None:
-        graph = self.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        current = torch.cuda.current_stream(self.device)
-        if key not in self.warm:
-            self.stream.wait_stream(current)
-            with torch.cuda.stream(self.stream):
-                self.step(key)
-            current.wait_stream(self.stream)
-            self.warm.add(key)
-            return
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.step(key)
-        except RuntimeError as err:
-            torch.cuda.set_stream(current)
-            torch.cuda.synchronize(self.device)
-            warnings.warn(f"batched step capture failed ({err}); running the steps eagerly", stacklevel=3)
-            self.capture = False
-            self.step(key)
-            return
-        self.graphs[key] = graph
-        graph.replay()  # the capture recorded the step without running it
 
 
 @dataclass(frozen=True)
