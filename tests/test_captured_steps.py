@@ -112,6 +112,22 @@ def test_refusals_name_what_cannot_be_padded():
     assert "SAM's second pass" in (capture_refusal(sam_beside, mlp) or "")
 
 
+def test_a_per_sample_term_that_gives_one_value_per_client_is_refused_by_name():
+    """A form that says ``term_per_sample`` but returns ``[K]``: its batch mean would include the padding, so the
+    padded step refuses it with the shapes rather than train on padding slots."""
+    from fedskew.engine.stacked import stacked_step_function
+
+    model = mlp_model()
+    names = [n for n, _ in model.named_parameters()]
+    step = stacked_step_function(model, names, 0.0, term=lambda feats, logits, y, outs: logits.sum((1, 2)))
+    params = {n: p.detach().unsqueeze(0).repeat(2, *([1] * p.dim())) for n, p in model.named_parameters()}
+    x, y = torch.randn(2, 3, 1, 8, 8), torch.zeros(2, 3, dtype=torch.long)
+    padding = (torch.ones(2, 3), torch.full((2,), 3.0))
+    with pytest.raises(ValueError, match=r"one value per sample \[2, 3\], got \[2\]"):
+        step(params, {}, {}, x, y, rows=({}, None), padding=padding)
+    step(params, {}, {}, x, y, rows=({}, None))  # unpadded (the bucketed loop): a value per client is the contract
+
+
 def test_ladder_and_plan_cover_every_live_row():
     assert ladder(1) == [1] and ladder(5) == [5, 4, 3, 2, 1] and ladder(8) == [8, 6, 5, 4, 3, 2, 1]
     assert ladder(50) == [50, 36, 26, 19, 14, 10, 8, 6, 5, 4, 3, 2, 1]  # each about 1/√2 of the one before

@@ -338,6 +338,11 @@ def stacked_step_function(
                             f = fwd(body, part(frozen, "body."), x, training=False)
                             outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
                     extra = term(feats, logits, y, outs)
+                    if padding is not None and extra.shape != (k, b):  # a per-client value would average the padding
+                        raise ValueError(
+                            f"a loss term at padded shapes must give one value per sample [{k}, {b}], got "
+                            f"{list(extra.shape)} (BatchedStep.term_per_sample)"
+                        )
                     if extra.dim() == 2:  # per sample: each client's mean over its real samples
                         extra = padded_mean(extra, padding)
                     loss = loss + (extra if mask is None else mask * extra)
