@@ -47,6 +47,7 @@ def describe(name: str, cols: int = 100) -> str:
     """The detail of ``name`` (a part, an alias or a composition), wrapped to ``cols`` columns; ``ValueError`` naming
     the choices for an unknown or refused name."""
     from fedskew.client.local import batched_form
+    from fedskew.engine.captured import form_capture_refusal
     from fedskew.methods import ALIASES, CLIENTS, SERVER_PLUGINS, describe_methods, resolve_method
     from fedskew.privacy.server import refusal
     from fedskew.server.streaming import secure_refusal
@@ -73,12 +74,17 @@ def describe(name: str, cols: int = 100) -> str:
     if method.reports:
         dp_note = ", its reports released with --dp-report-noise" + dp_note
     form = batched_form(method.client)
+    captured = "batched clients first" if isinstance(form, str) else form_capture_refusal(form)
     secure = secure_refusal(method)
     lines += [
         fill(f"what each client sends beside its model: {sent}"),
         fill("user-level DP (--dp-clip): " + (f"no: {why}" if why is not None else "can run" + dp_note)),
         fill("secure aggregation on Flower (flower.secagg): " + ("yes" if secure is None else f"no: {secure}")),
         fill("--batched-clients: " + ("yes" if not isinstance(form, str) else f"no: {form}")),
+        fill(
+            "--capture-steps (with --batched-clients): "
+            + ("yes, on models of standard layers without BatchNorm" if captured is None else f"no: {captured}")
+        ),
         fill("personalized models: " + ("yes, evaluated in the personal views" if method.personalized else "no")),
     ]
     return "\n".join(lines)

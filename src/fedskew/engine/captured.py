@@ -72,6 +72,12 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
         return "the model has buffers (BatchNorm statistics would be computed over padded batches)"
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # no running statistics kept
         return "the model has BatchNorm layers (their batch statistics would include the padding)"
+    return form_capture_refusal(rule)
+
+
+def form_capture_refusal(rule: BatchedStep) -> str | None:
+    """The part of :func:`capture_refusal` that reads the client part's batched form alone (whatever the model): what
+    ``fedskew methods NAME`` says of ``--capture-steps``."""
     if rule.client_term is not None or rule.decay is not None or rule.head_draw is not None:
         return (
             "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
