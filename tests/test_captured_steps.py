@@ -56,6 +56,11 @@ TEN = {"clients": 10, "batch_size": 16}
         # 1, one in round 2) and FedNTD (the received model's logits)
         ("moon", {"mu": 1.0}, {"momentum": 0.5, **TEN}),
         ("fedntd", {"beta": 1.0}, {"momentum": 0.5, **TEN}),
+        # a per-sample term on the round's prototypes (a new function each round) and the last epoch's class sums
+        # over the real samples (each row from its own last epoch's first step)
+        ("fedproto", {"lam": 1.0}, {"momentum": 0.5, "local_epochs": 2, **TEN}),
+        ("fpl", None, {"local_epochs": 2, **TEN}),
+        ("fedpac", None, {"momentum": 0.5, **TEN}),  # its body phase's alignment term, then its head phase
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -104,7 +109,7 @@ def test_refusals_name_what_cannot_be_padded():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
         assert "own per-client term" in (capture_refusal(own, mlp) or "")
-    for method in ("fedproto", "perfedavg", "pfedme"):  # class sums, inner steps
+    for method in ("fedproc", "perfedavg", "pfedme"):  # a term per client, inner steps
         sim = digits_simulation(method)
         with pytest.raises(ValueError, match="one shape: the client part's loss term"):
             train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
@@ -218,12 +223,13 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
         run_experiment(make_config(None, bn))
 
 
-@pytest.mark.parametrize(("method", "args"), [("scaffold", None), ("moon", {"mu": 1.0})])
+@pytest.mark.parametrize(("method", "args"), [("scaffold", None), ("moon", {"mu": 1.0}), ("fedproto", {"lam": 1.0})])
 def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):
     """A trainer's cache keeps one set of buffers (and, on a GPU, graphs) per shape of phase: the rounds that reuse
     them give bit for bit what fresh buffers give (momentum restarted, losses and rows replaced, MOON's frozen models
-    and mask), and a phase of another shape gets its own. MOON's term is one function for its hyper-parameters
-    (``contrastive_term``), so its rounds share one shape too."""
+    and mask, FedProto's class sums), and a phase of another shape gets its own. MOON's term is one function for its
+    hyper-parameters (``contrastive_term``), so its rounds share one shape too; FedProto's is a new function each
+    round (its round's prototypes), whose shape replaces the last round's rather than piling up in the cache."""
     from fedskew.engine.captured import PaddedCache
 
     over = {"momentum": 0.9, "weight_decay": 1e-3, "local_epochs": 2}

@@ -143,10 +143,11 @@ class FedPAC(LocalAlgorithm):
         lam = float(self.lam)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss``'s term per client in the body phase: ``lam ·`` the MSE between each feature and its class's
-            global prototype (the feature itself where the class has none); none in the head phase and before the
-            first global prototypes (broadcast: the same for every client of the round). The statistics (begin)
-            and the prototypes (end) run per client."""
+            """``loss``'s term per sample in the body phase (the engine takes each client's batch mean): ``lam ·``
+            the MSE between each feature and its class's global prototype (the feature itself where the class has
+            none); none in the head phase and before the first global prototypes (broadcast: the same for every
+            client of the round; a new function each round). The statistics (begin) and the prototypes (end) run per
+            client."""
             r = ctx.prep(PacRound)
             if ctx.phase != "body" or r.protos is None or r.present is None or lam == 0:
                 return None
@@ -154,11 +155,11 @@ class FedPAC(LocalAlgorithm):
 
             def alignment(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
                 target = torch.where(present[y].unsqueeze(-1), protos[y].to(feats.dtype), feats.detach())
-                return lam * ((feats - target) ** 2).mean(dim=(1, 2))
+                return lam * ((feats - target) ** 2).mean(dim=2)
 
             return alignment
 
-        return BatchedStep(term=term)
+        return BatchedStep(term=term, term_per_sample=True)
 
 
 # ---- server ----------------------------------------------------------------------------------------------------------

@@ -172,19 +172,19 @@ class FPL(PrototypeCollector):
         tau = float(self.tau)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss``'s term per client (the broadcast prototypes are the same for every client of the round)."""
+            """``loss``'s term per sample, the engine taking each client's batch mean (the broadcast prototypes are
+            the same for every client of the round; a new function each round)."""
             protos = ctx.prep(FPLRound).fpl
             if protos is None:
                 return None
 
             def terms(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
                 k, b = y.shape
-                per = fpl_terms(feats.reshape(k * b, -1), y.reshape(k * b), protos, tau)
-                return per.view(k, b).sum(1) / b
+                return fpl_terms(feats.reshape(k * b, -1), y.reshape(k * b), protos, tau).view(k, b)
 
             return terms
 
-        return BatchedStep(term=term, collect=collected_sums)
+        return BatchedStep(term=term, collect=collected_sums, term_per_sample=True)
 
 
 # ---- server half -----------------------------------------------------------------------------------------------------

@@ -129,9 +129,10 @@ class FedProto(PrototypeLearning):
         lam = float(self.lam)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss``'s term per client: ``lam ·`` the MSE between each feature and its class's global prototype
-            (the feature itself where the class has none); none before the first global prototypes (broadcast: the
-            same for every client of the round)."""
+            """``loss``'s term per sample (the engine takes each client's batch mean): ``lam ·`` the MSE between each
+            feature and its class's global prototype (the feature itself where the class has none); none before the
+            first global prototypes (broadcast: the same for every client of the round; a new function each round,
+            so captured steps capture their graphs anew each round)."""
             global_protos = ctx.prep(PrototypeRound).protos
             if global_protos is None or lam == 0:
                 return None
@@ -139,11 +140,11 @@ class FedProto(PrototypeLearning):
 
             def distance(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
                 target = torch.where(present[y].unsqueeze(-1), protos[y], feats.detach())
-                return lam * ((feats - target) ** 2).mean(dim=(1, 2))
+                return lam * ((feats - target) ** 2).mean(dim=2)
 
             return distance
 
-        return BatchedStep(term=term, collect=collected_sums)
+        return BatchedStep(term=term, collect=collected_sums, term_per_sample=True)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         dist = squared_distances(features.float(), protos.float())

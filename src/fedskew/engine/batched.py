@@ -281,9 +281,10 @@ def _run_phase(
     decays = [rule.decay(n) for n in names] if rule.decay is not None else []
     decayed = any(decays)  # once per phase, not per step
     head_draws = [rule.head_draw(ctx) for ctx in contexts] if rule.head_draw is not None else []
+    collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
     # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
     if capture is not None:
-        trained, losses, trained_beside = run_padded(
+        result = run_padded(
             model,
             rule,
             s,
@@ -305,14 +306,18 @@ def _run_phase(
             beside if beside else None,
             {k: v for k, v in stack.extra.items() if k in Beside.KEYS},
             None if term is None else (term, stack.frozen_models, stack.term_mask),
+            None if collect is None else (sim.data.num_classes, collect.start),
         )
-        beside.hand_back_rows(trained_beside)
+        beside.hand_back_rows(result.beside)
+        if collect is not None:  # FedProto/FPL: the last epoch's class sums, where each client's end reads them
+            collect.sums, collect.counts = result.sums, result.counts  # type: ignore[assignment]
+            collect.hand_over()
         others = {key: v.unbind(0) for key, v in stack.extra.items()}
         states = [
             {key: (mine[key] if key in mine else others[key][k]) for key in order}
-            for k, mine in enumerate(flat.rows(trained))
+            for k, mine in enumerate(flat.rows(result.params))
         ]
-        return states, losses
+        return states, result.losses
     # training mode, as local_train sets it: vmap's functional_call runs the modules in their current mode, and the
     # model comes here from an evaluation (eval mode: BatchNorm would normalize by its running statistics)
     model.train()
@@ -320,7 +325,6 @@ def _run_phase(
     head_term = generated.term if generated is not None else None
     step = step_function(model, names, mu, term, head_term, own_term, draw_name, conv, s.precision)
     drawn_all = None if sched.drawn is None else tuple(t.to(device) for t in sched.drawn)
-    collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
 
     plan, index = plan_steps(sched, device)
     for t, step_plan in enumerate(plan):

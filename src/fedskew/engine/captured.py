@@ -24,18 +24,19 @@ Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks t
 What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
 APFL's second model and its weight: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers of its own, its
 losses over the real samples only and its update masked as the model's is; so do a per-sample loss term's frozen
-models and mask (MOON, FedNTD: ``BatchedStep.term_per_sample``), the term's function part of the shape. What this
-form does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a
-padded batch), loss terms computed per client, generated inputs, class sums collected during training, inner steps
-(Per-FedAvg, pFedMe) and models without a stacked form (``vmap``).
+models and mask (MOON, FedNTD, FedProto, FPL, FedPAC: ``BatchedStep.term_per_sample``), the term's function part of
+the shape, and the last epoch's class sums over the real samples (FedProto, FPL). What this form does not cover,
+:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded batch), loss terms
+computed per client, generated inputs, inner steps (Per-FedAvg, pFedMe) and models without a stacked form
+(``vmap``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -83,11 +84,11 @@ def form_capture_refusal(rule: BatchedStep) -> str | None:
             "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
             "run in buckets only"
         )
-    unmasked = (None if rule.term_per_sample else rule.term, rule.collect, rule.generated, rule.inner, rule.envelope)
+    unmasked = (None if rule.term_per_sample else rule.term, rule.generated, rule.inner, rule.envelope)
     if any(t is not None for t in unmasked):
         return (
-            "the client part's loss term (one per client rather than per sample, generated inputs, collected class "
-            "sums) or its inner steps (Per-FedAvg, pFedMe) are not masked"
+            "the client part's loss term (one per client rather than per sample, or on generated inputs) or its "
+            "inner steps (Per-FedAvg, pFedMe) are not masked"
         )
     if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
         return "SAM's second pass would have to carry what the client trains beside the model"
@@ -128,6 +129,19 @@ class _Shape:
     term: FrozenTermFn | None = None
     frozen: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], ...] = ()
     term_mask: bool = False
+    collect: int | None = None  # the classes of the last epoch's class sums of the features (FedProto, FPL)
+
+
+class PaddedResult(NamedTuple):
+    """What a phase's padded steps give, in client order: the trained ``[K, D]`` rows, each client's summed
+    ``batch loss × batch size`` (float64), the rows trained beside the model (by key) and, when the form collects
+    them, the last epoch's per-class feature sums ``[K, C, d]`` and counts ``[K, C]`` (float64)."""
+
+    params: Tensor
+    losses: Tensor
+    beside: dict[str, Tensor]
+    sums: Tensor | None = None
+    counts: Tensor | None = None
 
 
 class PaddedSteps:
@@ -162,6 +176,13 @@ class PaddedSteps:
         self.inputs: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (width, batch) -> x, y, count
         self.frozen = {m: {key: zeros(k, *size, dtype=dtype) for key, size, dtype in keys} for m, keys in shape.frozen}
         self.term_mask = zeros(k) if shape.term_mask else None
+        # class sums from each row's ``start`` step on (its last epoch), the step's index ``t`` on the device; the sums'
+        # width is the body's output, known at the first step (an eager one: a CUDA warm-up)
+        self.start = zeros(k, dtype=torch.int64) if shape.collect is not None else None
+        self.t = torch.zeros((), dtype=torch.int64, device=device)
+        self.classes = torch.arange(shape.collect or 0, device=device)
+        self.counts = zeros(k, shape.collect, dtype=torch.float64) if shape.collect is not None else None
+        self.sums: Tensor | None = None
         self.forward = stacked_step_function(
             model, list(shape.names), shape.mu, term=shape.term, conv=conv, precision=shape.precision
         )
@@ -229,6 +250,16 @@ class PaddedSteps:
                 p_w.addcmul_(self.shift[:w], live, value=sh.shift)
             if self.beside:
                 self._advance_beside(w, live, grads, padded_mean(feats, (weights, denom)))
+            if self.counts is not None and self.start is not None:  # each row's real samples in its last epoch
+                on = (self.start[:w] <= self.t).to(torch.float64).view(w, 1, 1)
+                onehot = (ys.unsqueeze(-1) == self.classes).to(torch.float64) * weights.to(torch.float64).unsqueeze(-1)
+                onehot = onehot * on  # [w, b, C]
+                if self.sums is None:
+                    self.sums = torch.zeros(
+                        (sh.rows, *self.counts.shape[1:], feats.shape[-1]), dtype=torch.float64, device=feats.device
+                    )
+                self.sums[:w] += torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64))
+                self.counts[:w] += onehot.sum(1)
             self.loss[:w] += (loss * count).double()
 
     def _beside_args(self, w: int) -> dict[str, object]:
@@ -279,10 +310,11 @@ class PaddedSteps:
         target: Tensor | None = None,
         frozen: dict[str, dict[str, Tensor]] | None = None,
         term_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """The phase's steps from the stacked rows (client order): the trained ``[K, D]`` rows, the summed losses
-        and the rows trained beside the model (``beside``, by key; FedDBE's ``target`` shared), in client order, in
-        new tensors (the buffers are the next round's)."""
+        collect_from: Tensor | None = None,
+    ) -> PaddedResult:
+        """The phase's steps from the stacked rows (client order; ``beside``: the rows trained beside the model, by
+        key, FedDBE's ``target`` shared; ``collect_from``: each client's first step of class sums), their result in
+        client order, in new tensors (the buffers are the next round's)."""
         order = torch.as_tensor(plan.order, device=self.p.device)
         with torch.no_grad():
             self.p.copy_(params.index_select(0, order))
@@ -307,6 +339,11 @@ class PaddedSteps:
                     self.frozen[m][key].copy_(given.index_select(0, order))
             if self.term_mask is not None and term_mask is not None:
                 self.term_mask.copy_(term_mask.index_select(0, order))
+            if self.start is not None and self.counts is not None and collect_from is not None:
+                self.start.copy_(collect_from.index_select(0, order))
+                self.counts.zero_()
+                if self.sums is not None:
+                    self.sums.zero_()
             if self.buf is not None:
                 self.buf.zero_()  # 0·β + g = g exactly: the first step's buf = g
             self.loss.zero_()
@@ -316,24 +353,35 @@ class PaddedSteps:
             torch.index_select(x_all, 0, idx, out=x)
             torch.index_select(y_all, 0, idx, out=y)
             count.copy_(plan.count[t, :w])
+            if self.start is not None:
+                self.t.fill_(t)
             self.replay((w, b))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         rows = {key: v.index_select(0, back) for key, v in self.beside.items()}
-        return self.p.index_select(0, back), self.loss.index_select(0, back), rows
+        sums = None if self.sums is None else self.sums.index_select(0, back)
+        counts = None if self.counts is None else self.counts.index_select(0, back)
+        return PaddedResult(self.p.index_select(0, back), self.loss.index_select(0, back), rows, sums, counts)
 
 
 class PaddedCache:
     """The :class:`PaddedSteps` of the shapes a run's phases have had (at most ``size``, the least recently used
     dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs. A shape's
-    steps are kept per form of the stacked convolutions (:data:`~fedskew.engine.stacked.CONV_FORMS`)."""
+    steps are kept per form of the stacked convolutions (:data:`~fedskew.engine.stacked.CONV_FORMS`). A shape that
+    differs from a kept one by its loss term's function alone replaces it: a term built anew each round (one reading
+    its round's prototypes) would otherwise fill the cache with the buffers of rounds that do not come back."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self.steps: OrderedDict[tuple[_Shape, str], PaddedSteps] = OrderedDict()
 
     def get(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> PaddedSteps:
-        found = self.steps.pop((shape, conv), None) or PaddedSteps(model, shape, device, conv)
+        found = self.steps.pop((shape, conv), None)
+        if found is None:
+            family = replace(shape, term=None)
+            for kept, form in [k for k in self.steps if k[1] == conv and replace(k[0], term=None) == family]:
+                del self.steps[(kept, form)]
+            found = PaddedSteps(model, shape, device, conv)
         self.steps[(shape, conv)] = found
         while len(self.steps) > self.size:
             self.steps.popitem(last=False)
@@ -362,7 +410,8 @@ def run_padded(
     beside: Beside | None = None,
     beside_rows: dict[str, Tensor] | None = None,
     term: tuple[FrozenTermFn, dict[str, dict[str, Tensor]], Tensor | None] | None = None,
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    collect: tuple[int, Tensor] | None = None,
+) -> PaddedResult:
     """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
     ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
     summed ``batch loss × batch size`` (float64), in client order, as the bucketed loop returns them. ``anchor``:
@@ -374,7 +423,8 @@ def run_padded(
     ``beside``: what the clients train beside the model (:class:`~fedskew.engine.batched_rows.Beside`), its rows
     ``beside_rows`` (``[K, ...]`` by key, client order), returned trained as the third item. ``term``: a per-sample
     loss term against frozen models (``rule.term_per_sample``), the frozen models' rows (name -> ``[K, ...]`` by
-    key, client order) and the ``[K]`` mask of the clients it applies to (``None``: all)."""
+    key, client order) and the ``[K]`` mask of the clients it applies to (``None``: all). ``collect``: the classes
+    and each client's first step of the last epoch's class sums (``[K]``, FedProto's and FPL's ``collect``)."""
     rows = beside_rows or {}
     reps = beside.reps if beside is not None else []
     mixes = beside.mixes if beside is not None else []
@@ -411,11 +461,26 @@ def run_padded(
             (m, tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in state.items())) for m, state in term[1].items()
         ),
         term_mask=term is not None and term[2] is not None,
+        collect=None if collect is None else int(collect[0]),
     )
     steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
     shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
     target = beside.target if beside is not None else None
     frozen, mask = (None, None) if term is None else (term[1], term[2])
     return steps.run(
-        plan, x_all, y_all, params, fixed, anchor, shift_rows, pull, logit_map, blend_rows, rows, target, frozen, mask
+        plan,
+        x_all,
+        y_all,
+        params,
+        fixed,
+        anchor,
+        shift_rows,
+        pull,
+        logit_map,
+        blend_rows,
+        rows,
+        target,
+        frozen,
+        mask,
+        None if collect is None else collect[1],
     )
