@@ -60,6 +60,7 @@ TEN = {"clients": 10, "batch_size": 16}
         # over the real samples (each row from its own last epoch's first step)
         ("fedproto", {"lam": 1.0}, {"momentum": 0.5, "local_epochs": 2, **TEN}),
         ("fpl", None, {"local_epochs": 2, **TEN}),
+        ("fedproc", {"curriculum_rounds": 4}, {"momentum": 0.5, "local_epochs": 2, **TEN}),  # round 2: α = 2/3
         ("fedpac", None, {"momentum": 0.5, **TEN}),  # its body phase's alignment term, then its head phase
     ],
 )
@@ -109,7 +110,7 @@ def test_refusals_name_what_cannot_be_padded():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
         assert "own per-client term" in (capture_refusal(own, mlp) or "")
-    for method in ("fedproc", "perfedavg", "pfedme"):  # a term per client, inner steps
+    for method in ("fedavg+feddecorr", "perfedavg", "pfedme"):  # a term per client (a batch statistic), inner steps
         sim = digits_simulation(method)
         with pytest.raises(ValueError, match="one shape: the client part's loss term"):
             train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)

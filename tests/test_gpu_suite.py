@@ -97,7 +97,7 @@ def test_smoke_suite_runs_the_whole_run_pieces(tmp_path):
     assert methods["runs"] == 8 and methods["ok_runs"] == 8 and methods["failed"] == []
     bf16 = _results(out, ["methods-bf16"])["methods-bf16"]  # the same under bfloat16 autocast
     assert bf16["runs"] == 8 and bf16["ok_runs"] == 8 and bf16["failed"] == []
-    captured = _results(out, ["methods-captured"])["methods-captured"]  # FedProc's term per client: in buckets
+    captured = _results(out, ["methods-captured"])["methods-captured"]  # Per-FedAvg's inner steps: in buckets
     assert captured["runs"] == 3 and captured["ok_runs"] == 2 and captured["refused_runs"] == 1
     forms = _results(out, ["conv-forms"])["conv-forms"]["speed_over_grouped"]  # on a CPU: no TF32, no cuDNN
     assert list(forms) == ["K 3, TF32 off"]

@@ -158,16 +158,12 @@ def prototypical_contrastive(
 ) -> Tensor:
     """FedProc's per-sample loss ``−log( e^{cos(z, c_y)/T} / Σ_{j present} e^{cos(z, c_j)/T} )`` (``[B]``): the
     positive is the sample's class prototype, the negatives every other class's; 0 for a sample whose class has no
-    global prototype."""
-    idx = present.nonzero().squeeze(1)
-    sims = F.cosine_similarity(features.unsqueeze(1), protos[idx].unsqueeze(0), dim=2) / temperature  # [B, |P|]
-    position = torch.full((protos.shape[0],), -1, dtype=torch.long, device=features.device)
-    position[idx] = torch.arange(idx.numel(), device=features.device)
-    pos = position[y]
-    has = pos >= 0
-    positive = sims.gather(1, pos.clamp(min=0).unsqueeze(1)).squeeze(1)
-    per_sample = torch.logsumexp(sims, dim=1) - positive
-    return torch.where(has, per_sample, torch.zeros_like(per_sample))
+    global prototype. The classes without one are masked out of the normalizer (``−inf``) rather than selected by
+    index, so that no step waits on the host (a CUDA graph can capture it); ``present`` must hold one class at least."""
+    sims = F.cosine_similarity(features.unsqueeze(1), protos.unsqueeze(0), dim=2) / temperature  # [B, C]
+    normalizer = torch.logsumexp(sims.masked_fill(~present.unsqueeze(0), float("-inf")), dim=1)
+    positive = sims.gather(1, y.unsqueeze(1)).squeeze(1)
+    return torch.where(present[y], normalizer - positive, torch.zeros_like(positive))
 
 
 def curriculum_weight(rnd: int, total: int) -> float:
@@ -220,8 +216,9 @@ class FedProc(PrototypeLearning):
         temperature = float(self.temperature)
 
         def term(ctx: LocalContext) -> FrozenTermFn | None:
-            """``loss`` = ``α·L_pc + (1 − α)·CE`` as the cross-entropy plus ``α·(L_pc − CE)`` per client (α the
-            round's curriculum weight); none before the first global prototypes."""
+            """``loss`` = ``α·L_pc + (1 − α)·CE`` as the cross-entropy plus ``α·(L_pc − CE)`` per sample (α the
+            round's curriculum weight; the engine takes each client's batch mean); none before the first global
+            prototypes (a new function each round)."""
             global_protos = ctx.prep(PrototypeRound).protos
             if global_protos is None:
                 return None
@@ -231,13 +228,13 @@ class FedProc(PrototypeLearning):
             def contrast(feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
                 k, b, c = logits.shape
                 flat_y = y.reshape(k * b)
-                ce = F.cross_entropy(logits.reshape(k * b, c), flat_y, reduction="none").view(k, b).mean(1)
+                ce = F.cross_entropy(logits.reshape(k * b, c), flat_y, reduction="none")
                 pc = prototypical_contrastive(feats.reshape(k * b, -1), flat_y, protos, present, temperature)
-                return a * (pc.view(k, b).mean(1) - ce)
+                return a * (pc - ce).view(k, b)
 
             return contrast
 
-        return BatchedStep(term=term, collect=collected_sums)
+        return BatchedStep(term=term, collect=collected_sums, term_per_sample=True)
 
     def _eval_scores(self, features: Tensor, y: Tensor, protos: Tensor, present: Tensor) -> tuple[Tensor, Tensor]:
         sims = F.cosine_similarity(features.float().unsqueeze(1), protos.float().unsqueeze(0), dim=2)

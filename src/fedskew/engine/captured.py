@@ -24,11 +24,11 @@ Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks t
 What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
 APFL's second model and its weight: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers of its own, its
 losses over the real samples only and its update masked as the model's is; so do a per-sample loss term's frozen
-models and mask (MOON, FedNTD, FedProto, FPL, FedPAC: ``BatchedStep.term_per_sample``), the term's function part of
-the shape, and the last epoch's class sums over the real samples (FedProto, FPL). What this form does not cover,
-:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded batch), loss terms
-computed per client, generated inputs, inner steps (Per-FedAvg, pFedMe) and models without a stacked form
-(``vmap``).
+models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC: ``BatchedStep.term_per_sample``), the term's function
+part of the shape, and the last epoch's class sums over the real samples (FedProto, FedProc, FPL). What this form
+does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded
+batch), loss terms computed per client, generated inputs, inner steps (Per-FedAvg, pFedMe) and models without a
+stacked form (``vmap``).
 """
 
 from __future__ import annotations
