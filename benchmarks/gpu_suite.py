@@ -110,9 +110,10 @@ BATCHED_METHODS = (
 # the batched step at padded shapes, replayed as CUDA graphs (engine/captured.py, --capture-steps): plain SGD, a
 # proximal term, a shift after the step, a logit shift, SAM's two passes, and what clients train beside the model (a
 # side head, representation pieces, a mixture), per-sample terms against frozen models or the round's prototypes and
-# class sums; their plain batched steps kept the H200 27-40% busy (2026-12-04)
+# class sums, inner steps (Per-FedAvg's slices, pFedMe's θ) and inputs drawn per step (FedGen); their plain batched
+# steps kept the H200 27-40% busy (2026-12-04)
 CAPTURED = ("fedavg", "fedprox", "scaffold", "fedlc", "fedsam", "fedrod", "feddbe", "apfl", "moon", "fedntd")
-CAPTURED += ("fedproto",)
+CAPTURED += ("fedproto", "perfedavg", "pfedme", "fedgen")
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,9 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     found.append(Piece("methods-on-device", argv, 30 if smoke else 150, 300 if smoke else 400))
     # the same under bfloat16 autocast (precision bf16): CUDA's autocast rules are not the CPU's that CI sees
     found.append(Piece("methods-bf16", [*argv, "--precision", "bf16"], 30 if smoke else 150, 300 if smoke else 400))
-    # every method's captured steps (12 s for 48 methods on this CPU, 41 of them captured); in smoke one of each:
-    # plain steps, a side head, a refusal
-    captured_argv = [*base, *(["--methods", "fedavg,fedrod,perfedavg"] if smoke else []), "--paths", "captured"]
+    # every method's captured steps (20 s for 48 methods on this CPU, 46 of them captured); in smoke one of each:
+    # plain steps, a side head, a refusal (GPFL's head has no stacked form)
+    captured_argv = [*base, *(["--methods", "fedavg,fedrod,gpfl"] if smoke else []), "--paths", "captured"]
     found.append(Piece("methods-captured", captured_argv, 30 if smoke else 90, 300 if smoke else 400))
     paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
     for m, path in paths:

@@ -7,13 +7,15 @@ replays. Each case trains two identical simulations side by side, one client aft
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from conftest import digits_simulation, run_records
 from test_batched_clients import _close, _same_states, _same_updates, _side_by_side
 
-from fedskew.client.batched_form import BatchedStep
+from fedskew.client.batched_form import BatchedStep, InnerStep
 from fedskew.engine.batched import train_batched
 from fedskew.engine.batched_schedule import schedule
 from fedskew.engine.captured import capture_refusal
@@ -62,6 +64,23 @@ TEN = {"clients": 10, "batch_size": 16}
         ("fpl", None, {"local_epochs": 2, **TEN}),
         ("fedproc", {"curriculum_rounds": 4}, {"momentum": 0.5, "local_epochs": 2, **TEN}),  # round 2: α = 2/3
         ("fedpac", None, {"momentum": 0.5, **TEN}),  # its body phase's alignment term, then its head phase
+        # a statistic of each batch over its real samples (FedDecorr's decorrelation), alone and beside a per-sample
+        # host term
+        ("feddecorr", {"beta": 1e-3}, {"momentum": 0.5, **TEN}),
+        ("fedntd+feddecorr", {"feddecorr.beta": 1e-3}, TEN),
+        # inner steps: Per-FedAvg's slices of each row's own batch as masks (odd last batches: slices of unequal
+        # length, one past a batch's end), pFedMe's θ rows solved at every step and kept exactly on a finished row
+        ("perfedavg", None, {"momentum": 0.5, **TEN}),
+        ("perfedavg", {"variant": "hf", "alpha": 0.02}, {"batch_size": 33}),
+        ("pfedme", {"lam": 5.0, "inner_steps": 3, "mu": 0.01}, {"momentum": 0.5, **TEN}),
+        # inputs drawn per client and step through the round's generator (FedGen): a finished row reads its last draw,
+        # its update masked out
+        ("fedgen", None, {"momentum": 0.5, **TEN}),
+        # BatchNorm: each row's batch statistics over its real samples, its running statistics (and the count of
+        # batches) moved on the rows with a batch only; FedBN keeps them local; MOON's frozen models in eval mode
+        ("fedavg", None, {"model": "lenet_bn", "momentum": 0.5, **TEN}),
+        ("fedavg+fedbn", None, {"model": "lenet_bn", "weight_decay": 1e-3, **TEN}),
+        ("moon", {"mu": 1.0}, {"model": "lenet_bn", **TEN}),
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -98,10 +117,15 @@ def test_refusals_name_what_cannot_be_padded():
     rule = BatchedStep()
     assert capture_refusal(rule, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) is None
     bn = build_model("lenet_bn", in_channels=1, image_size=8, num_classes=10)
-    assert "BatchNorm" in (capture_refusal(rule, bn) or "")
+    assert capture_refusal(rule, bn) is None  # its batch statistics over each client's real samples
+    for second in (BatchedStep(sam_rho=0.1), BatchedStep(inner=InnerStep(2, None, False, 0.0))):
+        assert "BatchNorm layers, whose running statistics a second pass" in (capture_refusal(second, bn) or "")
     stateless = build_model("mlp", in_channels=1, image_size=8, num_classes=10)  # BatchNorm without running stats
     stateless.body = torch.nn.Sequential(*stateless.body, torch.nn.BatchNorm1d(200, track_running_stats=False))
-    assert "BatchNorm layers" in (capture_refusal(rule, stateless) or "")
+    assert capture_refusal(rule, stateless) is None
+    other = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
+    other.head.register_buffer("table", torch.zeros(3))
+    assert "buffers other than BatchNorm's statistics (head)" in (capture_refusal(rule, other) or "")
     res = build_model("resnet8", in_channels=1, image_size=8, num_classes=10)
     assert "no stacked form" in (capture_refusal(rule, res) or "")
     term = BatchedStep(term=lambda ctx: None)  # a term per client: its batch mean cannot leave the padding out
@@ -110,10 +134,14 @@ def test_refusals_name_what_cannot_be_padded():
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
     for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
         assert "own per-client term" in (capture_refusal(own, mlp) or "")
-    for method in ("fedavg+feddecorr", "perfedavg", "pfedme"):  # a term per client (a batch statistic), inner steps
-        sim = digits_simulation(method)
-        with pytest.raises(ValueError, match="one shape: the client part's loss term"):
-            train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
+    assert capture_refusal(BatchedStep(term=lambda ctx: None, term_padded=True), mlp) is None  # FedDecorr's
+    inner = BatchedStep(inner=InnerStep(2, None, False, 0.0))
+    assert capture_refusal(inner, mlp) is None  # Per-FedAvg's
+    for beside in (replace(inner, sam_rho=0.1), replace(inner, logits=lambda ctx, c: None)):
+        assert "inner steps" in (capture_refusal(beside, mlp) or "")
+    sim = digits_simulation("gpfl")  # a term computed one client at a time
+    with pytest.raises(ValueError, match="cannot run method 'gpfl' at one shape: the model has no stacked form"):
+        train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
     sam_beside = BatchedStep(sam_rho=0.1, side_head=lambda ctx: None)  # type: ignore[arg-type,return-value]
     assert "SAM's second pass" in (capture_refusal(sam_beside, mlp) or "")
 
@@ -132,6 +160,27 @@ def test_a_per_sample_term_that_gives_one_value_per_client_is_refused_by_name():
     with pytest.raises(ValueError, match=r"one value per sample \[2, 3\], got \[2\]"):
         step(params, {}, {}, x, y, rows=({}, None), padding=padding)
     step(params, {}, {}, x, y, rows=({}, None))  # unpadded (the bucketed loop): a value per client is the contract
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_an_inner_steps_slices_of_a_padded_batch_are_each_rows_own(parts):
+    """Per-FedAvg's slices at padded shapes (``padded_cuts``): row ``r``'s slice ``i`` selects exactly
+    ``split_batch(count_r, parts)[i]`` of its real samples, a slice past its batch's end the first one again (a batch
+    of 1 or 2), none of a row without a batch."""
+    from fedskew.client.batched_form import split_batch
+    from fedskew.engine.batched_steps import padded_cuts
+
+    b = 12
+    count = torch.arange(b + 1)  # every real count from none to the full width
+    cuts = padded_cuts(count, b, parts, torch.float32)
+    for r, n in enumerate(count.tolist()):
+        for i, (mask, counts) in enumerate(cuts):
+            want = torch.zeros(b)
+            if n > 0:
+                want[split_batch(n, parts)[i]] = 1.0
+            assert torch.equal(mask[r], want), (n, i)
+            assert counts[r] == max(float(want.sum()), 1.0)
+    assert split_batch(1, parts)[1] == slice(0, 1)  # the case a mask of the slice's own range would leave empty
 
 
 def test_ladder_and_plan_cover_every_live_row():
@@ -220,11 +269,22 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="capture_steps .* needs batched_clients"):
         make_config(None, {**BASE, "capture_steps": True})
     bn = {**values, "model": "lenet_bn", "rounds": 1, "capture_steps": True, "out": str(tmp_path / "bn")}
-    with pytest.warns(UserWarning, match="capture_steps: the model has buffers"):
+    bn.update(method="fedsam", method_args={"rho": 0.05})  # SAM's second pass would move BatchNorm's statistics again
+    with pytest.warns(UserWarning, match="capture_steps: the model has BatchNorm layers"):
         run_experiment(make_config(None, bn))
 
 
-@pytest.mark.parametrize(("method", "args"), [("scaffold", None), ("moon", {"mu": 1.0}), ("fedproto", {"lam": 1.0})])
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [
+        ("scaffold", None),
+        ("moon", {"mu": 1.0}),
+        ("fedproto", {"lam": 1.0}),
+        ("feddecorr", {"beta": 1e-3}),  # its PaddedTerm, one per beta
+        ("fedgen", None),  # its head term, one per weight; the round's generator outside the graphs
+        ("pfedme", {"inner_steps": 2}),  # θ's rows in the kept buffers
+    ],
+)
 def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):
     """A trainer's cache keeps one set of buffers (and, on a GPU, graphs) per shape of phase: the rounds that reuse
     them give bit for bit what fresh buffers give (momentum restarted, losses and rows replaced, MOON's frozen models
@@ -236,6 +296,7 @@ def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):
     over = {"momentum": 0.9, "weight_decay": 1e-3, "local_epochs": 2}
     kept_sim, fresh_sim = (digits_simulation(method, args, rounds=3, **over) for _ in range(2))
     cache = PaddedCache()
+    kept = set()  # the buffers each round ran in
     for rnd in (1, 2, 3):
         ups = []
         for sim, capture in ((kept_sim, cache), (fresh_sim, True)):
@@ -250,7 +311,9 @@ def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):
         for u, v in zip(*ups, strict=True):
             assert u.metrics == v.metrics
             assert all(torch.equal(u.params[k], v.params[k]) for k in u.params)
+        kept |= {id(steps) for steps in cache.steps.values()}
     assert len(cache.steps) == 1  # every round had the same shape
+    assert len(kept) == (3 if method == "fedproto" else 1)  # the same buffers (graphs) every round, but FedProto's
     if method != "scaffold":
         return
     ditto = digits_simulation("ditto", {"lam": 0.5})

@@ -58,6 +58,8 @@ def test_it_composes_with_any_host_and_says_where_it_cannot_be_batched():
         assert batchable(method, mlp) is None, name
     assert isinstance(resolve_method("fedprox+feddecorr", {}).client.inner, FedProx)
     assert "masked per client" in batchable(resolve_method("moon+feddecorr", {}), mlp)
+    for host in ("perfedavg", "pfedme"):  # a direction through inner steps on the cross-entropy: sequential
+        assert "direction through inner steps" in batchable(resolve_method(f"{host}+feddecorr", {}), mlp)
     with pytest.raises(Exception, match="beta"):
         resolve_method("feddecorr", {"beta": -1.0})
 
@@ -69,9 +71,58 @@ def test_beta_zero_is_the_host_bit_for_bit():
     assert all(torch.equal(a.global_params[k], b.global_params[k]) for k in a.global_params)
 
 
-@pytest.mark.parametrize("host", ["fedprox", "scaffold"])
-def test_the_batched_path_trains_the_composition_as_the_sequential_one(host):
-    seq, bat, rounds = _side_by_side(f"{host}+feddecorr", {"beta": 1e-4}, rounds=2)
+def test_over_padded_batches_each_client_gets_its_penalty_of_its_real_samples():
+    """The padded form (captured steps): each row's penalty over its first ``count`` samples, whatever the padding
+    holds; 0 for one sample or none; its gradient on a padding slot exactly 0."""
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(5, 7, 4, generator=g, dtype=torch.float64)
+    counts = torch.tensor([7, 4, 2, 1, 0])
+    weights = (torch.arange(7) < counts.unsqueeze(1)).to(torch.float64)
+    feats[weights == 0] = 1e6  # the padding: any sample of the round, here far off
+    feats.requires_grad_()
+    got = decorrelation(feats, (weights, counts))
+    want = [float(decorrelation(feats[k, : int(n)])) if n > 1 else 0.0 for k, n in enumerate(counts)]
+    assert got.tolist() == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert all(v > 0 for v in want[:3])
+    got.sum().backward()
+    assert torch.equal(feats.grad[weights == 0], torch.zeros_like(feats.grad[weights == 0]))
+    assert feats.grad[weights > 0].abs().max() > 0
+
+
+def test_a_sum_with_a_per_sample_host_term_is_one_value_per_client():
+    """``fedntd+feddecorr`` and ``fedproto+feddecorr``: the host's per-sample term, averaged over the real samples,
+    plus the penalty ([K, B] + [K] broadcast once added the penalty along the batch); the same parts, one function."""
+    from fedskew.client.batched_form import padded_mean
+    from fedskew.client.terms import summed_term
+
+    added = Decorrelation(beta=0.5).batched()
+    assert added is Decorrelation(beta=0.5).batched()  # one function per beta: the captured graphs replay
+
+    def host(feats, logits, y, outs):
+        return logits.logsumexp(-1)  # [K, B]
+
+    feats, logits = torch.randn(3, 6, 5), torch.randn(3, 6, 10)
+    y = torch.zeros(3, 6, dtype=torch.long)
+    padding = ((torch.arange(6) < torch.tensor([[6], [3], [2]])).float(), torch.tensor([6, 3, 2]))
+    summed = summed_term(host, "sample", added)
+    assert summed is summed_term(host, "sample", added)
+    for pad in (None, padding):
+        want = padded_mean(host(feats, logits, y, {}), pad) + 0.5 * decorrelation(feats, pad)
+        assert torch.allclose(summed(feats, logits, y, {}, pad), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("host", "args"),
+    [
+        ("fedprox", {"beta": 1e-4}),
+        ("scaffold", {"beta": 1e-4}),
+        ("fedntd", {"feddecorr.beta": 1e-4}),  # a per-sample host term: [K, B] plus the penalty's [K]
+        ("fedproto", {"beta": 1e-4}),
+        ("fedsam", {"beta": 1e-4}),  # SAM's second pass on the whole objective, the penalty at w + ε included
+    ],
+)
+def test_the_batched_path_trains_the_composition_as_the_sequential_one(host, args):
+    seq, bat, rounds = _side_by_side(f"{host}+feddecorr", args, rounds=2)
     for _, _, ups_seq, ups_bat in rounds:
         _same_updates(ups_seq, ups_bat)
     _same_states(seq.client_states, bat.client_states)

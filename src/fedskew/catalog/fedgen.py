@@ -19,6 +19,7 @@ keyed by the round) and its registration. The clients draw from their own seeded
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep, GeneratedTerm
+from fedskew.client.batched_form import BatchedStep, GeneratedTerm, HeadTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models.generator import Generator, draw
 from fedskew.protocol import LABEL_HIST, ClientReport, Params, RoundInput, ServerContext
@@ -106,16 +107,24 @@ class FedGen(LocalAlgorithm):
             def inputs(labels: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
                 return gen.forward_rows(labels, noise), labels
 
-            def term(head: Callable[[Tensor], Tensor], drawn: tuple[Tensor, Tensor]) -> Tensor:
-                z, labels = drawn
-                logits = head(z)
-                r, g = labels.shape
-                ce = F.cross_entropy(logits.reshape(r * g, -1), labels.reshape(r * g), reduction="none")
-                return weight * ce.view(r, g).mean(1)
-
-            return GeneratedTerm(lambda generator: draw(shares, batch, noise_dim, generator), inputs, term)
+            return GeneratedTerm(lambda generator: draw(shares, batch, noise_dim, generator), inputs, head_term(weight))
 
         return BatchedStep(generated=generated)
+
+
+@functools.cache
+def head_term(weight: float) -> HeadTermFn:
+    """``weight · CE(head(z), ŷ)`` per client on its drawn ``(z [R, G, d], ŷ [R, G])``, one function per weight (the
+    captured steps replay the same graphs every round)."""
+
+    def term(head: Callable[[Tensor], Tensor], drawn: tuple[Tensor, Tensor]) -> Tensor:
+        z, labels = drawn
+        logits = head(z)
+        r, g = labels.shape
+        ce = F.cross_entropy(logits.reshape(r * g, -1), labels.reshape(r * g), reduction="none")
+        return weight * ce.view(r, g).mean(1)
+
+    return term
 
 
 # ---- server half -----------------------------------------------------------------------------------------------------

@@ -97,8 +97,9 @@ class FedSAM(LocalAlgorithm):
 
 
 def sam_gradient(ctx: LocalContext, rho: float) -> None:
-    """SAM's second pass on the batch ``loss`` saw: ``ε = ρ·g/(‖g‖ + 1e-12)``, the gradient at ``w + ε`` into
-    ``.grad``, ``w`` restored."""
+    """SAM's second pass on the batch ``loss`` saw: ``ε = ρ·g/(‖g‖ + 1e-12)``, the gradient at ``w + ε`` of the
+    client's whole objective (``ctx.objective``: the cross-entropy, plus any term a plug-in added) into ``.grad``,
+    ``w`` restored."""
     if rho == 0:
         return
     batch = ctx.prep(SamBatch)
@@ -115,7 +116,13 @@ def sam_gradient(ctx: LocalContext, rho: float) -> None:
     model = ctx.model
     with _frozen_statistics(batch.norms):  # the second pass must not move BatchNorm's running statistics again
         with ctx.settings.autocast(batch.x.device):  # in the first pass's arithmetic (precision)
-            loss = F.cross_entropy(model.head(model.body(batch.x)), batch.y)
+            feats = model.body(batch.x)
+            logits = model.head(feats)
+            # the whole objective at w + ε, a term a plug-in added included (fedsam+feddecorr), as the batched step
+            if ctx.objective is not None:
+                loss = ctx.objective(ctx, logits, feats, batch.y, batch.x)
+            else:
+                loss = F.cross_entropy(logits, batch.y)
         loss.backward()
     with torch.no_grad():
         torch._foreach_sub_(params, eps)

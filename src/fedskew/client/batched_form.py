@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from fedskew.protocol import Params
@@ -31,9 +32,40 @@ if TYPE_CHECKING:
 # the labels [K, B], {frozen model name: its (body output, logits)}) -> the term per client [K], or per sample [K, B]
 # (the engine then takes each client's mean over its batch's real samples: BatchedStep.term_per_sample)
 FrozenTermFn = Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]]], Tensor]
+# which samples of a padded batch are real: (0/1 weights [K, B], counts [K]), or None (every sample is real)
+Padding = tuple[Tensor, Tensor] | None
 # a loss term through the trained head on inputs drawn for the step (FedGen's generated features): (the clients'
 # trained head on stacked inputs [K, G, d] -> [K, G, C], the step's drawn inputs) -> the term per client [K]
 HeadTermFn = Callable[[Callable[[Tensor], Tensor], Any], Tensor]
+
+
+def padded_mean(t: Tensor, padding: Padding) -> Tensor:
+    """Each client's mean over its batch (``t`` ``[K, B, ...]`` -> ``[K, ...]``): over the real samples of a padded
+    batch (``padding``: ``(weights [K, B], counts [K])``, :mod:`fedskew.engine.captured`), else over all ``B``. A
+    padding sample is selected out, not multiplied by 0: its loss may be infinite (FedRoD's balanced softmax shifts
+    the logits of a class the client lacks by ``log 0``, and a padding slot holds any sample of the round)."""
+    if padding is None:
+        return t.mean(1)
+    weights, counts = padding
+    tail = (1,) * (t.dim() - 2)
+    real = weights.view(*weights.shape, *tail) > 0
+    return torch.where(real, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(1) / counts.view(-1, *tail)
+
+
+@dataclass(frozen=True)
+class PaddedTerm:
+    """A loss term of each client's batch as a whole (a statistic of the batch: FedDecorr's decorrelation) that reads
+    which samples are real: ``fn(features, logits, labels, frozen outputs, padding)`` -> ``[K]``, where ``padding`` is
+    ``None`` (every sample real) or ``(weights [K, B], counts [K])`` (:mod:`fedskew.engine.captured`). A
+    :class:`BatchedStep`'s ``term`` may return one; its ``term_padded`` says whether the value covers the real samples
+    only (so that the term runs at captured shapes)."""
+
+    fn: Callable[[Tensor, Tensor, Tensor, dict[str, tuple[Tensor, Tensor]], Padding], Tensor]
+
+    def __call__(
+        self, feats: Tensor, logits: Tensor, y: Tensor, outs: dict[str, tuple[Tensor, Tensor]], padding: Padding
+    ) -> Tensor:
+        return self.fn(feats, logits, y, outs, padding)
 
 
 class Shift(NamedTuple):
@@ -217,7 +249,9 @@ class BatchedStep:
     the engine averages over each batch's real samples, so that it runs at captured shapes too
     (:mod:`fedskew.engine.captured`); a form whose ``term`` returns the same function for the same hyper-parameters
     (a module-level ``functools.cache``) replays the same CUDA graphs every round, while a new function (one reading
-    tensors of its round) gets graphs of its own. ``collect``: per client, where its last-epoch class sums go
+    tensors of its round) gets graphs of its own. ``term_padded``: the term is a :class:`PaddedTerm` whose value covers
+    each batch's real samples only (FedDecorr's statistic of the batch), so that it runs at captured shapes too.
+    ``collect``: per client, where its last-epoch class sums go
     (:class:`ClassSums`). ``generated``: a :class:`GeneratedTerm` (FedGen). ``start_after_begin``: the client trains
     from the model its ``begin`` leaves (FedALA's blended top layers), not from the received model. ``begin_all``:
     every client's ``begin`` at once, on the contexts of the round's clients (sharing the model): it does what each
@@ -247,6 +281,7 @@ class BatchedStep:
     frozen: tuple[str, ...] = ()
     previous: Callable[[LocalContext], Params | None] | None = None
     term_per_sample: bool = False
+    term_padded: bool = False
     collect: Callable[[LocalContext], ClassSums] | None = None
     generated: Callable[[LocalContext], GeneratedTerm | None] | None = None
     start_after_begin: bool = False

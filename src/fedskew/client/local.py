@@ -137,6 +137,9 @@ class LocalContext(_KeptState):
     x: Tensor | None = None
     y: Tensor | None = None
     generator: torch.Generator | None = None
+    # set by local_train: the whole client part's loss hook, wrappers included (``fedsam+feddecorr``: FedSAM's
+    # cross-entropy plus the added term), for a hook that evaluates the objective again (SAM's second pass)
+    objective: Callable[[LocalContext, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # the client's validation split (``validation`` > 0), never trained on: e.g. AFL's loss after training
     x_val: Tensor | None = None
     y_val: Tensor | None = None
@@ -417,7 +420,7 @@ def local_train(
     what it keeps; otherwise a copy.
     """
     model, s = ctx.model, ctx.settings
-    ctx.x, ctx.y, ctx.generator = x, y, generator
+    ctx.x, ctx.y, ctx.generator, ctx.objective = x, y, generator, algo.loss
     model.load_state_dict(ctx.received)
     model.train()
     algo.begin(ctx)

@@ -62,6 +62,7 @@ from fedskew.engine.batched_steps import (
     sam_ascent,
 )
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
+from fedskew.engine.padded_shape import PaddedRows
 from fedskew.engine.stacked import ENV_THETA
 from fedskew.engine.step_functions import step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
@@ -284,35 +285,28 @@ def _run_phase(
     collect = Collect([rule.collect(ctx) for ctx in contexts], sim.data.num_classes, device) if rule.collect else None
     # every step at one of a few shapes (engine/captured.py; _train_group checked capture_refusal)
     if capture is not None:
-        result = run_padded(
-            model,
-            rule,
-            s,
-            lr,
-            mu,
-            flat,
-            sched,
-            x_all,
-            y_all,
-            stack.params,
-            {k: v for k, v in stack.extra.items() if k not in Beside.KEYS},
-            stack.anchor,
-            None if stack.shift is None else (stack.shift, alpha),
-            None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
-            capture,
-            None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
-            None if share is None else (share, stack.blend_dir),
-            conv,
-            beside if beside else None,
-            {k: v for k, v in stack.extra.items() if k in Beside.KEYS},
-            None if term is None else (term, stack.frozen_models, stack.term_mask),
-            None if collect is None else (sim.data.num_classes, collect.start),
+        given = PaddedRows(
+            params=stack.params,
+            fixed={k: v for k, v in stack.extra.items() if k not in Beside.KEYS},
+            anchor=stack.anchor,
+            shift=None if stack.shift is None else (stack.shift, alpha),
+            pull=None if stack.pull_anchor is None else (stack.pull_alpha, stack.pull_anchor, stack.pull_linear),
+            logit_map=None if rule.logits is None else (stack.logit_scale, stack.logit_shift),
+            blend=None if share is None else (share, stack.blend_dir),
+            beside=beside if beside else None,
+            beside_rows={k: v for k, v in stack.extra.items() if k in Beside.KEYS},
+            term=None if term is None else (term, stack.frozen_models, stack.term_mask),
+            collect=None if collect is None else (sim.data.num_classes, collect.start),
+            generated=None
+            if generated is None or sched.drawn is None
+            else (generated, tuple(t.to(device) for t in sched.drawn)),
         )
+        result = run_padded(model, rule, s, lr, mu, flat, sched, x_all, y_all, given, capture, conv)
         beside.hand_back_rows(result.beside)
         if collect is not None:  # FedProto/FPL: the last epoch's class sums, where each client's end reads them
             collect.sums, collect.counts = result.sums, result.counts  # type: ignore[assignment]
             collect.hand_over()
-        others = {key: v.unbind(0) for key, v in stack.extra.items()}
+        others = {key: v.unbind(0) for key, v in {**stack.extra, **(result.fixed or {})}.items()}
         states = [
             {key: (mine[key] if key in mine else others[key][k]) for key in order}
             for k, mine in enumerate(flat.rows(result.params))

@@ -201,3 +201,73 @@ def envelope_gradient(
         g, (loss, *_) = step({**fixed, **theta}, new_buffers, {}, x, y)
         theta = {n: t - env.lr * (g[n] + env.lam * (t - params[n]) + env.mu * t) for n, t in theta.items()}
     return {n: env.lam * (params[n] - t) for n, t in theta.items()}, loss, new_buffers, theta
+
+
+def padded_cuts(count: Tensor, b: int, parts: int, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+    """:func:`~fedskew.client.batched_form.split_batch` of each row's real samples in a padded batch (``count``
+    ``[w]``, batch width ``b``), as masks: per slice, ``(0/1 weights [w, b], counts [w] at least 1)``. Each row's
+    slices are those of its own batch of ``count`` samples (a slice past its end reuses its first); a row without a
+    batch has empty slices."""
+    size = (count + parts - 1) // parts  # ⌈n/parts⌉ per row
+    j = torch.arange(b, device=count.device).unsqueeze(0)
+    cuts = []
+    for i in range(parts):
+        lo = (i * size).unsqueeze(1)
+        inside = (j >= lo) & (j < torch.minimum(lo + size.unsqueeze(1), count.unsqueeze(1)))
+        mask = torch.where(lo < count.unsqueeze(1), inside, j < size.unsqueeze(1)).to(dtype)
+        cuts.append((mask, mask.sum(1).clamp(min=1)))
+    return cuts
+
+
+def padded_inner_gradient(
+    step: Callable[..., Any],
+    state: dict[str, Tensor],
+    names: list[str],
+    x: Tensor,
+    y: Tensor,
+    count: Tensor,
+    inner: InnerStep,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`inner_gradient` on a padded batch (``count`` real samples per row, engine/captured.py): each slice a
+    mask over the whole padded batch rather than a narrower one, so that every pass keeps the step's shape (the model
+    has no batch statistics there: no buffers). ``inner.lr`` is the inner step's, resolved. The direction per
+    trained tensor and the reported loss ``[w]`` (0 on a row without a batch, whose direction is 0)."""
+    cuts = padded_cuts(count, y.shape[1], inner.parts, state[names[0]].dtype)
+    a = float(inner.lr) if inner.lr is not None else 0.0
+    g1, _ = step(state, {}, {}, x, y, padding=cuts[0])
+    adapted = {**state, **{n: state[n] - a * g1[n] for n in names}}
+    u, (loss, *_) = step(adapted, {}, {}, x, y, padding=cuts[1])
+    d = {n: u[n] for n in names}
+    if inner.hessian_free:  # minus a·[∇f(w + δu) − ∇f(w − δu)]/(2δ) on the third slice
+        gp, _ = step({**state, **{n: state[n] + inner.delta * d[n] for n in names}}, {}, {}, x, y, padding=cuts[2])
+        gm, _ = step({**state, **{n: state[n] - inner.delta * d[n] for n in names}}, {}, {}, x, y, padding=cuts[2])
+        d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
+    return d, loss
+
+
+def padded_envelope_gradient(
+    step: Callable[..., Any],
+    state: dict[str, Tensor],
+    flat: Flat,
+    x: Tensor,
+    y: Tensor,
+    padding: tuple[Tensor, Tensor],
+    env: tuple[float, int, float, float],
+    theta: Tensor,
+    live: Tensor,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`envelope_gradient` on a padded batch: ``theta`` ``[w, D]`` (the rows of θ, updated in place, a row
+    without a batch (``live`` 0) kept exactly, since the pull towards ``w`` would move it), ``env`` the envelope's
+    ``(lam, steps, lr, mu)``. The model's gradient ``lam·(w − θ)`` per trained tensor and θ's last loss ``[w]``."""
+    lam, steps, lr, mu = env
+    p = torch.cat([state[n].reshape(theta.shape[0], -1) for n in flat.names], dim=1)
+    th = theta.clone()
+    loss = torch.zeros(theta.shape[0], device=theta.device)
+    for _ in range(steps):
+        g, (loss, *_) = step({**state, **flat.views(th)}, {}, {}, x, y, padding=padding)
+        with torch.no_grad():
+            g_cat = torch.cat([g[n].reshape(th.shape[0], -1) for n in flat.names], dim=1)
+            th = th - lr * (g_cat + lam * (th - p) + mu * th)
+    with torch.no_grad():
+        theta.copy_(torch.where(live > 0, th, theta))
+        return flat.views(lam * (p - theta)), loss

@@ -22,45 +22,51 @@ with the step's indices and counts copied into the graph's input buffers; the ho
 Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks them against the sequential loop.
 
 What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
-APFL's second model and its weight: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers of its own, its
-losses over the real samples only and its update masked as the model's is; so do a per-sample loss term's frozen
-models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC: ``BatchedStep.term_per_sample``), the term's function
-part of the shape, and the last epoch's class sums over the real samples (FedProto, FedProc, FPL). What this form
-does not cover, :func:`capture_refusal` names, and the bucketed loop runs: BatchNorm (its statistics over a padded
-batch), loss terms computed per client, generated inputs, inner steps (Per-FedAvg, pFedMe) and models without a
-stacked form (``vmap``).
+APFL's second model and its weight, pFedMe's personalized model: :class:`~fedskew.engine.batched_rows.Beside`) rides
+in buffers of its own, its losses over the real samples only and its update masked as the model's is; so do a
+per-sample loss term's frozen models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC:
+``BatchedStep.term_per_sample``), the term's function part of the shape, a statistic of each batch over its real
+samples (FedDecorr's decorrelation: ``BatchedStep.term_padded``, a :class:`~fedskew.client.batched_form.PaddedTerm`),
+the last epoch's class sums over the real samples (FedProto, FedProc, FPL), FedGen's inputs drawn per client and step
+(computed for the step's rows before it) and the inner steps of Per-FedAvg (each slice of a row's batch a mask over
+the padded batch) and pFedMe (θ's rows solved at every step). What this form does not cover,
+:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm beside a second pass on the batch (SAM's, an
+inner step's, a mixture's: its running statistics would move twice; otherwise its batch statistics are each client's
+over its real samples, ``stacked.masked_batch_norm``), loss terms computed per client, and models without a stacked
+form (``vmap``: GPFL, FedCP). The rows a phase starts from, the
+shape its graphs bake in and its result are :mod:`fedskew.engine.padded_shape`'s.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn
+from fedskew.client.batched_form import BatchedStep, GeneratedTerm, padded_mean
 from fedskew.engine.batched_schedule import Schedule
-from fedskew.engine.batched_steps import Flat, sam_ascent
+from fedskew.engine.batched_steps import Flat, padded_envelope_gradient, padded_inner_gradient, sam_ascent
 from fedskew.engine.graph_replay import StepReplay
 from fedskew.engine.padded_plan import PaddedPlan
+from fedskew.engine.padded_shape import PaddedResult, PaddedRows, PaddedShape, shape_of
 from fedskew.engine.stacked import (
+    ENV_THETA,
     MIX_ALPHA,
     MIX_V,
     REPR_BIAS,
     REPR_RUNNING,
     SIDE_BIAS,
     SIDE_WEIGHT,
-    padded_mean,
     stackable,
     stacked_step_function,
 )
 
 if TYPE_CHECKING:
     from fedskew.client.local import TrainSettings
-    from fedskew.engine.batched_rows import Beside
 
 
 def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
@@ -69,10 +75,16 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     why = stackable(model.body) or stackable(model.head)
     if why is not None:
         return f"the model has no stacked form ({why})"
-    if any(True for _ in model.buffers()):
-        return "the model has buffers (BatchNorm statistics would be computed over padded batches)"
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # no running statistics kept
-        return "the model has BatchNorm layers (their batch statistics would include the padding)"
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for name, module in model.named_modules():
+        if module not in norms and any(True for _ in module.buffers(recurse=False)):
+            return f"the model has buffers other than BatchNorm's statistics ({name or type(module).__name__})"
+    second = rule.sam_rho > 0 or rule.inner is not None or rule.envelope is not None or rule.mixture is not None
+    if norms and second:
+        return (
+            "the model has BatchNorm layers, whose running statistics a second pass on the batch (SAM's, an inner "
+            "step's, a mixture's) would move again at one shape"
+        )
     return form_capture_refusal(rule)
 
 
@@ -84,73 +96,24 @@ def form_capture_refusal(rule: BatchedStep) -> str | None:
             "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
             "run in buckets only"
         )
-    unmasked = (None if rule.term_per_sample else rule.term, rule.generated, rule.inner, rule.envelope)
-    if any(t is not None for t in unmasked):
-        return (
-            "the client part's loss term (one per client rather than per sample, or on generated inputs) or its "
-            "inner steps (Per-FedAvg, pFedMe) are not masked"
-        )
+    if rule.term is not None and not (rule.term_per_sample or rule.term_padded):
+        return "the client part's loss term (one per client that does not read which samples are real) is not masked"
+    if rule.inner is not None or rule.envelope is not None:
+        others = (rule.term, rule.logits, rule.side_head, rule.representation, rule.mixture, rule.collect, rule.blend)
+        if rule.sam_rho > 0 or any(t is not None for t in others):
+            return "inner steps (Per-FedAvg, pFedMe) run beside no other per-step part at one shape"
     if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
         return "SAM's second pass would have to carry what the client trains beside the model"
     return None
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """Everything a phase's captured steps bake in: the sizes of their buffers and the optimizer's constants."""
-
-    rows: int
-    batch: int
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]  # the trained tensors' shapes, in ``names`` order
-    dim: int
-    fixed: tuple[tuple[str, tuple[int, ...]], ...]
-    x: tuple[int, ...]
-    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # the parameters', the inputs' and the labels'
-    lr: float
-    mu: float
-    momentum: float
-    weight_decay: float
-    anchor: bool
-    shift: float | None
-    pull: tuple[bool, float] | None  # (a linear term, the clip)
-    logit_map: tuple[int | None, int | None] = (None, None)  # the classes of the logits' scale and shift, if any
-    sam_rho: float = 0.0  # SAM's radius (0: plain steps)
-    blend: tuple[float, bool] | None = None  # (the gradient's share, a direction given)
-    precision: str = "float32"  # the forward passes' arithmetic (client/precision.py)
-    # what the clients train beside the model (engine/batched_rows.py's Beside): its rows' keys, shapes and dtypes,
-    # their plain SGD's learning rate, FedDBE's (momentum, a target given, weight), APFL's (adaptive, alpha_l2)
-    beside: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
-    beside_lr: float = 0.0
-    represent: tuple[float, bool, float] | None = None
-    mixture: tuple[bool, float] | None = None
-    # a loss term against frozen models, per sample (MOON, FedNTD; the function itself: a new one, new graphs), the
-    # frozen models' entries (name -> keys, shapes, dtypes) and whether a per-client mask applies it
-    term: FrozenTermFn | None = None
-    frozen: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], ...] = ()
-    term_mask: bool = False
-    collect: int | None = None  # the classes of the last epoch's class sums of the features (FedProto, FPL)
-
-
-class PaddedResult(NamedTuple):
-    """What a phase's padded steps give, in client order: the trained ``[K, D]`` rows, each client's summed
-    ``batch loss × batch size`` (float64), the rows trained beside the model (by key) and, when the form collects
-    them, the last epoch's per-class feature sums ``[K, C, d]`` and counts ``[K, C]`` (float64)."""
-
-    params: Tensor
-    losses: Tensor
-    beside: dict[str, Tensor]
-    sums: Tensor | None = None
-    counts: Tensor | None = None
-
-
 class PaddedSteps:
-    """One shape of phase (:class:`_Shape`): its buffers, kept across rounds, and its step at each (width, batch
+    """One shape of phase (:class:`PaddedShape`): its buffers, kept across rounds, and its step at each (width, batch
     width), captured once per such shape on a CUDA device (:class:`StepReplay`). :meth:`run` copies a phase's rows
     into the buffers, runs its steps and returns the trained rows; the graphs read and write only these buffers, so
     the next round of the same shape replays them."""
 
-    def __init__(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> None:
+    def __init__(self, model: nn.Module, shape: PaddedShape, device: torch.device, conv: str = "grouped") -> None:
         self.shape = shape
         k, f32 = shape.rows, shape.dtypes[0]
 
@@ -159,7 +122,7 @@ class PaddedSteps:
 
         self.flat = Flat(list(shape.names), [torch.Size(s) for s in shape.shapes])
         self.p = zeros(k, shape.dim)
-        self.fix = {name: zeros(k, *size) for name, size in shape.fixed}
+        self.fix = {name: zeros(k, *size, dtype=dtype) for name, size, dtype in shape.fixed}
         self.anchor = zeros(k, shape.dim) if shape.anchor else None
         self.shift = zeros(k, shape.dim) if shape.shift is not None else None
         self.pull = None
@@ -179,12 +142,19 @@ class PaddedSteps:
         # class sums from each row's ``start`` step on (its last epoch), the step's index ``t`` on the device; the sums'
         # width is the body's output, known at the first step (an eager one: a CUDA warm-up)
         self.start = zeros(k, dtype=torch.int64) if shape.collect is not None else None
-        self.t = torch.zeros((), dtype=torch.int64, device=device)
+        self.t = torch.zeros((), dtype=torch.int64, device=device) if shape.collect is not None else None
         self.classes = torch.arange(shape.collect or 0, device=device)
         self.counts = zeros(k, shape.collect, dtype=torch.float64) if shape.collect is not None else None
         self.sums: Tensor | None = None
+        self.drawn: tuple[Tensor, ...] | None = None  # FedGen's inputs of the step's rows, sized at the first step
         self.forward = stacked_step_function(
-            model, list(shape.names), shape.mu, term=shape.term, conv=conv, precision=shape.precision
+            model,
+            list(shape.names),
+            shape.mu,
+            term=shape.term,
+            head_term=shape.generated,
+            conv=conv,
+            precision=shape.precision,
         )
         self.replay = StepReplay(self._step, device)
 
@@ -211,12 +181,23 @@ class PaddedSteps:
         scale, shift = (None if m is None else m[:w] for m in self.logit_map)
         mapped = None if scale is None and shift is None else (scale, shift)
         extra = self._beside_args(w)
+        if self.drawn is not None:  # a row past its last step reads its last draw; its update is masked out
+            extra["drawn"] = tuple(d[:w] for d in self.drawn)
         if sh.term is not None:  # the frozen models' rows and the term's mask
             frozen = {m: {key: v[:w] for key, v in st.items()} for m, st in self.frozen.items()}
             extra["rows"] = (frozen, None if self.term_mask is None else self.term_mask[:w])
-        grads, (loss, _, feats) = self.forward(
-            state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, **extra
-        )
+        feats = None
+        if sh.inner is not None:  # Per-FedAvg: the direction through an inner step, each slice a mask
+            grads, loss = padded_inner_gradient(self.forward, state, list(sh.names), xs, ys, count, sh.inner)
+        elif sh.envelope is not None:  # pFedMe: θ's rows solved on the batch (in place), the model pulled to them
+            theta = self.beside[ENV_THETA][:w]
+            grads, loss = padded_envelope_gradient(
+                self.forward, state, self.flat, xs, ys, (weights, denom), sh.envelope, theta, live
+            )
+        else:
+            grads, (loss, _, feats) = self.forward(
+                state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, real=weights, **extra
+            )
         if sh.sam_rho > 0:  # the gradient at w + ε (a row without a batch has g = 0, so ε = 0), w restored
             with torch.no_grad():
                 eps = torch.cat([e.reshape(w, -1) for e in sam_ascent([grads[n] for n in sh.names], sh.sam_rho)], 1)
@@ -248,9 +229,10 @@ class PaddedSteps:
             p_w.addcmul_(g, live, value=-sh.lr)
             if self.shift is not None and sh.shift is not None:  # SCAFFOLD's after_step, outside the optimizer
                 p_w.addcmul_(self.shift[:w], live, value=sh.shift)
-            if self.beside:
+            if self.beside and feats is not None:
                 self._advance_beside(w, live, grads, padded_mean(feats, (weights, denom)))
-            if self.counts is not None and self.start is not None:  # each row's real samples in its last epoch
+            if self.counts is not None and self.start is not None and self.t is not None:
+                # each row's real samples in its last epoch
                 on = (self.start[:w] <= self.t).to(torch.float64).view(w, 1, 1)
                 onehot = (ys.unsqueeze(-1) == self.classes).to(torch.float64) * weights.to(torch.float64).unsqueeze(-1)
                 onehot = onehot * on  # [w, b, C]
@@ -261,6 +243,19 @@ class PaddedSteps:
                 self.sums[:w] += torch.einsum("rbc,rbd->rcd", onehot, feats.to(torch.float64))
                 self.counts[:w] += onehot.sum(1)
             self.loss[:w] += (loss * count).double()
+
+    @torch.no_grad()
+    def _draw(self, generated: tuple[GeneratedTerm, tuple[Tensor, ...]], at: Tensor) -> None:
+        """The step's rows of FedGen's inputs (``at``: their rows of the schedule's draws) into the step's buffers,
+        computed eagerly (the round's generator is not a buffer of the graphs), as the bucketed loop computes them."""
+        term, draws = generated
+        outs = term.inputs(*(d.index_select(0, at) for d in draws))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if self.drawn is None:
+            k = self.shape.rows
+            self.drawn = tuple(torch.zeros((k, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs)
+        for buf, o in zip(self.drawn, outs, strict=True):
+            buf[: o.shape[0]].copy_(o)
 
     def _beside_args(self, w: int) -> dict[str, object]:
         """The step's ``side``, ``represent`` and ``mixture`` arguments (:func:`stacked_step_function`) from the
@@ -294,53 +289,38 @@ class PaddedSteps:
                 new = alpha.sub(grads[MIX_ALPHA] + sh.mixture[1] * alpha, alpha=sh.beside_lr).clamp(0.0, 1.0)
                 alpha.copy_(torch.where(live[:, 0] > 0, new, alpha))
 
-    def run(
-        self,
-        plan: PaddedPlan,
-        x_all: Tensor,
-        y_all: Tensor,
-        params: Tensor,
-        fixed: dict[str, Tensor],
-        anchor: Tensor | None,
-        shift: Tensor | None,
-        pull: tuple[Tensor, Tensor, Tensor | None] | None,
-        logit_map: tuple[Tensor | None, Tensor | None] | None = None,
-        blend_dir: Tensor | None = None,
-        beside: dict[str, Tensor] | None = None,
-        target: Tensor | None = None,
-        frozen: dict[str, dict[str, Tensor]] | None = None,
-        term_mask: Tensor | None = None,
-        collect_from: Tensor | None = None,
-    ) -> PaddedResult:
-        """The phase's steps from the stacked rows (client order; ``beside``: the rows trained beside the model, by
-        key, FedDBE's ``target`` shared; ``collect_from``: each client's first step of class sums), their result in
-        client order, in new tensors (the buffers are the next round's)."""
+    def run(self, plan: PaddedPlan, x_all: Tensor, y_all: Tensor, given: PaddedRows) -> PaddedResult:
+        """The phase's steps from ``given``'s rows, their result in client order, in new tensors (the buffers are the
+        next round's)."""
         order = torch.as_tensor(plan.order, device=self.p.device)
+
+        def load(mine: Tensor | None, rows: Tensor | None) -> None:
+            if mine is not None and rows is not None:
+                mine.copy_(rows.index_select(0, order))
+
         with torch.no_grad():
-            self.p.copy_(params.index_select(0, order))
-            for k, v in fixed.items():
-                self.fix[k].copy_(v.index_select(0, order))
-            for mine, given in ((self.anchor, anchor), (self.shift, shift), (self.blend_dir, blend_dir)):
-                if mine is not None and given is not None:
-                    mine.copy_(given.index_select(0, order))
-            if self.pull is not None and pull is not None:
-                for mine, given in zip(self.pull, pull, strict=True):
-                    if mine is not None and given is not None:
-                        mine.copy_(given.index_select(0, order))
-            for mine, given in zip(self.logit_map, logit_map or (None, None), strict=True):
-                if mine is not None and given is not None:
-                    mine.copy_(given.index_select(0, order))
-            for key, given in (beside or {}).items():
-                self.beside[key].copy_(given.index_select(0, order))
-            if self.target is not None and target is not None:
-                self.target.copy_(target)
-            for m, state in (frozen or {}).items():
-                for key, given in state.items():
-                    self.frozen[m][key].copy_(given.index_select(0, order))
-            if self.term_mask is not None and term_mask is not None:
-                self.term_mask.copy_(term_mask.index_select(0, order))
-            if self.start is not None and self.counts is not None and collect_from is not None:
-                self.start.copy_(collect_from.index_select(0, order))
+            load(self.p, given.params)
+            for k, v in given.fixed.items():
+                load(self.fix[k], v)
+            load(self.anchor, given.anchor)
+            load(self.shift, None if given.shift is None else given.shift[0])
+            load(self.blend_dir, None if given.blend is None else given.blend[1])
+            if self.pull is not None and given.pull is not None:
+                for mine, rows in zip(self.pull, given.pull, strict=True):
+                    load(mine, rows)
+            for mine, rows in zip(self.logit_map, given.logit_map or (None, None), strict=True):
+                load(mine, rows)
+            for key, rows in given.beside_rows.items():
+                load(self.beside[key], rows)
+            if self.target is not None and given.beside is not None and given.beside.target is not None:
+                self.target.copy_(given.beside.target)
+            if given.term is not None:
+                for m, state in given.term[1].items():
+                    for key, rows in state.items():
+                        load(self.frozen[m][key], rows)
+                load(self.term_mask, given.term[2])
+            if self.counts is not None and given.collect is not None:
+                load(self.start, given.collect[1])
                 self.counts.zero_()
                 if self.sums is not None:
                     self.sums.zero_()
@@ -353,7 +333,9 @@ class PaddedSteps:
             torch.index_select(x_all, 0, idx, out=x)
             torch.index_select(y_all, 0, idx, out=y)
             count.copy_(plan.count[t, :w])
-            if self.start is not None:
+            if given.generated is not None and plan.drawn is not None:
+                self._draw(given.generated, plan.drawn[t, :w])
+            if self.t is not None:
                 self.t.fill_(t)
             self.replay((w, b))
         back = torch.empty_like(order)
@@ -361,26 +343,28 @@ class PaddedSteps:
         rows = {key: v.index_select(0, back) for key, v in self.beside.items()}
         sums = None if self.sums is None else self.sums.index_select(0, back)
         counts = None if self.counts is None else self.counts.index_select(0, back)
-        return PaddedResult(self.p.index_select(0, back), self.loss.index_select(0, back), rows, sums, counts)
+        fixed = {key: v.index_select(0, back) for key, v in self.fix.items()}  # BatchNorm's statistics moved
+        return PaddedResult(self.p.index_select(0, back), self.loss.index_select(0, back), rows, sums, counts, fixed)
 
 
 class PaddedCache:
     """The :class:`PaddedSteps` of the shapes a run's phases have had (at most ``size``, the least recently used
     dropped): a batched trainer keeps one, so that every round of the same shape replays the same graphs. A shape's
     steps are kept per form of the stacked convolutions (:data:`~fedskew.engine.stacked.CONV_FORMS`). A shape that
-    differs from a kept one by its loss term's function alone replaces it: a term built anew each round (one reading
+    differs from a kept one by its loss terms' functions alone replaces it: a term built anew each round (one reading
     its round's prototypes) would otherwise fill the cache with the buffers of rounds that do not come back."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self.steps: OrderedDict[tuple[_Shape, str], PaddedSteps] = OrderedDict()
+        self.steps: OrderedDict[tuple[PaddedShape, str], PaddedSteps] = OrderedDict()
 
-    def get(self, model: nn.Module, shape: _Shape, device: torch.device, conv: str = "grouped") -> PaddedSteps:
+    def get(self, model: nn.Module, shape: PaddedShape, device: torch.device, conv: str = "grouped") -> PaddedSteps:
         found = self.steps.pop((shape, conv), None)
         if found is None:
-            family = replace(shape, term=None)
-            for kept, form in [k for k in self.steps if k[1] == conv and replace(k[0], term=None) == family]:
-                del self.steps[(kept, form)]
+            family = replace(shape, term=None, generated=None)
+            stale = [k for k in self.steps if k[1] == conv and replace(k[0], term=None, generated=None) == family]
+            for key in stale:
+                del self.steps[key]
             found = PaddedSteps(model, shape, device, conv)
         self.steps[(shape, conv)] = found
         while len(self.steps) > self.size:
@@ -398,89 +382,16 @@ def run_padded(
     sched: Schedule,
     x_all: Tensor,
     y_all: Tensor,
-    params: Tensor,
-    fixed: dict[str, Tensor],
-    anchor: Tensor | None,
-    shift: tuple[Tensor, float] | None,
-    pull: tuple[Tensor, Tensor, Tensor | None] | None,
+    given: PaddedRows,
     cache: PaddedCache | None = None,
-    logit_map: tuple[Tensor | None, Tensor | None] | None = None,
-    blend: tuple[float, Tensor | None] | None = None,
     conv: str = "grouped",
-    beside: Beside | None = None,
-    beside_rows: dict[str, Tensor] | None = None,
-    term: tuple[FrozenTermFn, dict[str, dict[str, Tensor]], Tensor | None] | None = None,
-    collect: tuple[int, Tensor] | None = None,
 ) -> PaddedResult:
-    """One phase of the group's training at the ladder's widths from the stacked ``params`` ``[K, D]`` (client order;
-    ``fixed``: the other entries of their state dicts, ``[K, ...]``): the trained ``[K, D]`` rows and each client's
-    summed ``batch loss × batch size`` (float64), in client order, as the bucketed loop returns them. ``anchor``:
-    FedProx's received rows; ``shift``: SCAFFOLD's ``(c − c_i rows, scale)`` after each step; ``pull``: FedDyn's
-    ``(α [K], anchor rows, linear rows or None)`` on the gradient, clipped by ``rule.clip``. ``cache``: where the
-    phase's buffers and graphs are kept for the next round of the same shape (``None``: this phase only).
-    ``logit_map``: the clients' ``(scale, shift)`` of their logits before the loss (``[K, C]`` each or ``None``);
-    ``blend``: ``(share, direction rows or None)`` mixed into the gradient after SAM's (``rule.sam_rho``).
-    ``beside``: what the clients train beside the model (:class:`~fedskew.engine.batched_rows.Beside`), its rows
-    ``beside_rows`` (``[K, ...]`` by key, client order), returned trained as the third item. ``term``: a per-sample
-    loss term against frozen models (``rule.term_per_sample``), the frozen models' rows (name -> ``[K, ...]`` by
-    key, client order) and the ``[K]`` mask of the clients it applies to (``None``: all). ``collect``: the classes
-    and each client's first step of the last epoch's class sums (``[K]``, FedProto's and FPL's ``collect``)."""
-    rows = beside_rows or {}
-    reps = beside.reps if beside is not None else []
-    mixes = beside.mixes if beside is not None else []
-    device = params.device
-    plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), device)
-    shape = _Shape(
-        rows=int(params.shape[0]),
-        batch=plan.batch,
-        names=tuple(flat.names),
-        shapes=tuple(tuple(s) for s in flat.shapes),
-        dim=int(params.shape[1]),
-        fixed=tuple((k, tuple(v.shape[1:])) for k, v in fixed.items()),
-        x=tuple(x_all.shape[1:]),
-        dtypes=(params.dtype, x_all.dtype, y_all.dtype),
-        lr=float(lr),
-        mu=float(mu),
-        momentum=float(settings.momentum),
-        weight_decay=float(settings.weight_decay),
-        anchor=anchor is not None,
-        shift=None if shift is None else float(shift[1]),
-        pull=None if pull is None else (pull[2] is not None, float(rule.clip)),
-        logit_map=tuple(None if m is None else int(m.shape[1]) for m in (logit_map or (None, None))),  # type: ignore[arg-type]
-        sam_rho=float(rule.sam_rho),
-        blend=None if blend is None else (float(blend[0]), blend[1] is not None),
-        precision=settings.precision,
-        beside=tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in rows.items()),
-        beside_lr=float(beside.lr) if beside is not None else 0.0,
-        represent=(float(reps[0].momentum), reps[0].target is not None, float(reps[0].weight)) if reps else None,
-        mixture=(bool(mixes[0].adaptive), float(mixes[0].alpha_l2)) if mixes else None,
-        term=None if term is None else term[0],
-        frozen=()
-        if term is None
-        else tuple(
-            (m, tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in state.items())) for m, state in term[1].items()
-        ),
-        term_mask=term is not None and term[2] is not None,
-        collect=None if collect is None else int(collect[0]),
-    )
-    steps = (cache if cache is not None else PaddedCache()).get(model, shape, device, conv)
-    shift_rows, blend_rows = None if shift is None else shift[0], None if blend is None else blend[1]
-    target = beside.target if beside is not None else None
-    frozen, mask = (None, None) if term is None else (term[1], term[2])
-    return steps.run(
-        plan,
-        x_all,
-        y_all,
-        params,
-        fixed,
-        anchor,
-        shift_rows,
-        pull,
-        logit_map,
-        blend_rows,
-        rows,
-        target,
-        frozen,
-        mask,
-        None if collect is None else collect[1],
-    )
+    """One phase of the group's training at the ladder's widths from ``given``'s stacked rows (:class:`PaddedRows`,
+    client order): the trained ``[K, D]`` rows and each client's summed ``batch loss × batch size`` (float64), in
+    client order, as the bucketed loop returns them, with the rows trained beside the model and the class sums when
+    the form has them. ``cache``: where the phase's buffers and graphs are kept for the next round of the same shape
+    (``None``: this phase only)."""
+    plan = PaddedPlan(sched, int(sched.bs.max(initial=1)), given.params.device)
+    shape = shape_of(rule, settings, lr, mu, flat, plan, x_all, y_all, given)
+    steps = (cache if cache is not None else PaddedCache()).get(model, shape, given.params.device, conv)
+    return steps.run(plan, x_all, y_all, given)

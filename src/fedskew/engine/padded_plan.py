@@ -14,6 +14,8 @@ import torch
 from fedskew.engine.batched_schedule import Schedule, upload_index
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from fedskew.client.local import TrainSettings
 
 
@@ -70,6 +72,13 @@ class PaddedPlan:
         self.batch = batch
         self.index = upload_index(index, device)
         self.count = upload_index(count, device)
+        # FedGen's inputs drawn per client and step: row r's at step t is its client's row drawn_base + t, past its
+        # last step its last one (a row whose update is masked out then)
+        self.drawn: Tensor | None = None
+        if sched.drawn is not None and sched.drawn_base is not None and total > 0:
+            last = np.maximum(sched.steps[self.order] - 1, 0)
+            at = sched.drawn_base[self.order][None, :] + np.minimum(np.arange(total)[:, None], last[None, :])
+            self.drawn = upload_index(np.minimum(at, int(sched.drawn[0].shape[0]) - 1), device)
 
 
 def padded_samples(sizes: list[int], settings: TrainSettings) -> tuple[int, int, int]:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, map_logits
+from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, PaddedTerm, map_logits, padded_mean
 from fedskew.client.precision import autocast, check_precision
 
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
@@ -151,15 +151,18 @@ def stacked_forward(
     prefix: str = "",
     training: bool = True,
     conv: ConvForms = "grouped",
+    real: Tensor | None = None,
 ) -> Tensor:
     """``module``'s forward for K clients at once: ``x [K, B, ...]`` → ``[K, B, ...]``, with ``state[prefix + name]``
     the clients' stacked tensors (``[K, *shape]``). BatchNorm running statistics in ``state`` are updated in place
     in training mode (pass copies). ``conv``: the convolutions' form (:data:`CONV_FORMS`), or each Conv2d's
-    (:func:`layer_forms`)."""
+    (:func:`layer_forms`). ``real``: ``[K, B]`` 0/1, which samples of a padded batch are real
+    (:mod:`fedskew.engine.captured`): BatchNorm's batch statistics are then each client's over its real samples only
+    (:func:`masked_batch_norm`)."""
     kind = type(module)
     if kind is nn.Sequential:
         for child_name, child in module.named_children():
-            x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training, conv)
+            x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training, conv, real)
         return x
     k, b = x.shape[0], x.shape[1]
     if kind is nn.Linear:
@@ -181,6 +184,8 @@ def stacked_forward(
         xs = x.transpose(0, 1).reshape(b, k * c, *x.shape[3:])
         rm, rv = state.get(prefix + "running_mean"), state.get(prefix + "running_var")
         use_batch = training or rm is None
+        if use_batch and real is not None:
+            return masked_batch_norm(bn, state, prefix, x, real, training)
         if training and bn.track_running_stats and prefix + "num_batches_tracked" in state:
             state[prefix + "num_batches_tracked"].add_(1)
         weight, bias = state.get(prefix + "weight"), state.get(prefix + "bias")
@@ -202,24 +207,47 @@ def stacked_forward(
     return out.view(k, b, *out.shape[1:])
 
 
+def masked_batch_norm(
+    bn: nn.modules.batchnorm._BatchNorm, state: dict[str, Tensor], prefix: str, x: Tensor, real: Tensor, training: bool
+) -> Tensor:
+    """BatchNorm of padded batches (``x`` ``[K, B, C, ...]``, ``real`` ``[K, B]`` 0/1): each client's mean and
+    (biased) variance per channel over its real samples only, a padding sample selected out. In training mode the
+    running statistics in ``state`` move as ``F.batch_norm`` moves them (the unbiased variance), in place, for the
+    clients with a real sample only, and so does ``num_batches_tracked``: a client whose batch is all padding (one
+    that has finished) keeps its statistics exactly."""
+    k, c = x.shape[0], x.shape[2]
+    dims = (1, *range(3, x.dim()))  # the batch and the spatial positions
+    tail = (1,) * (x.dim() - 3)
+    keep = real.view(k, -1, 1, *tail) > 0
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    n = real.to(x.dtype).sum(1) * (x[0, 0, 0].numel())  # [K]: real values per channel
+    mean = torch.where(keep, x, zero).sum(dims) / n.clamp(min=1).unsqueeze(1)  # [K, C]
+    centred = torch.where(keep, x - mean.view(k, 1, c, *tail), zero)
+    var = centred.pow(2).sum(dims) / n.clamp(min=1).unsqueeze(1)
+    out = (x - mean.view(k, 1, c, *tail)) * torch.rsqrt(var.view(k, 1, c, *tail) + bn.eps)
+    weight, bias = state.get(prefix + "weight"), state.get(prefix + "bias")
+    if weight is not None:
+        out = out * weight.view(k, 1, c, *tail)
+    if bias is not None:
+        out = out + bias.view(k, 1, c, *tail)
+    rm, rv = state.get(prefix + "running_mean"), state.get(prefix + "running_var")
+    if training and rm is not None and rv is not None:
+        with torch.no_grad():
+            m, live = float(bn.momentum or 0.0), (n > 0).unsqueeze(1)
+            unbiased = var * (n / (n - 1).clamp(min=1)).unsqueeze(1)
+            rm.copy_(torch.where(live, (1 - m) * rm + m * mean, rm))
+            rv.copy_(torch.where(live, (1 - m) * rv + m * unbiased, rv))
+            tracked = state.get(prefix + "num_batches_tracked")
+            if tracked is not None:
+                tracked.add_((n > 0).to(tracked.dtype))
+    return out
+
+
 # the keys of a side head's gradients in a step's gradients (and of its rows among a batched phase's carried tensors)
 SIDE_WEIGHT, SIDE_BIAS = "side:weight", "side:bias"
 REPR_BIAS, REPR_RUNNING = "repr:bias", "repr:running"  # a representation's bias (its gradient, its rows) and its r
 MIX_V, MIX_ALPHA = "mix:v", "mix:alpha"  # a mixture's second model (gradients: MIX_V + name) and its weight
 ENV_THETA = "env:theta"  # an envelope's personalized model (its rows)
-
-
-def padded_mean(t: Tensor, padding: tuple[Tensor, Tensor] | None) -> Tensor:
-    """Each client's mean over its batch (``t`` ``[K, B, ...]`` -> ``[K, ...]``): over the real samples of a padded
-    batch (``padding``: ``(weights [K, B], counts [K])``, :mod:`fedskew.engine.captured`), else over all ``B``. A
-    padding sample is selected out, not multiplied by 0: its loss may be infinite (FedRoD's balanced softmax shifts
-    the logits of a class the client lacks by ``log 0``, and a padding slot holds any sample of the round)."""
-    if padding is None:
-        return t.mean(1)
-    weights, counts = padding
-    tail = (1,) * (t.dim() - 2)
-    real = weights.view(*weights.shape, *tail) > 0
-    return torch.where(real, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(1) / counts.view(-1, *tail)
 
 
 def stacked_step_function(
@@ -247,7 +275,9 @@ def stacked_step_function(
 
     ``padding``: ``(weights [K, B], counts [K])`` for batches padded to one shape (:mod:`fedskew.engine.captured`): each
     client's cross-entropy is the sum of its samples' losses times their 0/1 weights over its count (at least 1), the
-    mean over its real samples; ``None``: every sample is real.
+    mean over its real samples; ``None``: every sample is real. ``real``: ``[K, B]`` 0/1, the samples BatchNorm's batch
+    statistics cover (the padded steps' real ones; ``None``: all, which is what an inner step's slices want: their
+    loss on a slice, their statistics over the whole batch).
 
     ``logit_map``: ``(scale, shift)``, ``[K, C]`` each or ``None``, each client's map of its logits before the
     cross-entropy (:class:`~fedskew.client.batched_form.LogitMap`: FedLC, FedRS); a frozen-model term reads the
@@ -268,8 +298,10 @@ def stacked_step_function(
     forms = layer_forms(model, conv)
     check_precision(precision)
 
-    def fwd(module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True) -> Tensor:
-        return stacked_forward(module, state, x, training=training, conv=forms)
+    def fwd(
+        module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True, real: Tensor | None = None
+    ) -> Tensor:
+        return stacked_forward(module, state, x, training=training, conv=forms, real=real)
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}
@@ -287,6 +319,7 @@ def stacked_step_function(
         side: tuple[Tensor, Tensor] | None = None,
         represent: tuple[Tensor | None, Tensor, float, Tensor | None, float] | None = None,
         mixture: tuple[dict[str, Tensor], Tensor] | None = None,
+        real: Tensor | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         sides = [t.detach().requires_grad_() for t in side] if side is not None else []
@@ -301,9 +334,9 @@ def stacked_step_function(
         amp = autocast(x.device, precision)
         with torch.enable_grad():
             with amp:  # the forward passes and losses in the run's precision (client/precision.py)
-                feats = fwd(body, part(state, "body."), x)
+                feats = fwd(body, part(state, "body."), x, real=real)
                 head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
-                logits = fwd(head, part(state, "head."), head_in)
+                logits = fwd(head, part(state, "head."), head_in, real=real)
                 k, b = logits.shape[0], logits.shape[1]
                 mapped = logits if logit_map is None else map_logits(logits, *logit_map)
                 ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
@@ -337,14 +370,20 @@ def stacked_step_function(
                         for name, frozen in models.items():
                             f = fwd(body, part(frozen, "body."), x, training=False)
                             outs[name] = (f, fwd(head, part(frozen, "head."), f, training=False))
-                    extra = term(feats, logits, y, outs)
-                    if padding is not None and extra.shape != (k, b):  # a per-client value would average the padding
-                        raise ValueError(
-                            f"a loss term at padded shapes must give one value per sample [{k}, {b}], got "
-                            f"{list(extra.shape)} (BatchedStep.term_per_sample)"
-                        )
-                    if extra.dim() == 2:  # per sample: each client's mean over its real samples
-                        extra = padded_mean(extra, padding)
+                    if isinstance(term, PaddedTerm):  # a statistic of each batch over its real samples
+                        extra = term(feats, logits, y, outs, padding)
+                        if extra.shape != (k,):
+                            shape = list(extra.shape)
+                            raise ValueError(f"a PaddedTerm must give one value per client [{k}], got {shape}")
+                    else:
+                        extra = term(feats, logits, y, outs)
+                        if padding is not None and extra.shape != (k, b):  # a per-client value averages the padding
+                            raise ValueError(
+                                f"a loss term at padded shapes must give one value per sample [{k}, {b}], got "
+                                f"{list(extra.shape)} (BatchedStep.term_per_sample)"
+                            )
+                        if extra.dim() == 2:  # per sample: each client's mean over its real samples
+                            extra = padded_mean(extra, padding)
                     loss = loss + (extra if mask is None else mask * extra)
                 if head_term is not None and drawn is not None:
                     head_state = part(state, "head.")
