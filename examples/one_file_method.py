@@ -12,8 +12,9 @@ for a batch of one sample), as the official ``FedDecorrLoss``. Default ``beta = 
 (``fedskew tune`` reads the range declared below).
 
 Everything fedskew needs is here: the schema (``FedDecorrParams``), the client part (``FedDecorr``: its ``loss`` for
-the sequential loop, its ``batched_step`` for the batched one, both from one function, ``decorrelation``) and
-its registration (``PART``). The engine is not touched: ``my_feddecorr``, ``my_feddecorr+disco`` and
+the sequential loop, its ``batched_step`` for the batched one, both from one function, ``decorrelation``, the
+batched one a ``PaddedTerm`` over each client's real samples so that ``--capture-steps`` runs it too) and its
+registration (``PART``). The engine is not touched: ``my_feddecorr``, ``my_feddecorr+disco`` and
 ``my_feddecorr+heal`` are method names as soon as this module is imported.
 
 It prints, per method, the final accuracy on the sequential loop and how far the batched path's accuracy curve is
@@ -28,6 +29,7 @@ Run: python examples/one_file_method.py [--rounds 5]
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ from torch import Tensor
 
 import fedskew
 from fedskew.catalog.feddecorr import decorrelation
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn
+from fedskew.client.batched_form import BatchedStep, PaddedTerm
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.registry import CLIENTS
 from fedskew.schema import StrictSettings
@@ -58,14 +60,18 @@ class FedDecorr(LocalAlgorithm):
         return ce if self.beta == 0 else ce + self.beta * decorrelation(features)
 
     def batched_step(self) -> BatchedStep:
-        beta = float(self.beta)
+        penalty = stacked_penalty(float(self.beta))
+        # a PaddedTerm reads which samples of a padded batch are real, so --capture-steps runs it too
+        return BatchedStep(term=lambda ctx: penalty, term_padded=True)
 
-        def term(ctx: LocalContext) -> FrozenTermFn | None:
-            if beta == 0:
-                return None
-            return lambda feats, logits, y, outs: beta * decorrelation(feats)  # feats: [K, B, D] -> [K]
 
-        return BatchedStep(term=term)
+@functools.cache  # one function per beta: with --capture-steps every round replays the same CUDA graphs
+def stacked_penalty(beta: float) -> PaddedTerm | None:
+    """``beta · decorrelation`` of stacked clients' body features ``[K, B, D]`` -> ``[K]``, each client's over the
+    real samples of its batch (``padding``: ``None``, all real, or the padded steps' weights and counts)."""
+    if beta == 0:
+        return None
+    return PaddedTerm(lambda feats, logits, y, outs, padding: beta * decorrelation(feats, padding))
 
 
 PART = fedskew.ClientPart(

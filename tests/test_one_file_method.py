@@ -52,10 +52,11 @@ def test_it_trains_batched_as_sequentially(decorr):
     """Two rounds of FedDecorr + FedDisco on both paths agree within 1e-5 (uploads and client states). beta is small
     here: at beta 0.1 the penalty's 1/sqrt(var + 1e-8) on nearly dead ReLU features makes the sequential loop itself
     move by 0.19 when its received model moves by one ulp (measured), so no two float orders could agree."""
-    seq, bat, rounds = _side_by_side("my_feddecorr+disco", {"beta": 1e-4}, rounds=2)
-    for _, _, ups_seq, ups_bat in rounds:
-        _same_updates(ups_seq, ups_bat)
-    _same_states(seq.client_states, bat.client_states)
+    for capture in (False, True):  # in buckets, and at padded shapes (its PaddedTerm over the real samples)
+        seq, bat, rounds = _side_by_side("my_feddecorr+disco", {"beta": 1e-4}, rounds=2, capture=capture)
+        for _, _, ups_seq, ups_bat in rounds:
+            _same_updates(ups_seq, ups_bat)
+        _same_states(seq.client_states, bat.client_states)
 
 
 def test_the_comparison_sees_the_penalty(decorr):
