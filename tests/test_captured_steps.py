@@ -81,6 +81,7 @@ TEN = {"clients": 10, "batch_size": 16}
         ("fedavg", None, {"model": "lenet_bn", "momentum": 0.5, **TEN}),
         ("fedavg+fedbn", None, {"model": "lenet_bn", "weight_decay": 1e-3, **TEN}),
         ("moon", {"mu": 1.0}, {"model": "lenet_bn", **TEN}),
+        ("fedsam", {"rho": 0.1}, {"model": "lenet_bn", "momentum": 0.5, **TEN}),  # its second pass's statistics kept
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -118,7 +119,8 @@ def test_refusals_name_what_cannot_be_padded():
     assert capture_refusal(rule, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) is None
     bn = build_model("lenet_bn", in_channels=1, image_size=8, num_classes=10)
     assert capture_refusal(rule, bn) is None  # its batch statistics over each client's real samples
-    for second in (BatchedStep(sam_rho=0.1), BatchedStep(inner=InnerStep(2, None, False, 0.0))):
+    assert capture_refusal(BatchedStep(sam_rho=0.1), bn) is None  # SAM's second pass restores the statistics
+    for second in (BatchedStep(mixture=lambda ctx: None), BatchedStep(inner=InnerStep(2, None, False, 0.0))):
         assert "BatchNorm layers, whose running statistics a second pass" in (capture_refusal(second, bn) or "")
     stateless = build_model("mlp", in_channels=1, image_size=8, num_classes=10)  # BatchNorm without running stats
     stateless.body = torch.nn.Sequential(*stateless.body, torch.nn.BatchNorm1d(200, track_running_stats=False))
@@ -269,7 +271,7 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="capture_steps .* needs batched_clients"):
         make_config(None, {**BASE, "capture_steps": True})
     bn = {**values, "model": "lenet_bn", "rounds": 1, "capture_steps": True, "out": str(tmp_path / "bn")}
-    bn.update(method="fedsam", method_args={"rho": 0.05})  # SAM's second pass would move BatchNorm's statistics again
+    bn.update(method="perfedavg", method_args={})  # an inner step's pass would move BatchNorm's statistics again
     with pytest.warns(UserWarning, match="capture_steps: the model has BatchNorm layers"):
         run_experiment(make_config(None, bn))
 

@@ -21,20 +21,20 @@ shape on a side stream: the warm-up the capture needs is a real step) and replay
 with the step's indices and counts copied into the graph's input buffers; the host then does two launches a step.
 Anywhere else (a CPU) the same masked steps run eagerly: that is how CI checks them against the sequential loop.
 
-What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean,
-APFL's second model and its weight, pFedMe's personalized model: :class:`~fedskew.engine.batched_rows.Beside`) rides
-in buffers of its own, its losses over the real samples only and its update masked as the model's is; so do a
-per-sample loss term's frozen models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC:
-``BatchedStep.term_per_sample``), the term's function part of the shape, a statistic of each batch over its real
-samples (FedDecorr's decorrelation: ``BatchedStep.term_padded``, a :class:`~fedskew.client.batched_form.PaddedTerm`),
-the last epoch's class sums over the real samples (FedProto, FedProc, FPL), FedGen's inputs drawn per client and step
-(computed for the step's rows before it) and the inner steps of Per-FedAvg (each slice of a row's batch a mask over
-the padded batch) and pFedMe (θ's rows solved at every step). What this form does not cover,
-:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm beside a second pass on the batch (SAM's, an
-inner step's, a mixture's: its running statistics would move twice; otherwise its batch statistics are each client's
-over its real samples, ``stacked.masked_batch_norm``), loss terms computed per client, and models without a stacked
-form (``vmap``: GPFL, FedCP). The rows a phase starts from, the
-shape its graphs bake in and its result are :mod:`fedskew.engine.padded_shape`'s.
+What each client trains beside the model (FedRoD's personal head, FedDBE's representation bias and running mean, APFL's
+second model and its weight, pFedMe's personalized model: :class:`~fedskew.engine.batched_rows.Beside`) rides in buffers
+of its own, its losses over the real samples only and its update masked as the model's is; so do a per-sample loss
+term's frozen models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC: ``BatchedStep.term_per_sample``), the
+term's function part of the shape, a statistic of each batch over its real samples (FedDecorr's decorrelation:
+``BatchedStep.term_padded``, a :class:`~fedskew.client.batched_form.PaddedTerm`), the last epoch's class sums over the
+real samples (FedProto, FedProc, FPL), FedGen's inputs drawn per client and step (computed for the step's rows before
+it) and the inner steps of Per-FedAvg (each slice of a row's batch a mask over the padded batch) and pFedMe (θ's rows
+solved at every step). What this form does not cover, :func:`capture_refusal` names, and the bucketed loop runs:
+BatchNorm beside a second pass on the batch (an inner step's, a mixture's: its running statistics would move twice;
+SAM's second pass restores them, as ``fedsam`` freezes them; otherwise its batch statistics are each client's over its
+real samples, ``stacked.masked_batch_norm``), loss terms computed per client, and models without a stacked form
+(``vmap``: GPFL, FedCP). The rows a phase starts from, the shape its graphs bake in and its result are
+:mod:`fedskew.engine.padded_shape`'s.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if module not in norms and any(True for _ in module.buffers(recurse=False)):
             return f"the model has buffers other than BatchNorm's statistics ({name or type(module).__name__})"
-    second = rule.sam_rho > 0 or rule.inner is not None or rule.envelope is not None or rule.mixture is not None
+    second = rule.inner is not None or rule.envelope is not None or rule.mixture is not None
     if norms and second:
         return (
-            "the model has BatchNorm layers, whose running statistics a second pass on the batch (SAM's, an inner "
-            "step's, a mixture's) would move again at one shape"
+            "the model has BatchNorm layers, whose running statistics a second pass on the batch (an inner step's, "
+            "a mixture's) would move again at one shape"
         )
     return form_capture_refusal(rule)
 
@@ -156,6 +156,7 @@ class PaddedSteps:
             conv=conv,
             precision=shape.precision,
         )
+        self.buffers = [n for n, _ in model.named_buffers() if n in self.fix]  # BatchNorm's statistics, if any
         self.replay = StepReplay(self._step, device)
 
     def _inputs(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -202,9 +203,14 @@ class PaddedSteps:
             with torch.no_grad():
                 eps = torch.cat([e.reshape(w, -1) for e in sam_ascent([grads[n] for n in sh.names], sh.sam_rho)], 1)
                 p_w.add_(eps)
-            grads, _ = self.forward(state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, **extra)
+                kept = [self.fix[n][:w].clone() for n in self.buffers]  # SAM's frozen BatchNorm statistics
+            grads, _ = self.forward(
+                state, {}, anchor, xs, ys, padding=(weights, denom), logit_map=mapped, real=weights, **extra
+            )
             with torch.no_grad():
                 p_w.sub_(eps)
+                for n, v in zip(self.buffers, kept, strict=True):
+                    self.fix[n][:w].copy_(v)
         with torch.no_grad():
             g = torch.cat([grads[n].reshape(w, -1) for n in sh.names], dim=1)
             if sh.blend is not None:  # share·g + (1 − share)·Δ; a row without a batch is masked out below
