@@ -113,7 +113,7 @@ BATCHED_METHODS = (
 # class sums, inner steps (Per-FedAvg's slices, pFedMe's θ) and inputs drawn per step (FedGen); their plain batched
 # steps kept the H200 27-40% busy (2026-12-04)
 CAPTURED = ("fedavg", "fedprox", "scaffold", "fedlc", "fedsam", "fedrod", "feddbe", "apfl", "moon", "fedntd")
-CAPTURED += ("fedproto", "perfedavg", "pfedme", "fedgen")
+CAPTURED += ("fedproto", "perfedavg", "pfedme", "fedgen", "gpfl", "fedcp")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def pieces(args: argparse.Namespace, out: Path) -> list[Piece]:
     found.append(Piece("methods-bf16", [*argv, "--precision", "bf16"], 30 if smoke else 150, 300 if smoke else 400))
     # every method's captured steps (20 s for 48 methods on this CPU, 46 of them captured); in smoke one of each:
     # plain steps, a side head, a refusal (GPFL's head has no stacked form)
-    captured_argv = [*base, *(["--methods", "fedavg,fedrod,gpfl"] if smoke else []), "--paths", "captured"]
+    captured_argv = [*base, *(["--methods", "fedavg,gpfl,fedcp"] if smoke else []), "--paths", "captured"]
     found.append(Piece("methods-captured", captured_argv, 30 if smoke else 90, 300 if smoke else 400))
     paths = [(m, "auto") for m in BATCHED_METHODS] + [("fedavg", "vmap")] + [(m, "captured") for m in CAPTURED]
     for m, path in paths:

@@ -82,6 +82,13 @@ TEN = {"clients": 10, "batch_size": 16}
         ("fedavg+fedbn", None, {"model": "lenet_bn", "weight_decay": 1e-3, **TEN}),
         ("moon", {"mu": 1.0}, {"model": "lenet_bn", **TEN}),
         ("fedsam", {"rho": 0.1}, {"model": "lenet_bn", "momentum": 0.5, **TEN}),  # its second pass's statistics kept
+        # a client's own term by its stacked form over the real samples, through a composite head's own stacked form
+        # (its buffers read as inputs): GPFL's global path (the received embeddings' rows) and its decay, FedCP's MMD
+        # to the received body's features and each row's Gumbel draws for its real samples from its own stream
+        ("gpfl", {"lam": 0.5}, {"momentum": 0.5, **TEN}),
+        ("gpfl", {"mu": 0.3}, {"model": "lenet_bn", "weight_decay": 1e-3, **TEN}),
+        ("fedcp", None, {"momentum": 0.5, "local_epochs": 2, **TEN}),  # draws after a short last batch
+        ("fedcp", {"lam": 1.0}, {"model": "lenet_bn", **TEN}),
     ],
 )
 def test_padded_steps_match_the_sequential_loop(one_thread, method, args, over):
@@ -134,15 +141,19 @@ def test_refusals_name_what_cannot_be_padded():
     assert capture_refusal(BatchedStep(term=lambda ctx: None, term_per_sample=True), mlp_model()) is None
     assert "loss term" in (capture_refusal(term, build_model("mlp", in_channels=1, image_size=8, num_classes=10)) or "")
     mlp = build_model("mlp", in_channels=1, image_size=8, num_classes=10)
-    for own in (BatchedStep(client_term=lambda ctx: None), BatchedStep(decay=lambda n: 0.1)):  # GPFL's pieces
-        assert "own per-client term" in (capture_refusal(own, mlp) or "")
+    own = BatchedStep(client_term=lambda ctx: None)  # a client's own term computed one client at a time only
+    assert "own term has no stacked form" in (capture_refusal(own, mlp) or "")
+    stacked_own = BatchedStep(client_term=lambda ctx: None, client_term_stacked=True, decay=lambda n: 0.1)  # GPFL's
+    assert capture_refusal(stacked_own, mlp) is None
+    assert "no stacked form" in (capture_refusal(stacked_own, res) or "")
+    assert "inner steps" in (capture_refusal(replace(stacked_own, inner=InnerStep(2, None, False, 0.0)), mlp) or "")
     assert capture_refusal(BatchedStep(term=lambda ctx: None, term_padded=True), mlp) is None  # FedDecorr's
     inner = BatchedStep(inner=InnerStep(2, None, False, 0.0))
     assert capture_refusal(inner, mlp) is None  # Per-FedAvg's
     for beside in (replace(inner, sam_rho=0.1), replace(inner, logits=lambda ctx, c: None)):
         assert "inner steps" in (capture_refusal(beside, mlp) or "")
-    sim = digits_simulation("gpfl")  # a term computed one client at a time
-    with pytest.raises(ValueError, match="cannot run method 'gpfl' at one shape: the model has no stacked form"):
+    sim = digits_simulation("fedavg", model="resnet8")  # a model without a stacked form
+    with pytest.raises(ValueError, match="cannot run method 'fedavg' at one shape: the model has no stacked form"):
         train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
     sam_beside = BatchedStep(sam_rho=0.1, side_head=lambda ctx: None)  # type: ignore[arg-type,return-value]
     assert "SAM's second pass" in (capture_refusal(sam_beside, mlp) or "")
@@ -285,6 +296,8 @@ def test_runs_with_captured_steps_give_the_batched_records(tmp_path, monkeypatch
         ("feddecorr", {"beta": 1e-3}),  # its PaddedTerm, one per beta
         ("fedgen", None),  # its head term, one per weight; the round's generator outside the graphs
         ("pfedme", {"inner_steps": 2}),  # θ's rows in the kept buffers
+        ("gpfl", None),  # its stacked term, one per lam; the received embeddings' rows in the kept buffers
+        ("fedcp", None),  # its MMD, one per lam; the heads' draws refilled at every step
     ],
 )
 def test_a_run_replays_its_buffers_round_after_round(one_thread, method, args):

@@ -80,11 +80,11 @@ def test_methods_name_gives_each_parts_paper_defaults_and_what_the_composition_c
     assert "disco_discrepancy" in flat  # what the server learns of each client
     assert "user-level DP (--dp-clip): can run" in flat
     assert "user-level DP (--dp-clip): no: its server combines the individual updates (FedSACombine)" in flat
-    assert "--capture-steps (with --batched-clients): yes, on models of standard layers without BatchNorm" in flat
-    assert main(["methods", "perfedavg", "gpfl"]) == 0  # why a form cannot run at one shape, by name
+    assert "--capture-steps (with --batched-clients): yes, on models with a stacked form personalized" in flat
+    assert main(["methods", "perfedavg", "gpfl"]) == 0  # Per-FedAvg's inner steps as masks, GPFL's stacked term
     flat = " ".join(capsys.readouterr().out.split())
-    assert flat.count("--capture-steps (with --batched-clients): yes") == 1  # Per-FedAvg's inner steps, as masks
-    assert "--capture-steps (with --batched-clients): no: the client part's own per-client term" in flat
+    assert flat.count("--capture-steps (with --batched-clients): yes") == 2
+    assert "yes, on models with a stacked form without BatchNorm (a second pass on each batch" in flat
     assert main(["methods", "fedpake"]) == 0 and "fedpake (= fedsa)" in capsys.readouterr().out
     assert main(["methods", "nope"]) == 2 and "unknown part 'nope'" in capsys.readouterr().err
 

@@ -4,6 +4,8 @@ stay float32; float32 is the default and changes nothing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,8 @@ def _moved(rounds) -> tuple[float, float]:
         ("moon", None, {}, False),  # the frozen models' passes inside the loss
         ("fedavg", None, {"model": "lenet_bn", "momentum": 0.9}, False),  # the stacked graph's own BatchNorm
         ("fedsam", None, {"model": "cnn"}, False),  # SAM's second pass in the first's arithmetic
+        ("gpfl", None, {}, True),  # a composite head's own stacked form (its LayerNorms) and a client's own term
+        ("fedcp", None, {}, False),
     ],
 )
 def test_batched_bf16_matches_the_sequential_bf16_loop_at_bfloat16_rounding(method, args, over, capture):
@@ -130,17 +134,30 @@ def test_the_stacked_step_returns_float32_under_bf16():
 
 
 def test_a_vmap_step_through_a_layernorm_falls_back_under_bf16_by_name():
-    """torch's backward of LayerNorm or BatchNorm under vmap fails on autocast's mixed dtypes: FedCP's policy network
-    (a LayerNorm, a step under vmap for its Gumbel draws) is refused with the reason, the run then trains its clients
-    one after the other; under float32, and for the stacked graph's own BatchNorm, nothing is refused."""
+    """torch's backward of LayerNorm or BatchNorm under vmap fails on autocast's mixed dtypes: a step under vmap (a
+    client term without a stacked form, a model without one) through FedCP's policy network (a LayerNorm) is refused
+    with the reason, and the run then trains its clients one after the other; FedCP's own step runs on the stacked
+    graph, whose norms are its own, and trains batched under bf16; under float32 nothing is refused."""
+    from dataclasses import replace
+
+    from fedskew.client.local import batched_form
+    from fedskew.engine.batched_steps import _vmap_precision_refusal
+
     sim = digits_simulation("fedcp")
     assert batchable(sim.method, sim.model) is None
-    why = batchable(sim.method, sim.model, "bf16")
+    assert batchable(sim.method, sim.model, "bf16") is None  # the stacked graph: its LayerNorm, its draws
+    form = batched_form(sim.method.client)
+    assert not isinstance(form, str)
+    why = _vmap_precision_refusal(replace(form, client_term_stacked=False), sim.model, "bf16")
     assert why is not None and "vmap(grad(loss))" in why and "LayerNorm" in why
     bn = digits_simulation("fedavg", model="lenet_bn")
     assert batchable(bn.method, bn.model, "bf16") is None
-    with pytest.warns(UserWarning, match="precision bf16: its step runs as vmap"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
         run = digits_simulation("fedcp", rounds=1, precision="bf16", batched_clients=True)
+        run.run()
+    with pytest.warns(UserWarning, match="precision bf16: its step runs as vmap"):
+        run = digits_simulation("fedavg", model="resnet8", rounds=1, precision="bf16", batched_clients=True)
         run.run()
 
 

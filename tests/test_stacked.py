@@ -119,3 +119,71 @@ def test_unstackable_models_say_why_and_use_vmap() -> None:
     assert "Flatten other than" in stackable(nn.Sequential(nn.Flatten(0)))
     assert "cumulative average" in stackable(nn.Sequential(nn.BatchNorm1d(3, momentum=None)))
     assert "padding" in stackable(nn.Conv2d(1, 2, 3, padding="same"))
+
+
+class _Gated(nn.Module):
+    """A module with its own forward and its own stacked form, reading a buffer and an extra input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(5, 5), nn.LayerNorm([5]), nn.ReLU())
+        self.table = nn.Embedding(3, 5)
+        self.register_buffer("scale", torch.rand(5))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.scale) + self.table(c)
+
+    def stacked_forward(self, s, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return s("inner", x * s["scale"].unsqueeze(1)) + s("table", c)
+
+
+def test_layernorms_embeddings_and_a_modules_own_stacked_form_are_each_clients_own_forward() -> None:
+    """``LayerNorm`` (each client's affine map), ``Embedding`` (each client's table), a ``Linear`` subclass that keeps
+    its forward and a module's own ``stacked_forward`` (its children's stacked forms, its buffers and extra inputs):
+    client k's rows are the module's forward with client k's tensors; GPFL's and FedCP's composite heads too (FedCP's
+    with each client's Gumbel draws)."""
+    from fedskew.catalog.fedcp import CPHead
+    from fedskew.catalog.gpfl import GPFLHead, PersonalHead
+
+    torch.manual_seed(0)
+    k = 3
+    gated = _Gated()
+    assert stackable(gated) is None
+    state = stacked_state(gated, k, seed=1)
+    x, c = torch.randn(k, 4, 5), torch.randint(0, 3, (k, 4))
+    out = stacked_forward(gated, state, x, inputs=(c,))
+    for i in range(k):
+        gated.load_state_dict({n: v[i] for n, v in state.items()})
+        assert torch.allclose(out[i], gated(x[i], c[i]), atol=1e-5)
+    personal = PersonalHead(nn.Linear(5, 3))
+    assert stackable(personal) is None  # a Linear subclass with buffers of its own, Linear's forward
+    for make in (GPFLHead, CPHead):
+        head = make(nn.Linear(5, 3))
+        assert stackable(head) is None
+        state = stacked_state(head, k, seed=2)
+        drawn = torch.empty(k, 4, 2, 5).exponential_() if make is CPHead else None
+        kwargs = {} if drawn is None else {"exponential": drawn}
+        out = stacked_forward(head, state, x, kwargs=kwargs)
+        for i in range(k):
+            head.load_state_dict({n: v[i] for n, v in state.items()})
+            one = {} if drawn is None else {"exponential": drawn[i]}
+            assert torch.allclose(out[i], head(x[i], **one), atol=1e-5), make.__name__
+
+
+def test_layers_without_a_stacked_form_say_why() -> None:
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).tanh()
+
+    assert "Custom has no stacked form" in (stackable(Custom()) or "")
+    assert "Embedding with a padding index" in (stackable(nn.Embedding(3, 2, padding_idx=0)) or "")
+
+    class OwnForward(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    assert "OwnForward has no stacked form" in (stackable(OwnForward(2, 2)) or "")

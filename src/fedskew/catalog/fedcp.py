@@ -33,15 +33,17 @@ after their training, while the body goes to every client; fedskew sends the glo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, ClientTerm, HeadDraw
+from fedskew.client.batched_form import BatchedStep, ClientTerm, HeadDraw, Padding, StackedTermFn
 from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext, Phase
 from fedskew.models import LinearFrom
@@ -49,6 +51,9 @@ from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.space import LogFloat
+
+if TYPE_CHECKING:
+    from fedskew.engine.stacked import StackedCall, StackedRun
 
 GENERIC, POLICY = "head.generic.", "head.policy."
 RBF_BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)  # the official code's rbf kernel widths
@@ -92,6 +97,17 @@ class CPHead(nn.Module):
         personal, shared = self.gate(z, exponential)
         return self.personal(z * personal) + self.generic(z * shared)
 
+    def stacked_forward(self, s: StackedCall, z: Tensor, exponential: Tensor | None = None) -> Tensor:
+        """The same for K clients (engine/stacked.py): ``z`` ``[K, B, d]``, each through its own context, policy and
+        heads; ``exponential``: the step's draws ``[K, B, 2, d]`` (none: the noise-free gate)."""
+        k, b = z.shape[0], z.shape[1]
+        context = F.normalize(s["personal.context"], p=2, dim=-1)  # [K, 1, d]
+        gate = s("policy", z * context).view(k, b, 2, -1)
+        if exponential is not None:
+            gate = gate - exponential.log()
+        r = torch.softmax(gate / self.tau, dim=2)
+        return s("personal", z * r[:, :, 0]) + s("generic", z * r[:, :, 1])
+
 
 def draw_exponential(noise: torch.Generator, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     """One training forward's ``Exp(1)`` draws from the client's noise stream (on the stream's device)."""
@@ -109,6 +125,42 @@ def mmd_rbf(x: Tensor, y: Tensor, bandwidths: Sequence[float] = RBF_BANDWIDTHS) 
     for a in bandwidths:
         total = total + torch.exp(-0.5 * dxx / a) + torch.exp(-0.5 * dyy / a) - 2 * torch.exp(-0.5 * dxy / a)
     return total.mean()
+
+
+def padded_mmd_rbf(x: Tensor, y: Tensor, padding: Padding, bandwidths: Sequence[float] = RBF_BANDWIDTHS) -> Tensor:
+    """:func:`mmd_rbf` of each client's batch (``x``, ``y`` ``[K, B, d]``) over its real samples (``padding``:
+    ``(weights [K, B], counts [K])``, engine/captured.py; ``None``: all): the kernels' mean over the pairs of real
+    samples, a pair with a padding sample selected out -> ``[K]``."""
+    sx, sy = (x * x).sum(-1), (y * y).sum(-1)
+    dxx = sx.unsqueeze(2) + sx.unsqueeze(1) - 2 * torch.matmul(x, x.transpose(1, 2))
+    dyy = sy.unsqueeze(2) + sy.unsqueeze(1) - 2 * torch.matmul(y, y.transpose(1, 2))
+    dxy = sx.unsqueeze(2) + sy.unsqueeze(1) - 2 * torch.matmul(x, y.transpose(1, 2))
+    total = torch.zeros_like(dxx)
+    for a in bandwidths:
+        total = total + torch.exp(-0.5 * dxx / a) + torch.exp(-0.5 * dyy / a) - 2 * torch.exp(-0.5 * dxy / a)
+    if padding is None:
+        return total.mean((1, 2))
+    weights, counts = padding
+    pairs = (weights.unsqueeze(2) * weights.unsqueeze(1)) > 0
+    kept = torch.where(pairs, total, torch.zeros((), dtype=total.dtype, device=total.device))
+    return kept.sum((1, 2)) / counts.to(total.dtype).square()
+
+
+@functools.cache
+def stacked_mmd(lam: float) -> StackedTermFn:
+    """:meth:`FedCP.loss`'s MMD on stacked clients: ``lam ·`` each client's MMD² between its features and the
+    received body's on the same batch, over its real samples (the received rows' buffers copied, as ``loss``'s copy
+    moves them; one function per ``lam``: the same captured graphs every round)."""
+
+    def term(
+        run: StackedRun, state: Params, z: Tensor, y: Tensor, x: Tensor, reads: Params, padding: Padding
+    ) -> Tensor:
+        body = {n: t.clone() for n, t in reads.items()}
+        with torch.no_grad():
+            received = run("body", x, state=body)
+        return lam * padded_mmd_rbf(z, received, padding)
+
+    return term
 
 
 @dataclass
@@ -175,14 +227,15 @@ class FedCP(LocalAlgorithm):
         def term(ctx: LocalContext) -> ClientTerm | None:
             if lam == 0:
                 return None
-            return ClientTerm(mmd, reads=tuple(n for n in ctx.received if n.startswith("body.")))
+            reads = tuple(n for n in ctx.received if n.startswith("body."))
+            return ClientTerm(mmd, reads=reads, stacked=stacked_mmd(lam))
 
         def draws(ctx: LocalContext) -> HeadDraw:
             r = ctx.prep(CPRound)
             d = r.head.personal.context.shape[1]
             return HeadDraw("exponential", lambda b: draw_exponential(r.noise, (b, 2, d), r.head.personal.weight.dtype))
 
-        return BatchedStep(client_term=term, head_draw=draws)
+        return BatchedStep(client_term=term, client_term_stacked=True, head_draw=draws)
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

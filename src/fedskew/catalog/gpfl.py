@@ -27,14 +27,16 @@ client recomputes them from the latest global embeddings each round; the same un
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, ClientTerm
+from fedskew.client.batched_form import BatchedStep, ClientTerm, Padding, StackedTermFn, padded_mean
 from fedskew.client.kernels import check_composite_head
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.models import LinearFrom
@@ -42,6 +44,9 @@ from fedskew.protocol import Params
 from fedskew.registry import ClientPart, ServerPlugin
 from fedskew.schema import StrictSettings
 from fedskew.space import LogFloat
+
+if TYPE_CHECKING:
+    from fedskew.engine.stacked import StackedCall, StackedRun
 
 EMBEDDING = "head.embedding.weight"
 SHARED = ("head.valve.", "head.embedding.")  # the entries μ decays
@@ -57,6 +62,11 @@ class Valve(nn.Module):
 
     def forward(self, z: Tensor, c: Tensor) -> Tensor:
         return F.relu(z * (self.gamma(c) + 1) + self.beta(c))
+
+    def stacked_forward(self, s: StackedCall, z: Tensor, c: Tensor) -> Tensor:
+        """The same for K clients (engine/stacked.py): ``z`` ``[K, B, d]``, each client's condition ``c`` ``[K, d]``."""
+        c = c.unsqueeze(1)
+        return F.relu(z * (s("gamma", c) + 1) + s("beta", c))
 
 
 class PersonalHead(LinearFrom):
@@ -82,6 +92,10 @@ class GPFLHead(nn.Module):
     def forward(self, z: Tensor) -> Tensor:
         return self.personal(self.valve(z, self.personal.personal_input))
 
+    def stacked_forward(self, s: StackedCall, z: Tensor) -> Tensor:
+        """The same for K clients (engine/stacked.py), each through its own valve, conditional input and head."""
+        return s("personal", s("valve", z, s["personal.personal_input"]))
+
     def generic_features(self, z: Tensor) -> Tensor:
         return self.valve(z, self.personal.generic_input)
 
@@ -90,6 +104,29 @@ def embedding_loss(features: Tensor, y: Tensor, embeddings: Tensor) -> Tensor:
     """The GCE's angle-level loss: cross-entropy of the cosine similarities of ``features`` to the class
     ``embeddings`` (unscaled logits)."""
     return F.cross_entropy(F.linear(F.normalize(features), F.normalize(embeddings)), y)
+
+
+@functools.cache
+def stacked_global_path(lam: float) -> StackedTermFn:
+    """:meth:`GPFL.loss`'s terms past the cross-entropy on stacked clients, each client's over its batch's real
+    samples: the cross-entropy of the cosines of ``CoV(z, g_k)`` to its trained embeddings, and ``lam ·`` the
+    Frobenius norm of their gap to the received embeddings of the labels (one function per ``lam``: the same
+    captured graphs every round)."""
+
+    def term(
+        run: StackedRun, state: Params, z: Tensor, y: Tensor, x: Tensor, reads: Params, padding: Padding
+    ) -> Tensor:
+        shared = run("head.valve", z, state["head.personal.generic_input"])  # [K, B, d]
+        k, b = y.shape
+        cos = torch.matmul(F.normalize(shared, dim=-1), F.normalize(state[EMBEDDING], dim=-1).transpose(1, 2))
+        ce = F.cross_entropy(cos.reshape(k * b, -1), y.reshape(-1), reduction="none").view(k, b)
+        rows = torch.arange(k, device=y.device).unsqueeze(1)
+        gap = shared - reads[EMBEDDING][rows, y]
+        if padding is not None:  # a padding sample selected out of the norm
+            gap = torch.where(padding[0].unsqueeze(-1) > 0, gap, torch.zeros((), dtype=gap.dtype, device=gap.device))
+        return padded_mean(ce, padding) + lam * torch.linalg.vector_norm(gap.flatten(1), dim=1)
+
+    return term
 
 
 def conditional_inputs(embeddings: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -160,9 +197,11 @@ class GPFL(LocalAlgorithm):
             return loss + lam * torch.linalg.matrix_norm(shared - reads[EMBEDDING][y])
 
         def term(ctx: LocalContext) -> ClientTerm:
-            return ClientTerm(global_path, reads=(EMBEDDING,))
+            return ClientTerm(global_path, reads=(EMBEDDING,), stacked=stacked_global_path(lam))
 
-        return BatchedStep(client_term=term, decay=lambda n: mu if n.startswith(SHARED) else 0.0)
+        return BatchedStep(
+            client_term=term, client_term_stacked=True, decay=lambda n: mu if n.startswith(SHARED) else 0.0
+        )
 
 
 # ---- registration ----------------------------------------------------------------------------------------------------

@@ -173,13 +173,25 @@ class Mixture(NamedTuple):
 ClientTermFn = Callable[[nn.Module, dict[str, Tensor], Tensor, Tensor, Tensor, dict[str, Tensor]], Tensor]
 
 
+# the same term on stacked clients: (the stacked forward of the model's modules by path,
+# :class:`fedskew.engine.stacked.StackedRun`; the clients' stacked state by full names [K, ...], trained parameters
+# live; the body's output [K, B, d]; the labels [K, B]; the inputs [K, B, ...]; the clients' rows of the received
+# entries the term reads; the padding, :data:`Padding`) -> the term per client [K], over each batch's real samples
+StackedTermFn = Callable[[Any, dict[str, Tensor], Tensor, Tensor, Tensor, dict[str, Tensor], Padding], Tensor]
+
+
 class ClientTerm(NamedTuple):
-    """A loss term computed one client at a time under ``vmap`` (any model, a composite head included): ``fn``
-    (:data:`ClientTermFn`) and ``reads``, the received model's entries (full names) it reads, each client's own
-    (GPFL's path through its trained valve and embeddings; FedCP's MMD to the received body's features)."""
+    """A loss term of each client's own trained state (any model, a composite head included): ``fn``
+    (:data:`ClientTermFn`), computed one client at a time under ``vmap``; ``reads``, the received model's entries
+    (full names) it reads, each client's own (GPFL's path through its trained valve and embeddings; FedCP's MMD to
+    the received body's features); ``stacked``, the same term on stacked clients (:data:`StackedTermFn`), over each
+    batch's real samples, with which the step runs on the stacked graph, and at captured shapes, when the model has
+    a stacked form (``BatchedStep.client_term_stacked`` says it is given). A form that returns the same term for the
+    same hyper-parameters (a module-level ``functools.cache``) replays the same captured graphs every round."""
 
     fn: ClientTermFn
     reads: tuple[str, ...] = ()
+    stacked: StackedTermFn | None = None
 
 
 class HeadDraw(NamedTuple):
@@ -268,9 +280,12 @@ class BatchedStep:
     after ``begin``, a :class:`Mixture` (APFL). ``inner``: an :class:`InnerStep` (Per-FedAvg). ``envelope``: per
     client after ``begin``, an :class:`Envelope` (pFedMe). ``client_term``: from the first client's context, a
     :class:`ClientTerm` added to each client's loss, computed one client at a time (the steps then run under ``vmap``
-    whatever the model; GPFL). ``decay``: per trained parameter name, a weight ``μ`` whose ``μ·θ`` is added to the
-    gradient after the backward pass, before the optimizer's own weight decay (0: none; GPFL's valve and embeddings).
-    ``head_draw``: per client after ``begin``, a :class:`HeadDraw` (the steps then run under ``vmap``; FedCP).
+    whatever the model), unless ``client_term_stacked``: its stacked form is given, and on a model with a stacked form
+    the steps run on the stacked graph and at captured shapes (GPFL, FedCP). ``decay``: per trained parameter name, a
+    weight ``μ`` whose ``μ·θ`` is added to the gradient after the backward pass, before the optimizer's own weight
+    decay (0: none; GPFL's valve and embeddings).
+    ``head_draw``: per client after ``begin``, a :class:`HeadDraw` (FedCP), its draws passed to the head's forward
+    (``vmap``'s, or the head's own stacked form's).
     """
 
     prox_mu: Callable[[str], float] | None = None
@@ -295,6 +310,7 @@ class BatchedStep:
     inner: InnerStep | None = None
     envelope: Callable[[LocalContext], Envelope] | None = None
     client_term: Callable[[LocalContext], ClientTerm | None] | None = None
+    client_term_stacked: bool = False
     decay: Callable[[str], float] | None = None
     head_draw: Callable[[LocalContext], HeadDraw] | None = None
 

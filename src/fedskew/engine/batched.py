@@ -300,6 +300,9 @@ def _run_phase(
             generated=None
             if generated is None or sched.drawn is None
             else (generated, tuple(t.to(device) for t in sched.drawn)),
+            client_term=own_term,
+            reads=stack.reads,
+            head_draws=head_draws or None,
         )
         result = run_padded(model, rule, s, lr, mu, flat, sched, x_all, y_all, given, capture, conv)
         beside.hand_back_rows(result.beside)
@@ -350,7 +353,7 @@ def _run_phase(
                 mapped["reads"] = {k: take(v) for k, v in stack.reads.items()}
             if head_draws:  # each client's draws for this step from its own stream, in its step order (FedCP)
                 assert bucket.clients is not None
-                mapped["drawn"] = torch.stack([head_draws[k].draw(size) for k in bucket.clients.tolist()])
+                mapped["head_draws"] = torch.stack([head_draws[k].draw(size) for k in bucket.clients.tolist()])
             drawn = None
             if drawn_all is not None and generated is not None and bucket.drawn is not None:
                 at = index[bucket.drawn]

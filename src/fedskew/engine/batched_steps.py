@@ -100,9 +100,9 @@ _VMAP_AUTOCAST_FAILS = (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
 
 def _vmap_precision_refusal(form: BatchedStep, model: nn.Module, precision: str) -> str | None:
     """Why the step of ``form`` on ``model`` cannot run under ``precision``'s autocast, or ``None``: only the
-    ``vmap`` step (a term computed one client at a time, a head's draws, a model with layers the stacked graph lacks)
+    ``vmap`` step (a client term without a stacked form, a model with layers the stacked graph lacks)
     through a layer whose backward fails there."""
-    if not runs_under_vmap(model, form.client_term is not None or form.head_draw is not None):
+    if not runs_under_vmap(model, form.client_term is not None and not form.client_term_stacked):
         return None  # the stacked graph, which runs its norms itself
     for name, module in model.named_modules():
         if isinstance(module, _VMAP_AUTOCAST_FAILS):

@@ -28,17 +28,20 @@ term's frozen models and mask (MOON, FedNTD, FedProto, FedProc, FPL, FedPAC: ``B
 term's function part of the shape, a statistic of each batch over its real samples (FedDecorr's decorrelation:
 ``BatchedStep.term_padded``, a :class:`~fedskew.client.batched_form.PaddedTerm`), the last epoch's class sums over the
 real samples (FedProto, FedProc, FPL), FedGen's inputs drawn per client and step (computed for the step's rows before
-it) and the inner steps of Per-FedAvg (each slice of a row's batch a mask over the padded batch) and pFedMe (θ's rows
-solved at every step). What this form does not cover, :func:`capture_refusal` names, and the bucketed loop runs:
-BatchNorm beside a second pass on the batch (an inner step's, a mixture's: its running statistics would move twice;
-SAM's second pass restores them, as ``fedsam`` freezes them; otherwise its batch statistics are each client's over its
-real samples, ``stacked.masked_batch_norm``), loss terms computed per client, and models without a stacked form
-(``vmap``: GPFL, FedCP). The rows a phase starts from, the shape its graphs bake in and its result are
-:mod:`fedskew.engine.padded_shape`'s.
+it), the inner steps of Per-FedAvg (each slice of a row's batch a mask over the padded batch) and pFedMe (θ's rows
+solved at every step), and a client's own term by its stacked form over the real samples, through a composite head's
+own stacked form, with the received entries it reads in buffers, its decay of some parameters and its head's draws
+for each row's real samples from its client's stream before each step (GPFL, FedCP). What this form does not cover,
+:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm beside a second pass on the batch (an inner
+step's, a mixture's: its running statistics would move twice; SAM's second pass restores them, as ``fedsam`` freezes
+them; otherwise its batch statistics are each client's over its real samples, ``stacked.masked_batch_norm``), loss
+terms computed per client without a masked form, and models without a stacked form (``vmap``: a residual network).
+The rows a phase starts from, the shape its graphs bake in and its result are :mod:`fedskew.engine.padded_shape`'s.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import replace
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import BatchedStep, GeneratedTerm, padded_mean
+from fedskew.client.batched_form import BatchedStep, GeneratedTerm, HeadDraw, padded_mean
 from fedskew.engine.batched_schedule import Schedule
 from fedskew.engine.batched_steps import Flat, padded_envelope_gradient, padded_inner_gradient, sam_ascent
 from fedskew.engine.graph_replay import StepReplay
@@ -61,6 +64,7 @@ from fedskew.engine.stacked import (
     REPR_RUNNING,
     SIDE_BIAS,
     SIDE_WEIGHT,
+    own_form,
     stackable,
     stacked_step_function,
 )
@@ -76,8 +80,10 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     if why is not None:
         return f"the model has no stacked form ({why})"
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    # a module with its own stacked form reads its buffers (and its children's) as inputs and writes none
+    inputs = {id(m) for top in model.modules() if own_form(top) for m in top.modules()}
     for name, module in model.named_modules():
-        if module not in norms and any(True for _ in module.buffers(recurse=False)):
+        if module not in norms and id(module) not in inputs and any(True for _ in module.buffers(recurse=False)):
             return f"the model has buffers other than BatchNorm's statistics ({name or type(module).__name__})"
     second = rule.inner is not None or rule.envelope is not None or rule.mixture is not None
     if norms and second:
@@ -91,16 +97,14 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
 def form_capture_refusal(rule: BatchedStep) -> str | None:
     """The part of :func:`capture_refusal` that reads the client part's batched form alone (whatever the model): what
     ``fedskew methods NAME`` says of ``--capture-steps``."""
-    if rule.client_term is not None or rule.decay is not None or rule.head_draw is not None:
-        return (
-            "the client part's own per-client term, its head's draws or its decay of some parameters (GPFL, FedCP) "
-            "run in buckets only"
-        )
+    if rule.client_term is not None and not rule.client_term_stacked:
+        return "the client part's own term has no stacked form (it is computed one client at a time, under vmap)"
     if rule.term is not None and not (rule.term_per_sample or rule.term_padded):
         return "the client part's loss term (one per client that does not read which samples are real) is not masked"
     if rule.inner is not None or rule.envelope is not None:
         others = (rule.term, rule.logits, rule.side_head, rule.representation, rule.mixture, rule.collect, rule.blend)
-        if rule.sam_rho > 0 or any(t is not None for t in others):
+        own = (rule.client_term, rule.decay, rule.head_draw)
+        if rule.sam_rho > 0 or any(t is not None for t in (*others, *own)):
             return "inner steps (Per-FedAvg, pFedMe) run beside no other per-step part at one shape"
     if rule.sam_rho > 0 and any(t is not None for t in (rule.side_head, rule.representation, rule.mixture)):
         return "SAM's second pass would have to carry what the client trains beside the model"
@@ -147,6 +151,12 @@ class PaddedSteps:
         self.counts = zeros(k, shape.collect, dtype=torch.float64) if shape.collect is not None else None
         self.sums: Tensor | None = None
         self.drawn: tuple[Tensor, ...] | None = None  # FedGen's inputs of the step's rows, sized at the first step
+        self.reads = {key: zeros(k, *size, dtype=dtype) for key, size, dtype in shape.reads}  # a client term's
+        self.head_draws: Tensor | None = None  # FedCP's draws of the step's rows [K, B, ...], sized at the first step
+        self.decay = None  # [D]: per trained value, the μ of μ·θ added to its gradient (GPFL)
+        if shape.decay is not None:
+            pieces = zip(shape.shapes, shape.decay, strict=True)
+            self.decay = torch.cat([torch.full((math.prod(size),), mu, dtype=f32) for size, mu in pieces]).to(device)
         self.forward = stacked_step_function(
             model,
             list(shape.names),
@@ -155,6 +165,8 @@ class PaddedSteps:
             head_term=shape.generated,
             conv=conv,
             precision=shape.precision,
+            client_term=shape.client_term,
+            head_draw=shape.head_draw,
         )
         self.buffers = [n for n, _ in model.named_buffers() if n in self.fix]  # BatchNorm's statistics, if any
         self.replay = StepReplay(self._step, device)
@@ -184,6 +196,10 @@ class PaddedSteps:
         extra = self._beside_args(w)
         if self.drawn is not None:  # a row past its last step reads its last draw; its update is masked out
             extra["drawn"] = tuple(d[:w] for d in self.drawn)
+        if self.reads:  # the client term's rows of the received entries
+            extra["reads"] = {key: v[:w] for key, v in self.reads.items()}
+        if self.head_draws is not None:  # the heads' draws of the step's real samples (1 in a padding slot)
+            extra["head_draws"] = self.head_draws[:w, :b]
         if sh.term is not None:  # the frozen models' rows and the term's mask
             frozen = {m: {key: v[:w] for key, v in st.items()} for m, st in self.frozen.items()}
             extra["rows"] = (frozen, None if self.term_mask is None else self.term_mask[:w])
@@ -213,6 +229,8 @@ class PaddedSteps:
                     self.fix[n][:w].copy_(v)
         with torch.no_grad():
             g = torch.cat([grads[n].reshape(w, -1) for n in sh.names], dim=1)
+            if self.decay is not None:  # after_backward: μ·θ added to the decayed tensors' gradients (GPFL)
+                g.addcmul_(p_w, self.decay)
             if sh.blend is not None:  # share·g + (1 − share)·Δ; a row without a batch is masked out below
                 g = g * sh.blend[0]
                 if self.blend_dir is not None:
@@ -262,6 +280,22 @@ class PaddedSteps:
             self.drawn = tuple(torch.zeros((k, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs)
         for buf, o in zip(self.drawn, outs, strict=True):
             buf[: o.shape[0]].copy_(o)
+
+    @torch.no_grad()
+    def _draw_heads(self, draws: list[HeadDraw], plan: PaddedPlan, t: int, w: int, b: int) -> None:
+        """Step ``t``'s draws of the heads (FedCP's ``Exp(1)`` noise) into the step's buffer: each row with a batch
+        draws for its real samples from its client's own stream, in its step order, as the sequential forward draws
+        them; a padding slot holds 1 (its noise ``−log 1 = 0``; its loss is selected out)."""
+        made = [(r, draws[int(plan.order[r])].draw(int(c))) for r, c in enumerate(plan.count_host[t, :w]) if c > 0]
+        if not made:
+            return
+        if self.head_draws is None:
+            first = made[0][1]
+            size = (self.shape.rows, self.shape.batch, *first.shape[1:])
+            self.head_draws = torch.ones(size, dtype=first.dtype, device=first.device)
+        self.head_draws[:w, :b].fill_(1.0)
+        for r, drawn in made:
+            self.head_draws[r, : drawn.shape[0]].copy_(drawn)
 
     def _beside_args(self, w: int) -> dict[str, object]:
         """The step's ``side``, ``represent`` and ``mixture`` arguments (:func:`stacked_step_function`) from the
@@ -318,6 +352,8 @@ class PaddedSteps:
                 load(mine, rows)
             for key, rows in given.beside_rows.items():
                 load(self.beside[key], rows)
+            for key, rows in given.reads.items():
+                load(self.reads[key], rows)
             if self.target is not None and given.beside is not None and given.beside.target is not None:
                 self.target.copy_(given.beside.target)
             if given.term is not None:
@@ -341,6 +377,8 @@ class PaddedSteps:
             count.copy_(plan.count[t, :w])
             if given.generated is not None and plan.drawn is not None:
                 self._draw(given.generated, plan.drawn[t, :w])
+            if given.head_draws:
+                self._draw_heads(given.head_draws, plan, t, w, b)
             if self.t is not None:
                 self.t.fill_(t)
             self.replay((w, b))

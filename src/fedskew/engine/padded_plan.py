@@ -72,6 +72,7 @@ class PaddedPlan:
         self.batch = batch
         self.index = upload_index(index, device)
         self.count = upload_index(count, device)
+        self.count_host = count  # the same counts on the host (the draws of FedCP's heads, per row and step)
         # FedGen's inputs drawn per client and step: row r's at step t is its client's row drawn_base + t, past its
         # last step its last one (a row whose update is masked out then)
         self.drawn: Tensor | None = None

@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from fedskew.client.batched_form import BatchedStep, FrozenTermFn, GeneratedTerm, HeadTermFn, InnerStep
+from fedskew.client.batched_form import (
+    BatchedStep,
+    ClientTerm,
+    FrozenTermFn,
+    GeneratedTerm,
+    HeadDraw,
+    HeadTermFn,
+    InnerStep,
+    StackedTermFn,
+)
 from fedskew.engine.batched_steps import Flat
 from fedskew.engine.padded_plan import PaddedPlan
 
@@ -57,6 +66,11 @@ class PaddedShape:
     inner: InnerStep | None = None  # Per-FedAvg's inner step, its learning rate resolved
     envelope: tuple[float, int, float, float] | None = None  # pFedMe's (lam, steps, lr, mu); θ's rows in ``beside``
     generated: HeadTermFn | None = None  # FedGen's term on the inputs drawn for each step (a new function: new graphs)
+    # a client's own term on the stacked graph (GPFL, FedCP: its stacked form) and the received entries it reads
+    client_term: StackedTermFn | None = None
+    reads: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    decay: tuple[float, ...] | None = None  # per trained tensor, the μ of μ·θ added to its gradient (GPFL)
+    head_draw: str | None = None  # the head's keyword its draws go to (FedCP's Gumbel noise, drawn per row and step)
 
 
 class PaddedResult(NamedTuple):
@@ -83,7 +97,9 @@ class PaddedRows:
     SAM's; ``beside``: what the clients train beside the model (:class:`~fedskew.engine.batched_rows.Beside`) and its
     rows ``beside_rows`` by key; ``term``: a per-sample loss term against frozen models, the frozen models' rows (name
     -> rows by key) and the ``[K]`` mask of the clients it applies to (``None``: all); ``collect``: the classes and
-    each client's first step (``[K]``) of the last epoch's class sums."""
+    each client's first step (``[K]``) of the last epoch's class sums; ``generated``: FedGen's term and the schedule's
+    draws; ``client_term``: a client's own term with its stacked form (GPFL, FedCP) and ``reads``, the rows of the
+    received entries it reads; ``head_draws``: each client's draws of its head (FedCP)."""
 
     params: Tensor
     fixed: dict[str, Tensor]
@@ -97,7 +113,9 @@ class PaddedRows:
     term: tuple[FrozenTermFn, dict[str, dict[str, Tensor]], Tensor | None] | None = None
     collect: tuple[int, Tensor] | None = None
     generated: tuple[GeneratedTerm, tuple[Tensor, ...]] | None = None
-
+    client_term: ClientTerm | None = None
+    reads: dict[str, Tensor] = field(default_factory=dict)
+    head_draws: list[HeadDraw] | None = None
 
 
 def shape_of(
@@ -155,4 +173,16 @@ def shape_of(
         inner=rule.inner,
         generated=None if given.generated is None else given.generated[0].term,
         envelope=None if not envs else (float(envs[0].lam), int(envs[0].steps), float(envs[0].lr), float(envs[0].mu)),
+        client_term=None if given.client_term is None else given.client_term.stacked,
+        reads=tuple((key, tuple(v.shape[1:]), v.dtype) for key, v in given.reads.items()),
+        decay=_decays(rule, flat),
+        head_draw=None if not given.head_draws else given.head_draws[0].name,
     )
+
+
+def _decays(rule: BatchedStep, flat: Flat) -> tuple[float, ...] | None:
+    """Per trained tensor, the μ of the form's decay (GPFL's valve and embeddings); ``None``: no tensor decays."""
+    if rule.decay is None:
+        return None
+    decays = tuple(float(rule.decay(n)) for n in flat.names)
+    return decays if any(decays) else None

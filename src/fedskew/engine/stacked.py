@@ -15,11 +15,14 @@ own batching rules do, so that one step is one forward and one backward of plain
   ``benchmarks/conv_forms.py``; a run may name one form per layer, :func:`layer_forms`);
 * ``BatchNorm1d/2d`` (training): the same channel layout, so every client's statistics are over its own batch, and
   its running statistics and ``num_batches_tracked`` are updated in its own rows;
-* ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``.
+* ``LayerNorm``: per sample, then each client's own affine map; ``Embedding``: each client's rows of its own table;
+* ``ReLU``, ``MaxPool2d``, ``AvgPool2d``, ``Flatten``, ``Identity``: per sample, on ``[K·B, ...]``;
+* a module that gives its own stacked form (``stacked_forward``, :func:`own_form`: GPFL's and FedCP's composite
+  heads), written with its children's stacked forms (:class:`StackedCall`).
 
 The clients' losses are independent, so the gradient of their sum with respect to client k's row is client k's own
-gradient. Anything else (a residual block, an embedding, a custom ``forward``) makes :func:`stackable` say why, and
-the caller uses ``vmap``.
+gradient. Anything else (a residual block, a custom ``forward`` without a stacked form) makes :func:`stackable` say
+why, and the caller uses ``vmap``.
 """
 
 from __future__ import annotations
@@ -31,23 +34,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedskew.client.batched_form import FrozenTermFn, HeadTermFn, PaddedTerm, map_logits, padded_mean
+from fedskew.client.batched_form import (
+    FrozenTermFn,
+    HeadTermFn,
+    PaddedTerm,
+    StackedTermFn,
+    map_logits,
+    padded_mean,
+)
 from fedskew.client.precision import autocast, check_precision
 
 _PER_SAMPLE = (nn.ReLU, nn.MaxPool2d, nn.AvgPool2d, nn.Identity)
 
 
+def own_form(module: nn.Module) -> bool:
+    """Whether ``module`` gives its own stacked form: a method ``stacked_forward(s, x, *inputs, **kwargs)`` with
+    ``s`` a :class:`StackedCall` (a composite head: GPFL's, FedCP's), run by :func:`stacked_forward` in place of its
+    ``forward``. Its buffers are inputs of the form, which does not write them."""
+    return callable(getattr(type(module), "stacked_forward", None))
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """A ``Linear`` layer, or a subclass that keeps ``Linear``'s forward (a personal head with buffers of its own)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 def stackable(module: nn.Module, prefix: str = "") -> str | None:
     """Why ``module`` cannot be run by :func:`stacked_forward`; ``None`` when it can."""
     name = prefix or type(module).__name__
-    if type(module) is nn.Sequential:
+    if type(module) is nn.Sequential or own_form(module):
         for child_name, child in module.named_children():
             why = stackable(child, f"{prefix}{child_name}.")
             if why is not None:
                 return why
         return None
-    if type(module) in (nn.Linear, *_PER_SAMPLE):
+    if plain_linear(module) or type(module) in _PER_SAMPLE:
         return None
+    if type(module) is nn.LayerNorm:
+        return None
+    if type(module) is nn.Embedding:
+        plain = module.padding_idx is None and module.max_norm is None and not module.sparse
+        return None if plain else f"{name}: Embedding with a padding index, a max norm or sparse gradients"
     if type(module) is nn.Flatten:
         return None if (module.start_dim, module.end_dim) == (1, -1) else f"{name}: Flatten other than (1, -1)"
     if type(module) is nn.Conv2d:
@@ -152,20 +179,41 @@ def stacked_forward(
     training: bool = True,
     conv: ConvForms = "grouped",
     real: Tensor | None = None,
+    inputs: tuple[Tensor, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """``module``'s forward for K clients at once: ``x [K, B, ...]`` → ``[K, B, ...]``, with ``state[prefix + name]``
     the clients' stacked tensors (``[K, *shape]``). BatchNorm running statistics in ``state`` are updated in place
     in training mode (pass copies). ``conv``: the convolutions' form (:data:`CONV_FORMS`), or each Conv2d's
     (:func:`layer_forms`). ``real``: ``[K, B]`` 0/1, which samples of a padded batch are real
     (:mod:`fedskew.engine.captured`): BatchNorm's batch statistics are then each client's over its real samples only
-    (:func:`masked_batch_norm`)."""
+    (:func:`masked_batch_norm`). ``inputs`` and ``kwargs``: further arguments of a module with its own stacked form
+    (:func:`own_form`)."""
     kind = type(module)
+    if own_form(module):
+        call = StackedCall(module, state, prefix, training, conv, real)
+        return module.stacked_forward(call, x, *inputs, **(kwargs or {}))  # type: ignore[operator]
     if kind is nn.Sequential:
         for child_name, child in module.named_children():
             x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training, conv, real)
         return x
     k, b = x.shape[0], x.shape[1]
-    if kind is nn.Linear:
+    if kind is nn.LayerNorm:  # per sample over its last dims, then each client's own affine map
+        ln: nn.LayerNorm = module  # type: ignore[assignment]
+        shape = tuple(ln.normalized_shape)
+        out = F.layer_norm(x, shape, None, None, ln.eps)
+        view = (k, *(1,) * (x.dim() - 1 - len(shape)), *shape)
+        weight, bias = state.get(prefix + "weight"), state.get(prefix + "bias")
+        if weight is not None:
+            out = out * weight.view(view)
+        if bias is not None:
+            out = out + bias.view(view)
+        return out
+    if kind is nn.Embedding:  # each client's rows of its own table: x [K, ...] indices -> [K, ..., d]
+        table = state[prefix + "weight"]  # [K, N, d]
+        rows = torch.arange(k, device=x.device).view(k, *(1,) * (x.dim() - 1))
+        return table[rows, x]
+    if plain_linear(module):
         w = state[prefix + "weight"]  # [K, out, in]
         bias = state.get(prefix + "bias")
         xs = x.reshape(k, -1, x.shape[-1])  # [K, B·..., in]
@@ -205,6 +253,56 @@ def stacked_forward(
     # per-sample layers: on [K·B, ...]
     out = module(x.reshape(k * b, *x.shape[2:]))
     return out.view(k, b, *out.shape[1:])
+
+
+class StackedCall:
+    """What a module's own stacked form (``stacked_forward(s, x, *inputs, **kwargs)``, :func:`own_form`) reads:
+    ``s[name]``, the clients' stacked rows ``[K, ...]`` of its own entry ``name`` (a parameter or a buffer);
+    ``s(child, x, *inputs, **kwargs)``, the stacked forward of its child module ``child`` (by attribute name) on
+    the same state; ``s.training``, whether the step trains."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        state: dict[str, Tensor],
+        prefix: str,
+        training: bool,
+        conv: ConvForms,
+        real: Tensor | None,
+    ) -> None:
+        self.module, self.state, self.prefix = module, state, prefix
+        self.training, self.conv, self.real = training, conv, real
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.state[self.prefix + name]
+
+    def __call__(self, child: str, x: Tensor, *inputs: Tensor, **kwargs: Any) -> Tensor:
+        module = getattr(self.module, child)
+        prefix = f"{self.prefix}{child}."
+        return stacked_forward(module, self.state, x, prefix, self.training, self.conv, self.real, inputs, kwargs)
+
+
+class StackedRun:
+    """The stacked forward of any of the model's modules by its dotted path, on a step's state: ``run("head.valve", z,
+    c)``; ``state=``: other rows by full names (a frozen copy of the received body: pass copies of its buffers, which
+    a training forward moves), ``training=``: the mode (default: training). The step's convolution forms and real
+    samples apply. What a client term's stacked form calls (:class:`~fedskew.client.batched_form.ClientTerm`)."""
+
+    def __init__(self, model: nn.Module, state: dict[str, Tensor], conv: ConvForms, real: Tensor | None) -> None:
+        self.model, self.state, self.conv, self.real = model, state, conv, real
+
+    def __call__(
+        self,
+        path: str,
+        x: Tensor,
+        *inputs: Tensor,
+        state: dict[str, Tensor] | None = None,
+        training: bool = True,
+        **kwargs: Any,
+    ) -> Tensor:
+        module = self.model.get_submodule(path)
+        rows = self.state if state is None else state
+        return stacked_forward(module, rows, x, f"{path}.", training, self.conv, self.real, inputs, kwargs)
 
 
 def masked_batch_norm(
@@ -258,6 +356,8 @@ def stacked_step_function(
     head_term: HeadTermFn | None = None,
     conv: str = "grouped",
     precision: str = "float32",
+    client_term: StackedTermFn | None = None,
+    head_draw: str | None = None,
 ) -> Callable[..., tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]]:
     """The same contract as ``vmap(grad(client_loss, has_aux=True))`` in :mod:`fedskew.engine.batched`:
     ``step(params, buffers, anchor, x, y)`` with stacked ``[K, ...]`` tensors returns ``(grads, (loss, buffers,
@@ -292,6 +392,11 @@ def stacked_step_function(
     cross-entropy of ``α·v + (1 − α)·w.detach()`` is added to each client's loss, the gradients returned under
     ``MIX_V + name`` and :data:`MIX_ALPHA`.
 
+    ``client_term``: the stacked form of a :class:`~fedskew.client.batched_form.ClientTerm` (GPFL's global path,
+    FedCP's MMD), added to each client's loss; ``step`` takes ``reads``, the clients' rows of the received entries it
+    reads. ``head_draw``: the keyword of the head's forward a step's draws go to (FedCP's Gumbel noise), for which
+    ``step`` takes ``head_draws`` ``[K, B, ...]``.
+
     ``precision``: ``bf16`` runs the forward passes and losses under bfloat16 autocast
     (:mod:`fedskew.client.precision`); the gradients, the loss and the features returned are float32."""
     body, head = model.body, model.head
@@ -299,9 +404,14 @@ def stacked_step_function(
     check_precision(precision)
 
     def fwd(
-        module: nn.Module, state: dict[str, Tensor], x: Tensor, training: bool = True, real: Tensor | None = None
+        module: nn.Module,
+        state: dict[str, Tensor],
+        x: Tensor,
+        training: bool = True,
+        real: Tensor | None = None,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> Tensor:
-        return stacked_forward(module, state, x, training=training, conv=forms, real=real)
+        return stacked_forward(module, state, x, training=training, conv=forms, real=real, kwargs=kwargs)
 
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}
@@ -320,6 +430,8 @@ def stacked_step_function(
         represent: tuple[Tensor | None, Tensor, float, Tensor | None, float] | None = None,
         mixture: tuple[dict[str, Tensor], Tensor] | None = None,
         real: Tensor | None = None,
+        reads: dict[str, Tensor] | None = None,
+        head_draws: Tensor | None = None,
     ) -> tuple[dict[str, Tensor], tuple[Tensor, dict[str, Tensor]]]:
         leaves = {n: params[n].detach().requires_grad_() for n in names}
         sides = [t.detach().requires_grad_() for t in side] if side is not None else []
@@ -336,7 +448,8 @@ def stacked_step_function(
             with amp:  # the forward passes and losses in the run's precision (client/precision.py)
                 feats = fwd(body, part(state, "body."), x, real=real)
                 head_in = feats if rep_bias is None else feats + rep_bias.unsqueeze(1)  # FedDBE's PRBM
-                logits = fwd(head, part(state, "head."), head_in, real=real)
+                drawn_kw = None if head_draw is None or head_draws is None else {head_draw: head_draws}
+                logits = fwd(head, part(state, "head."), head_in, real=real, kwargs=drawn_kw)
                 k, b = logits.shape[0], logits.shape[1]
                 mapped = logits if logit_map is None else map_logits(logits, *logit_map)
                 ce = F.cross_entropy(mapped.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
@@ -345,6 +458,9 @@ def stacked_step_function(
                     summed = logits.detach() + personal
                     ce = ce + F.cross_entropy(summed.reshape(k * b, -1), y.reshape(k * b), reduction="none").view(k, b)
                 loss = padded_mean(ce, padding)
+                if client_term is not None:  # GPFL's global path, FedCP's MMD
+                    run = StackedRun(model, state, forms, real)
+                    loss = loss + client_term(run, state, feats, y, x, reads or {}, padding)
                 if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
                     a = mix_alpha
                     mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
