@@ -75,9 +75,6 @@ def describe(name: str, cols: int = 100) -> str:
         dp_note = ", its reports released with --dp-report-noise" + dp_note
     form = batched_form(method.client)
     captured = "batched clients first" if isinstance(form, str) else form_capture_refusal(form)
-    can_capture = "yes, on models with a stacked form"
-    if not isinstance(form, str) and any(p is not None for p in (form.inner, form.envelope, form.mixture)):
-        can_capture += " without BatchNorm (a second pass on each batch would move its statistics again)"
     secure = secure_refusal(method)
     lines += [
         fill(f"what each client sends beside its model: {sent}"),
@@ -86,7 +83,7 @@ def describe(name: str, cols: int = 100) -> str:
         fill("--batched-clients: " + ("yes" if not isinstance(form, str) else f"no: {form}")),
         fill(
             "--capture-steps (with --batched-clients): "
-            + (can_capture if captured is None else f"no: {captured}")
+            + ("yes, on models with a stacked form" if captured is None else f"no: {captured}")
         ),
         fill("personalized models: " + ("yes, evaluated in the personal views" if method.personalized else "no")),
     ]

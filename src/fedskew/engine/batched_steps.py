@@ -227,20 +227,29 @@ def padded_inner_gradient(
     y: Tensor,
     count: Tensor,
     inner: InnerStep,
+    real: Tensor | None = None,
+    buffers: Sequence[str] = (),
 ) -> tuple[dict[str, Tensor], Tensor]:
     """:func:`inner_gradient` on a padded batch (``count`` real samples per row, engine/captured.py): each slice a
-    mask over the whole padded batch rather than a narrower one, so that every pass keeps the step's shape (the model
-    has no batch statistics there: no buffers). ``inner.lr`` is the inner step's, resolved. The direction per
-    trained tensor and the reported loss ``[w]`` (0 on a row without a batch, whose direction is 0)."""
+    mask over the whole padded batch rather than a narrower one, so that every pass keeps the step's shape.
+    ``inner.lr`` is the inner step's, resolved. BatchNorm (``buffers``: its statistics among ``state``'s entries,
+    ``real``: the batch's real samples) as the bucketed passes have it: the first pass's batch statistics over the
+    whole batch's real samples, moving the running ones in ``state``; each later pass's over its own slice, on copies
+    of the statistics, which it does not move. The direction per trained tensor and the reported loss ``[w]`` (0 on a
+    row without a batch, whose direction is 0)."""
     cuts = padded_cuts(count, y.shape[1], inner.parts, state[names[0]].dtype)
     a = float(inner.lr) if inner.lr is not None else 0.0
-    g1, _ = step(state, {}, {}, x, y, padding=cuts[0])
-    adapted = {**state, **{n: state[n] - a * g1[n] for n in names}}
-    u, (loss, *_) = step(adapted, {}, {}, x, y, padding=cuts[1])
+
+    def at(shift: dict[str, Tensor]) -> dict[str, Tensor]:  # the state at other parameters, its statistics copied
+        return {**state, **{n: state[n].clone() for n in buffers}, **shift}
+
+    g1, _ = step(state, {}, {}, x, y, padding=cuts[0], real=real)
+    u, (loss, *_) = step(at({n: state[n] - a * g1[n] for n in names}), {}, {}, x, y, padding=cuts[1], real=cuts[1][0])
     d = {n: u[n] for n in names}
     if inner.hessian_free:  # minus a·[∇f(w + δu) − ∇f(w − δu)]/(2δ) on the third slice
-        gp, _ = step({**state, **{n: state[n] + inner.delta * d[n] for n in names}}, {}, {}, x, y, padding=cuts[2])
-        gm, _ = step({**state, **{n: state[n] - inner.delta * d[n] for n in names}}, {}, {}, x, y, padding=cuts[2])
+        third = {"padding": cuts[2], "real": cuts[2][0]}
+        gp, _ = step(at({n: state[n] + inner.delta * d[n] for n in names}), {}, {}, x, y, **third)
+        gm, _ = step(at({n: state[n] - inner.delta * d[n] for n in names}), {}, {}, x, y, **third)
         d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
     return d, loss
 
@@ -255,16 +264,23 @@ def padded_envelope_gradient(
     env: tuple[float, int, float, float],
     theta: Tensor,
     live: Tensor,
+    buffers: Sequence[str] = (),
 ) -> tuple[dict[str, Tensor], Tensor]:
     """:func:`envelope_gradient` on a padded batch: ``theta`` ``[w, D]`` (the rows of θ, updated in place, a row
     without a batch (``live`` 0) kept exactly, since the pull towards ``w`` would move it), ``env`` the envelope's
-    ``(lam, steps, lr, mu)``. The model's gradient ``lam·(w − θ)`` per trained tensor and θ's last loss ``[w]``."""
+    ``(lam, steps, lr, mu)``. BatchNorm (``buffers``: its statistics among ``state``'s entries): the loop's forward at
+    ``w`` moves them once a step, each of θ's passes runs on copies; every batch statistic is over the real samples.
+    The model's gradient ``lam·(w − θ)`` per trained tensor and θ's last loss ``[w]``."""
     lam, steps, lr, mu = env
     p = torch.cat([state[n].reshape(theta.shape[0], -1) for n in flat.names], dim=1)
     th = theta.clone()
     loss = torch.zeros(theta.shape[0], device=theta.device)
+    real = padding[0]
+    if buffers:  # the loop runs the model on the batch before the loss hook: its BatchNorm statistics move
+        step(state, {}, {}, x, y, padding=padding, real=real)
     for _ in range(steps):
-        g, (loss, *_) = step({**state, **flat.views(th)}, {}, {}, x, y, padding=padding)
+        copies = {n: state[n].clone() for n in buffers}
+        g, (loss, *_) = step({**state, **copies, **flat.views(th)}, {}, {}, x, y, padding=padding, real=real)
         with torch.no_grad():
             g_cat = torch.cat([g[n].reshape(th.shape[0], -1) for n in flat.names], dim=1)
             th = th - lr * (g_cat + lam * (th - p) + mu * th)

@@ -29,13 +29,15 @@ term's function part of the shape, a statistic of each batch over its real sampl
 ``BatchedStep.term_padded``, a :class:`~fedskew.client.batched_form.PaddedTerm`), the last epoch's class sums over the
 real samples (FedProto, FedProc, FPL), FedGen's inputs drawn per client and step (computed for the step's rows before
 it), the inner steps of Per-FedAvg (each slice of a row's batch a mask over the padded batch) and pFedMe (θ's rows
-solved at every step), and a client's own term by its stacked form over the real samples, through a composite head's
-own stacked form, with the received entries it reads in buffers, its decay of some parameters and its head's draws
-for each row's real samples from its client's stream before each step (GPFL, FedCP). What this form does not cover,
-:func:`capture_refusal` names, and the bucketed loop runs: BatchNorm beside a second pass on the batch (an inner
-step's, a mixture's: its running statistics would move twice; SAM's second pass restores them, as ``fedsam`` freezes
-them; otherwise its batch statistics are each client's over its real samples, ``stacked.masked_batch_norm``), loss
-terms computed per client without a masked form, and models without a stacked form (``vmap``: a residual network).
+solved at every step; BatchNorm's statistics moved by the first pass on the batch, as the bucketed loop moves them,
+the later passes each over its own slice on copies), and a client's own term by its stacked form over the real
+samples, through a composite head's own stacked form, with the received entries it reads in buffers, its decay of
+some parameters and its head's draws for each row's real samples from its client's stream before each step (GPFL,
+FedCP). What this form does not cover,
+:func:`capture_refusal` names, and the bucketed loop runs: loss terms computed per client without a masked form,
+and models without a stacked form (``vmap``: a residual network). BatchNorm's batch statistics are each client's over
+its real samples (``stacked.masked_batch_norm``); a second pass on the batch (SAM's, an inner step's, APFL's mixture)
+leaves the running statistics as the first pass moved them.
 The rows a phase starts from, the shape its graphs bake in and its result are :mod:`fedskew.engine.padded_shape`'s.
 """
 
@@ -85,12 +87,6 @@ def capture_refusal(rule: BatchedStep, model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if module not in norms and id(module) not in inputs and any(True for _ in module.buffers(recurse=False)):
             return f"the model has buffers other than BatchNorm's statistics ({name or type(module).__name__})"
-    second = rule.inner is not None or rule.envelope is not None or rule.mixture is not None
-    if norms and second:
-        return (
-            "the model has BatchNorm layers, whose running statistics a second pass on the batch (an inner step's, "
-            "a mixture's) would move again at one shape"
-        )
     return form_capture_refusal(rule)
 
 
@@ -205,11 +201,13 @@ class PaddedSteps:
             extra["rows"] = (frozen, None if self.term_mask is None else self.term_mask[:w])
         feats = None
         if sh.inner is not None:  # Per-FedAvg: the direction through an inner step, each slice a mask
-            grads, loss = padded_inner_gradient(self.forward, state, list(sh.names), xs, ys, count, sh.inner)
+            grads, loss = padded_inner_gradient(
+                self.forward, state, list(sh.names), xs, ys, count, sh.inner, weights, self.buffers
+            )
         elif sh.envelope is not None:  # pFedMe: θ's rows solved on the batch (in place), the model pulled to them
             theta = self.beside[ENV_THETA][:w]
             grads, loss = padded_envelope_gradient(
-                self.forward, state, self.flat, xs, ys, (weights, denom), sh.envelope, theta, live
+                self.forward, state, self.flat, xs, ys, (weights, denom), sh.envelope, theta, live, self.buffers
             )
         else:
             grads, (loss, _, feats) = self.forward(

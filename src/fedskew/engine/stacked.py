@@ -416,6 +416,12 @@ def stacked_step_function(
     def part(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         return {n[len(prefix) :]: v for n, v in state.items() if n.startswith(prefix)}
 
+    buffer_names = frozenset(n for n, _ in model.named_buffers())
+
+    def moving(state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The model's buffers among ``state``'s entries (BatchNorm's statistics, which a training forward moves)."""
+        return {n: v for n, v in state.items() if n in buffer_names}
+
     def step(
         params: dict[str, Tensor],
         buffers: dict[str, Tensor],
@@ -463,12 +469,13 @@ def stacked_step_function(
                     loss = loss + client_term(run, state, feats, y, x, reads or {}, padding)
                 if mix_alpha is not None:  # APFL: CE of α·v + (1 − α)·w.detach(), run with w's buffers (copies)
                     a = mix_alpha
-                    mixed_state = {**params, **{k: v.clone() for k, v in buffers.items()}}
+                    # (the buffers are copies wherever they come: apart, or among the rows at padded shapes)
+                    mixed_state = {**params, **{k: v.clone() for k, v in {**moving(params), **buffers}.items()}}
                     for n, v in mix_v.items():
                         a_n = a.view(-1, *([1] * (v.dim() - 1)))
                         mixed_state[n] = a_n * v + (1 - a_n) * leaves[n].detach()
-                    f2 = fwd(body, part(mixed_state, "body."), x)
-                    personal_logits = fwd(head, part(mixed_state, "head."), f2)
+                    f2 = fwd(body, part(mixed_state, "body."), x, real=real)
+                    personal_logits = fwd(head, part(mixed_state, "head."), f2, real=real)
                     ce2 = F.cross_entropy(personal_logits.reshape(k * b, -1), y.reshape(k * b), reduction="none")
                     loss = loss + padded_mean(ce2.view(k, b), padding)
                 if represent is not None and represent[3] is not None:  # FedDBE's MR: weight·mean(½(r − target)²)
