@@ -187,3 +187,11 @@ def test_layers_without_a_stacked_form_say_why() -> None:
             return super().forward(x) * 2
 
     assert "OwnForward has no stacked form" in (stackable(OwnForward(2, 2)) or "")
+
+
+def test_inputs_given_to_a_module_without_its_own_stacked_form_are_refused_not_dropped() -> None:
+    head = nn.Linear(5, 3)
+    state = stacked_state(head, 2, seed=0)
+    with pytest.raises(ValueError, match=r"Linear \(Linear\) has no stacked form of its own.*given exponential"):
+        stacked_forward(head, state, torch.randn(2, 4, 5), kwargs={"exponential": torch.ones(2, 4, 2, 5)})
+    assert stacked_forward(head, state, torch.randn(2, 4, 5), kwargs={}).shape == (2, 4, 3)

@@ -162,6 +162,20 @@ class StepRows(NamedTuple):
     y: Tensor
 
 
+def hessian_free(
+    d: dict[str, Tensor], plus: dict[str, Tensor], minus: dict[str, Tensor], lr: float, delta: float
+) -> dict[str, Tensor]:
+    """Per-FedAvg's Hessian-free correction of the direction ``d``: minus ``lr·[∇f(w + δd) − ∇f(w − δd)]/(2δ)``, the
+    central difference of the gradients ``plus`` and ``minus`` (both paths, bucketed and padded)."""
+    return {n: d[n] - lr * (plus[n] - minus[n]) / (2 * delta) for n in d}
+
+
+def envelope_step(theta: Tensor, grad: Tensor, w: Tensor, lam: float, lr: float, mu: float) -> Tensor:
+    """One of pFedMe's inner steps on ``f(θ) + (lam/2)‖θ − w‖² + (mu/2)‖θ‖²``: ``θ − lr·(∇f + lam·(θ − w) + mu·θ)``
+    (both paths: per tensor in buckets, on the flat rows at padded shapes)."""
+    return theta - lr * (grad + lam * (theta - w) + mu * theta)
+
+
 def inner_gradient(
     step: Callable[..., Any], rows: StepRows, names: list[str], inner: InnerStep, lr: float
 ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
@@ -182,7 +196,7 @@ def inner_gradient(
         x3, y3 = x[:, cuts[2]], y[:, cuts[2]]
         gp, _ = step({**fixed, **{n: params[n] + inner.delta * d[n] for n in names}}, new_buffers, {}, x3, y3)
         gm, _ = step({**fixed, **{n: params[n] - inner.delta * d[n] for n in names}}, new_buffers, {}, x3, y3)
-        d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
+        d = hessian_free(d, gp, gm, a, inner.delta)
     return d, loss, new_buffers
 
 
@@ -199,7 +213,7 @@ def envelope_gradient(
     loss = torch.zeros(y.shape[0], device=y.device)
     for _ in range(env.steps):
         g, (loss, *_) = step({**fixed, **theta}, new_buffers, {}, x, y)
-        theta = {n: t - env.lr * (g[n] + env.lam * (t - params[n]) + env.mu * t) for n, t in theta.items()}
+        theta = {n: envelope_step(t, g[n], params[n], env.lam, env.lr, env.mu) for n, t in theta.items()}
     return {n: env.lam * (params[n] - t) for n, t in theta.items()}, loss, new_buffers, theta
 
 
@@ -250,7 +264,7 @@ def padded_inner_gradient(
         third = {"padding": cuts[2], "real": cuts[2][0]}
         gp, _ = step(at({n: state[n] + inner.delta * d[n] for n in names}), {}, {}, x, y, **third)
         gm, _ = step(at({n: state[n] - inner.delta * d[n] for n in names}), {}, {}, x, y, **third)
-        d = {n: d[n] - a * (gp[n] - gm[n]) / (2 * inner.delta) for n in names}
+        d = hessian_free(d, gp, gm, a, inner.delta)
     return d, loss
 
 
@@ -283,7 +297,7 @@ def padded_envelope_gradient(
         g, (loss, *_) = step({**state, **copies, **flat.views(th)}, {}, {}, x, y, padding=padding, real=real)
         with torch.no_grad():
             g_cat = torch.cat([g[n].reshape(th.shape[0], -1) for n in flat.names], dim=1)
-            th = th - lr * (g_cat + lam * (th - p) + mu * th)
+            th = envelope_step(th, g_cat, p, lam, lr, mu)
     with torch.no_grad():
         theta.copy_(torch.where(live > 0, th, theta))
         return flat.views(lam * (p - theta)), loss

@@ -385,7 +385,7 @@ class PaddedSteps:
         rows = {key: v.index_select(0, back) for key, v in self.beside.items()}
         sums = None if self.sums is None else self.sums.index_select(0, back)
         counts = None if self.counts is None else self.counts.index_select(0, back)
-        fixed = {key: v.index_select(0, back) for key, v in self.fix.items()}  # BatchNorm's statistics moved
+        fixed = {key: self.fix[key].index_select(0, back) for key in self.buffers}  # the buffers (BatchNorm: moved)
         return PaddedResult(self.p.index_select(0, back), self.loss.index_select(0, back), rows, sums, counts, fixed)
 
 

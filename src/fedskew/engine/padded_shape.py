@@ -83,7 +83,7 @@ class PaddedResult(NamedTuple):
     beside: dict[str, Tensor]
     sums: Tensor | None = None
     counts: Tensor | None = None
-    fixed: dict[str, Tensor] | None = None  # the other entries of the state dicts after the steps (BatchNorm's moved)
+    fixed: dict[str, Tensor] | None = None  # the model's buffers after the steps (BatchNorm's statistics moved)
 
 
 @dataclass

@@ -193,6 +193,12 @@ def stacked_forward(
     if own_form(module):
         call = StackedCall(module, state, prefix, training, conv, real)
         return module.stacked_forward(call, x, *inputs, **(kwargs or {}))  # type: ignore[operator]
+    if inputs or kwargs:  # a head's draws given to a head that would not read them: refused, not dropped
+        given = [*(f"input {i + 2}" for i in range(len(inputs))), *(kwargs or {})]
+        raise ValueError(
+            f"{prefix.rstrip('.') or kind.__name__} ({kind.__name__}) has no stacked form of its own, so it takes x "
+            f"alone on the stacked graph, but was given {', '.join(given)}"
+        )
     if kind is nn.Sequential:
         for child_name, child in module.named_children():
             x = stacked_forward(child, state, x, f"{prefix}{child_name}.", training, conv, real)
