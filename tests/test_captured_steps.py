@@ -168,7 +168,7 @@ def test_refusals_name_what_cannot_be_padded():
 def test_a_per_sample_term_that_gives_one_value_per_client_is_refused_by_name():
     """A form that says ``term_per_sample`` but returns ``[K]``: its batch mean would include the padding, so the
     padded step refuses it with the shapes rather than train on padding slots."""
-    from fedskew.engine.stacked import stacked_step_function
+    from fedskew.engine.stacked_step import stacked_step_function
 
     model = mlp_model()
     names = [n for n, _ in model.named_parameters()]

@@ -17,7 +17,7 @@ from fedskew.client.local import TrainSettings
 from fedskew.client.precision import autocast, check_precision
 from fedskew.config import make_config
 from fedskew.engine.batched_steps import batchable
-from fedskew.engine.stacked import stacked_step_function
+from fedskew.engine.stacked_step import stacked_step_function
 from fedskew.schema import ConfigError
 
 

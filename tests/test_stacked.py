@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.engine.stacked import stackable, stacked_forward, stacked_step_function
+from fedskew.engine.stacked import stackable, stacked_forward
+from fedskew.engine.stacked_step import stacked_step_function
 from fedskew.engine.step_functions import step_function, vmap_step_function
 from fedskew.models import build_model
 

@@ -12,7 +12,8 @@ from test_batched_clients import _side_by_side, _trained_alike
 from torch import nn
 
 from fedskew.engine.backends import batched_trainer
-from fedskew.engine.stacked import CONV_FORMS, stacked_step_function
+from fedskew.engine.stacked import CONV_FORMS
+from fedskew.engine.stacked_step import stacked_step_function
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ from fedskew.engine.batched_steps import (
 )
 from fedskew.engine.captured import PaddedCache, capture_refusal, run_padded
 from fedskew.engine.padded_shape import PaddedRows
-from fedskew.engine.stacked import ENV_THETA
+from fedskew.engine.stacked_step import ENV_THETA
 from fedskew.engine.step_functions import step_function
 from fedskew.protocol import STEPS, TRAIN_LOSS, Params, Upload
 from fedskew.seeding import Purpose, torch_generator

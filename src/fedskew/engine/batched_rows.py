@@ -16,7 +16,7 @@ from torch import Tensor
 from fedskew.client.batched_form import BatchedStep, ClassSums, ClientTerm, FrozenTermFn
 from fedskew.client.local import LocalAlgorithm, LocalContext
 from fedskew.engine.batched_steps import Flat
-from fedskew.engine.stacked import ENV_THETA, MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
+from fedskew.engine.stacked_step import ENV_THETA, MIX_ALPHA, MIX_V, REPR_BIAS, REPR_RUNNING, SIDE_BIAS, SIDE_WEIGHT
 from fedskew.protocol import Params
 
 

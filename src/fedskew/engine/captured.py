@@ -58,7 +58,8 @@ from fedskew.engine.batched_steps import Flat, padded_envelope_gradient, padded_
 from fedskew.engine.graph_replay import StepReplay
 from fedskew.engine.padded_plan import PaddedPlan
 from fedskew.engine.padded_shape import PaddedResult, PaddedRows, PaddedShape, shape_of
-from fedskew.engine.stacked import (
+from fedskew.engine.stacked import own_form, stackable
+from fedskew.engine.stacked_step import (
     ENV_THETA,
     MIX_ALPHA,
     MIX_V,
@@ -66,8 +67,6 @@ from fedskew.engine.stacked import (
     REPR_RUNNING,
     SIDE_BIAS,
     SIDE_WEIGHT,
-    own_form,
-    stackable,
     stacked_step_function,
 )
 

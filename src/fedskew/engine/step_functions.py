@@ -13,7 +13,8 @@ from torch.func import functional_call, grad, vmap
 
 from fedskew.client.batched_form import ClientTerm, FrozenTermFn, HeadTermFn, map_logits
 from fedskew.client.precision import autocast, check_precision
-from fedskew.engine.stacked import stackable, stacked_step_function
+from fedskew.engine.stacked import stackable
+from fedskew.engine.stacked_step import stacked_step_function
 
 
 def step_function(
