@@ -165,6 +165,17 @@ def test_refusals_name_what_cannot_be_padded():
     assert "SAM's second pass" in (capture_refusal(sam_beside, mlp) or "")
 
 
+def test_a_client_term_declared_stacked_without_its_stacked_form_is_refused_by_name(monkeypatch):
+    """A form that says ``client_term_stacked`` but returns a ``ClientTerm`` without ``stacked``: the padded steps
+    refuse it rather than train without the term."""
+    from fedskew.catalog import gpfl
+
+    sim = digits_simulation("gpfl")
+    monkeypatch.setattr(gpfl, "stacked_global_path", lambda lam: None)
+    with pytest.raises(ValueError, match=r"declares a stacked client term .* has no stacked form \(stacked=None\)"):
+        train_batched(sim, 1, [0, 1], {c: sim.params_for(c) for c in (0, 1)}, {}, capture=True)
+
+
 def test_a_per_sample_term_that_gives_one_value_per_client_is_refused_by_name():
     """A form that says ``term_per_sample`` but returns ``[K]``: its batch mean would include the padding, so the
     padded step refuses it with the shapes rather than train on padding slots."""

@@ -135,6 +135,11 @@ def shape_of(
     mixes = beside.mixes if beside is not None else []
     envs = beside.envs if beside is not None else []
     term = given.term
+    if given.client_term is not None and given.client_term.stacked is None:  # refused, not trained without it
+        raise ValueError(
+            "the client part's batched form declares a stacked client term (client_term_stacked), but its ClientTerm "
+            "has no stacked form (stacked=None): it cannot run at captured shapes"
+        )
     # the inner step's learning rate: its own, or the run's (``None``), as the bucketed loop resolves it
     if rule.inner is not None and rule.inner.lr is None:
         rule = replace(rule, inner=rule.inner._replace(lr=settings.lr))
